@@ -1,0 +1,93 @@
+"""What one profiled training step cost, node by node, as plain data.
+
+The profile stage (which needs torch) fills these records; every later stage
+(regions, simulate, solve) reads only them, so planning can run without the
+model, from a saved profile, and in tests on hand-written graphs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+LOSS_NODE = "loss"
+"""Name of the pseudo-node appended after the graph: ``loss_fn(output)``."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StorageCost:
+    """One storage (block of memory) created during the forward pass."""
+
+    nbytes: int
+    """Size of the storage in bytes (shared by every view of it)."""
+    producer: int
+    """Index of the node that allocated it; -1 for model inputs."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class NodeCost:
+    """Measured cost of one graph node in an un-checkpointed training step."""
+
+    name: str
+    """fx node name (unique in the graph)."""
+    kind: str
+    """fx op kind (``call_module``, ``call_function``, ...) or ``loss``."""
+    target: str
+    """What the node calls, as text (module path, function name, method name)."""
+    module_path: str
+    """Path of the innermost module this node belongs to ("" for the root)."""
+    scope: tuple[str, ...]
+    """Module calls enclosing the node, outermost first, each ``path#call_index``."""
+    fwd_ms: float
+    """Forward time of the node in milliseconds (median over timing runs)."""
+    bwd_ms: float
+    """Backward time of the autograd nodes this node created, in milliseconds."""
+    fwd_peak_bytes: int
+    """Peak live bytes on the device while the node's forward ran."""
+    bwd_peak_bytes: int | None
+    """Peak live bytes while its backward ran; None when it has no backward."""
+    inputs: tuple[int, ...] = ()
+    """Storages (indices into ``Profile.storages``) of the tensors it reads."""
+    outputs: tuple[int, ...] = ()
+    """Storages it allocated (its outputs and internal tensors)."""
+    saves: tuple[int, ...] = ()
+    """Storages autograd saved for this node's backward (parameters excluded)."""
+    mutates: tuple[int, ...] = ()
+    """Activation storages it modified in place."""
+    mutated_buffers: tuple[str, ...] = ()
+    """Fully qualified names of module buffers it modified (BatchNorm stats)."""
+    checkpointable: bool = True
+    """False for nodes that can never be inside a segment (the loss)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Profile:
+    """Everything the planner knows about one training step of one model."""
+
+    nodes: tuple[NodeCost, ...]
+    """Graph nodes in execution order, the loss pseudo-node last."""
+    storages: tuple[StorageCost, ...]
+    """Activation storages (model inputs included, parameters excluded)."""
+    device: str
+    """Device the profile was measured on (``cpu``, ``cuda:0``...)."""
+    torch_version: str
+    input_shapes: tuple[str, ...]
+    """``name: dtype[shape]`` of each model input."""
+    param_bytes: int
+    """Bytes of parameters and buffers resident during the step."""
+    grad_bytes: int
+    """Bytes of parameter gradients after backward."""
+    step_fwd_ms: float
+    """Forward time of a whole un-instrumented step (graph + loss), ms."""
+    step_bwd_ms: float
+    """Backward time of a whole un-instrumented step, ms."""
+    baseline_peak_bytes: int = field(default=0)
+    """Peak live bytes measured in the profiled un-checkpointed step."""
+
+    @property
+    def step_ms(self) -> float:
+        """Forward plus backward time of one un-checkpointed step, ms."""
+        return self.step_fwd_ms + self.step_bwd_ms
+
+    def node_index(self) -> dict[str, int]:
+        """Map from node name to position."""
+        return {n.name: i for i, n in enumerate(self.nodes)}

@@ -1,0 +1,76 @@
+"""Counts live tensor storages on a device, exactly, as ops allocate and free them.
+
+Shared by the profile stage (per-node peaks) and the measure stage (the peak of a
+whole step), so that predictions and measurements use the same ruler. Storages
+are counted once however many views point at them; a storage is released when
+torch frees it (storage Python objects live exactly as long as the storage).
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+
+def storage_key(tensor: torch.Tensor) -> int:
+    """Identity of the storage behind ``tensor`` (valid while it is alive)."""
+    return tensor.untyped_storage()._cdata
+
+
+class LiveStorages(TorchDispatchMode):
+    """A dispatch mode that tracks the bytes of live storages on one device.
+
+    Attributes:
+        live_bytes: bytes of storages currently alive.
+        peak_bytes: highest ``live_bytes`` seen since creation.
+        window_peak_bytes: highest ``live_bytes`` since the last ``mark()``.
+    """
+
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        super().__init__()
+        self.device = torch.device(device)
+        self.live_bytes = 0
+        self.peak_bytes = 0
+        self.window_peak_bytes = 0
+        self._sizes: dict[int, int] = {}
+        self.on_new_storage = None
+        """Optional callback ``(key, tensor)`` run for each newly seen storage."""
+
+    def track(self, tensor: torch.Tensor) -> bool:
+        """Start counting the storage behind ``tensor``; False if already counted."""
+        if tensor.device.type != self.device.type or tensor.is_meta:
+            return False
+        storage = tensor.untyped_storage()
+        key = storage._cdata
+        if key in self._sizes:
+            return False
+        nbytes = storage.nbytes()
+        self._sizes[key] = nbytes
+        self.live_bytes += nbytes
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        self.window_peak_bytes = max(self.window_peak_bytes, self.live_bytes)
+        weakref.finalize(storage, self._release, key)
+        if self.on_new_storage is not None:
+            self.on_new_storage(key, tensor)
+        return True
+
+    def is_tracked(self, tensor: torch.Tensor) -> bool:
+        return tensor.untyped_storage()._cdata in self._sizes
+
+    def mark(self) -> int:
+        """Start a new peak window; returns the live bytes now."""
+        self.window_peak_bytes = self.live_bytes
+        return self.live_bytes
+
+    def _release(self, key: int) -> None:
+        self.live_bytes -= self._sizes.pop(key, 0)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for leaf in tree_leaves(out):
+            if isinstance(leaf, torch.Tensor):
+                self.track(leaf)
+        return out

@@ -1,0 +1,373 @@
+"""Runs one real training step node by node and records what each node costs.
+
+For every graph node: the storages it allocates, the ones autograd saves for its
+backward (counted per storage, parameters excluded), in-place mutations, the peak
+live bytes during its forward and backward, and its forward/backward time. The
+result is a plain ``Profile``; nothing of the user's model is changed (buffers,
+gradients, RNG state and train/eval mode are restored afterwards).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+import weakref
+from collections import defaultdict
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+from torch import nn
+from torch.utils._pytree import tree_leaves
+
+from planner.capture import SCOPE_KEY, Captured, Inputs, call_module_path, target_text
+from planner.costs import LOSS_NODE, NodeCost, Profile, StorageCost
+from planner.errors import ProfileError, user_frame
+from planner.memtrack import LiveStorages, storage_key
+from planner.step import LossFn, default_loss, sync as _sync, untouched
+
+def profile(
+    captured: Captured,
+    model: nn.Module,
+    inputs: Inputs,
+    *,
+    loss_fn: LossFn | None = None,
+    timing_runs: int = 3,
+) -> Profile:
+    """Profiles one training step of ``captured`` (a trace of ``model``).
+
+    Args:
+        captured: the traced model.
+        model: the model itself (its buffers, gradients and RNG state are restored).
+        inputs: example inputs.
+        loss_fn: ``output -> scalar``; default ``default_loss``.
+        timing_runs: how many timed steps the per-node times are the median of.
+
+    Returns:
+        The step's ``Profile``.
+
+    Raises:
+        ProfileError: a node failed (naming it, the user's line and the input shapes),
+            or the model has nothing to differentiate.
+    """
+    loss_fn = loss_fn or default_loss
+    device = _device_of(model, inputs)
+    params = [p for p in model.parameters()]
+    if not any(p.requires_grad for p in params):
+        raise ProfileError(
+            f"{type(model).__name__} has no parameter that requires grad: there is no training step "
+            "to plan; call requires_grad_() on the parameters you train"
+        )
+    with untouched(model):
+        recorder = _MemoryRecorder(captured.graph_module, model, device)
+        recorder.step(inputs, loss_fn)
+        timer = _Timer(captured.graph_module, device)
+        for _ in range(timing_runs):
+            timer.step(inputs, loss_fn)
+        step_fwd, step_bwd = _time_plain_steps(captured.graph_module, inputs, loss_fn, device, timing_runs)
+    nodes = tuple(
+        NodeCost(
+            name=rec["name"], kind=rec["kind"], target=rec["target"], scope=rec["scope"],
+            module_path=call_module_path(rec["scope"]),
+            fwd_ms=timer.fwd_ms(i), bwd_ms=timer.bwd_ms(i),
+            fwd_peak_bytes=rec["fwd_peak"], bwd_peak_bytes=recorder.bwd_peak.get(i),
+            inputs=tuple(sorted(rec["inputs"])), outputs=tuple(sorted(rec["outputs"])),
+            saves=tuple(sorted(rec["saves"])), mutates=tuple(sorted(rec["mutates"])),
+            mutated_buffers=tuple(rec["buffers"]), checkpointable=rec["kind"] != LOSS_NODE,
+        )
+        for i, rec in enumerate(recorder.records)
+    )
+    return Profile(
+        nodes=nodes,
+        storages=tuple(recorder.storages),
+        device=str(device),
+        torch_version=torch.__version__,
+        input_shapes=inputs.describe(),
+        param_bytes=recorder.param_bytes,
+        grad_bytes=sum(p.numel() * p.element_size() for p in params if p.requires_grad),
+        step_fwd_ms=step_fwd,
+        step_bwd_ms=step_bwd,
+        baseline_peak_bytes=recorder.tracker.peak_bytes,
+    )
+
+
+def _device_of(model: nn.Module, inputs: Inputs) -> torch.device:
+    devices = {p.device for p in model.parameters()} | {b.device for b in model.buffers()}
+    if len(devices) > 1:
+        raise ProfileError(f"the model's parameters are on several devices {sorted(map(str, devices))}; "
+                           "ckplan plans for one device: move the model with .to(device)")
+    device = devices.pop() if devices else torch.device("cpu")
+    for value in tree_leaves((inputs.args, inputs.kwargs)):
+        if isinstance(value, torch.Tensor) and value.device != device:
+            raise ProfileError(f"an input is on {value.device} but the model's parameters are on {device}; "
+                               f"move the inputs with .to('{device}')")
+    return device
+
+
+def _node_error(node_text: str, where: str | None, exc: Exception, values: list[Any]) -> ProfileError:
+    shapes = ", ".join(
+        f"{str(v.dtype).removeprefix('torch.')}{list(v.shape)}" for v in values if isinstance(v, torch.Tensor)
+    )
+    return ProfileError(
+        f"{node_text} failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        + (f" (at {where})" if where else "")
+        + (f"; its tensor inputs are {shapes}" if shapes else "")
+    )
+
+
+def _stack_line(node: fx.Node) -> str | None:
+    """Last ``file:line: code`` of the user's code that created ``node``."""
+    trace = node.stack_trace or ""
+    lines = [ln.strip() for ln in trace.strip().splitlines()]
+    for i in range(len(lines) - 1, -1, -1):
+        if lines[i].startswith("File "):
+            parts = lines[i].split(", ")
+            code = lines[i + 1] if i + 1 < len(lines) else ""
+            return f"{parts[0][6:-1]}:{parts[1].removeprefix('line ')}: {code}"
+    return None
+
+
+def _new_autograd_nodes(result: Any, seen: set) -> list:
+    """Autograd nodes reachable from ``result`` that no earlier graph node created."""
+    stack = [t.grad_fn for t in tree_leaves(result) if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    found = []
+    while stack:
+        fn = stack.pop()
+        if fn in seen:
+            continue
+        seen.add(fn)
+        found.append(fn)
+        stack.extend(nxt for nxt, _ in fn.next_functions
+                     if nxt is not None and type(nxt).__name__ != "AccumulateGrad")
+    return found
+
+
+class _StepRunner(fx.Interpreter):
+    """Runs graph + loss + backward, calling ``around_node`` for each node's forward
+    and ``on_backward(index, phase)`` around each node's autograd nodes."""
+
+    def __init__(self, gm: fx.GraphModule, device: torch.device) -> None:
+        super().__init__(gm)
+        self.device = device
+        self.index = {n: i for i, n in enumerate(n for n in gm.graph.nodes if n.op not in ("placeholder", "output"))}
+        self.loss_index = len(self.index)
+        self._seen: set = set()
+        self._handles: list = []
+
+    def step(self, inputs: Inputs, loss_fn: LossFn) -> None:
+        self._seen = set()
+        try:
+            output = self.run(*inputs.args, **inputs.kwargs) if not inputs.kwargs else self._run_kwargs(inputs)
+            loss = self._loss(output, loss_fn)
+            loss.backward()
+            _sync(self.device)
+        finally:
+            for handle in self._handles:
+                handle.remove()
+            self._handles = []
+
+    def _run_kwargs(self, inputs: Inputs) -> Any:
+        placeholders = [n for n in self.module.graph.nodes if n.op == "placeholder"]
+        args = list(inputs.args)
+        for node in placeholders[len(args):]:
+            if node.target in inputs.kwargs:
+                args.append(inputs.kwargs[node.target])
+            elif node.args:
+                args.append(node.args[0])
+            else:
+                raise ProfileError(f"input {node.target!r} of the model is missing from inputs=")
+        unknown = set(inputs.kwargs) - {n.target for n in placeholders}
+        if unknown:
+            raise ProfileError(f"inputs= names {sorted(unknown)} that the model's forward does not take")
+        return self.run(*args)
+
+    def _loss(self, output: Any, loss_fn: LossFn) -> torch.Tensor:
+        def compute():
+            try:
+                loss = loss_fn(output)
+            except ProfileError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - report the user's loss failure clearly
+                where = user_frame(exc)
+                raise _node_error("loss_fn(output)", where, exc, list(tree_leaves(output))) from exc
+            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                raise ProfileError(f"loss_fn must return a scalar tensor, got {type(loss).__name__}"
+                                   + (f" of shape {list(loss.shape)}" if isinstance(loss, torch.Tensor) else ""))
+            if not loss.requires_grad:
+                raise ProfileError("the loss does not require grad: no parameter of the model reaches it; "
+                                   "check that the model's output depends on trainable parameters")
+            return loss
+        return self.around_node(self.loss_index, None, compute, list(tree_leaves(output)))
+
+    def run_node(self, n: fx.Node) -> Any:
+        if n.op in ("placeholder", "output"):
+            return super().run_node(n)
+        args, kwargs = self.fetch_args_kwargs_from_env(n)
+        values = list(tree_leaves((args, kwargs)))
+
+        def compute():
+            try:
+                return getattr(self, n.op)(n.target, args, kwargs)
+            except ProfileError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - name the node and the user's line
+                raise _node_error(f"node {n.name} ({n.format_node()})", _stack_line(n), exc, values) from exc
+        return self.around_node(self.index[n], n, compute, values)
+
+    def around_node(self, index: int, node: fx.Node | None, compute: Callable[[], Any], values: list) -> Any:
+        result = compute()
+        self._hook_backward(index, result)
+        return result
+
+    def _hook_backward(self, index: int, result: Any) -> None:
+        for fn in _new_autograd_nodes(result, self._seen):
+            self._handles.append(fn.register_prehook(lambda grads, i=index: self.on_backward(i, "pre")))
+            self._handles.append(fn.register_hook(lambda gi, go, i=index: self.on_backward(i, "post")))
+
+    def on_backward(self, index: int, phase: str) -> None:
+        """Called before (``pre``) and after (``post``) each autograd node of graph node ``index``."""
+
+
+class _MemoryRecorder(_StepRunner):
+    """One instrumented step: storages, saved tensors, mutations and per-node peaks."""
+
+    def __init__(self, gm: fx.GraphModule, model: nn.Module, device: torch.device) -> None:
+        super().__init__(gm, device)
+        self.model = model
+        self.tracker = LiveStorages(device)
+        self.storages: list[StorageCost] = []
+        self.records: list[dict] = []
+        self.bwd_peak: dict[int, int] = {}
+        self._index_of: dict[int, int] = {}
+        self._producer = -1
+        self._current: dict | None = None
+        self._buffers = list(model.named_buffers())
+        for tensor in list(model.parameters()) + [b for _, b in self._buffers]:
+            self.tracker.track(tensor)
+        self.param_bytes = self.tracker.live_bytes
+        self.tracker.on_new_storage = self._new_storage
+
+    def step(self, inputs: Inputs, loss_fn: LossFn) -> None:
+        for value in tree_leaves((inputs.args, inputs.kwargs)):
+            if isinstance(value, torch.Tensor):
+                if not self.tracker.track(value):  # already counted (e.g. shares a parameter's storage)
+                    continue
+        with self.tracker, torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t):
+            super().step(inputs, loss_fn)
+
+    def _new_storage(self, key: int, tensor: torch.Tensor) -> None:
+        index = len(self.storages)
+        self.storages.append(StorageCost(nbytes=tensor.untyped_storage().nbytes(), producer=self._producer))
+        self._index_of[key] = index
+        weakref.finalize(tensor.untyped_storage(), self._index_of.pop, key, None)
+
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        index = self._index_of.get(storage_key(tensor)) if tensor.device.type == self.device.type else None
+        if index is not None and self.records and self._current is not None:
+            self._current["saves"].add(index)
+        return tensor
+
+    def _storages(self, values: list) -> set[int]:
+        found = set()
+        for v in values:
+            if isinstance(v, torch.Tensor) and v.device.type == self.device.type and not v.is_meta:
+                index = self._index_of.get(storage_key(v))
+                if index is not None:
+                    found.add(index)
+        return found
+
+    def around_node(self, index, node, compute, values):
+        scope = node.meta.get(SCOPE_KEY, ()) if node is not None else ()
+        record = {
+            "name": node.name if node is not None else LOSS_NODE,
+            "kind": node.op if node is not None else LOSS_NODE,
+            "target": target_text(node) if node is not None else "loss_fn",
+            "scope": tuple(scope), "inputs": self._storages(values),
+            "outputs": set(), "saves": set(), "mutates": set(), "buffers": [],
+        }
+        self.records.append(record)
+        self._current = record
+        versions = [(v, v._version) for v in values if isinstance(v, torch.Tensor)]
+        buffer_versions = [b._version for _, b in self._buffers]
+        self._producer = index
+        first_new = len(self.storages)
+        self.tracker.mark()
+        try:
+            result = super().around_node(index, node, compute, values)
+        finally:
+            self._producer = -1
+            self._current = None
+        _sync(self.device)
+        record["fwd_peak"] = self.tracker.window_peak_bytes
+        record["outputs"] = set(range(first_new, len(self.storages)))
+        record["mutates"] = self._storages([v for v, version in versions if v._version != version]) - record["outputs"]
+        record["buffers"] = [name for (name, b), version in zip(self._buffers, buffer_versions) if b._version != version]
+        if node is None:  # the loss node also "uses" the graph's outputs until it has run
+            record["inputs"] |= self._storages(values)
+        return result
+
+    def on_backward(self, index, phase):
+        if phase == "pre":
+            self.tracker.mark()
+        else:
+            _sync(self.device)
+            self.bwd_peak[index] = max(self.bwd_peak.get(index, 0), self.tracker.window_peak_bytes)
+
+
+class _Timer(_StepRunner):
+    """Timed steps: per-node forward and backward wall time."""
+
+    def __init__(self, gm: fx.GraphModule, device: torch.device) -> None:
+        super().__init__(gm, device)
+        self._fwd: dict[int, list[float]] = defaultdict(list)
+        self._bwd: dict[int, list[float]] = defaultdict(list)
+        self._bwd_step: dict[int, float] = defaultdict(float)
+        self._bwd_start: dict[int, float] = {}
+
+    def step(self, inputs: Inputs, loss_fn: LossFn) -> None:
+        self._bwd_step = defaultdict(float)
+        super().step(inputs, loss_fn)
+        for index, total in self._bwd_step.items():
+            self._bwd[index].append(total)
+
+    def around_node(self, index, node, compute, values):
+        _sync(self.device)
+        start = time.perf_counter()
+        result = compute()
+        _sync(self.device)
+        self._fwd[index].append((time.perf_counter() - start) * 1e3)
+        self._hook_backward(index, result)
+        return result
+
+    def on_backward(self, index, phase):
+        _sync(self.device)
+        now = time.perf_counter()
+        if phase == "pre":
+            self._bwd_start[index] = now
+        else:
+            self._bwd_step[index] += (now - self._bwd_start.pop(index, now)) * 1e3
+
+    def fwd_ms(self, index: int) -> float:
+        return statistics.median(self._fwd[index]) if self._fwd[index] else 0.0
+
+    def bwd_ms(self, index: int) -> float:
+        return statistics.median(self._bwd[index]) if self._bwd[index] else 0.0
+
+
+def _time_plain_steps(gm: fx.GraphModule, inputs: Inputs, loss_fn: LossFn, device: torch.device,
+                      runs: int) -> tuple[float, float]:
+    """Median forward and backward time (ms) of un-instrumented steps of the graph."""
+    fwd, bwd = [], []
+    for _ in range(max(1, runs)):
+        _sync(device)
+        start = time.perf_counter()
+        loss = loss_fn(gm(*inputs.args, **inputs.kwargs))
+        _sync(device)
+        mid = time.perf_counter()
+        loss.backward()
+        _sync(device)
+        fwd.append((mid - start) * 1e3)
+        bwd.append((time.perf_counter() - mid) * 1e3)
+    for p in gm.parameters():
+        p.grad = None
+    return statistics.median(fwd), statistics.median(bwd)

@@ -1,0 +1,251 @@
+"""Emits a module that runs a plan with ``torch.utils.checkpoint`` and keeps the user's module tree.
+
+The planned module is a shallow clone of the user's root module (sharing every
+parameter, buffer and submodule) whose class is a generated subclass. Its
+``forward`` is the model re-traced with every submodule that no segment cuts
+through kept as a call (so its hooks run and FSDP2 can shard it), and each
+segment becomes a method called through
+``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``. In eval mode or
+under ``torch.no_grad()`` the user's own forward runs unchanged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import linecache
+import operator
+import textwrap
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+import torch
+import torch.fx as fx
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from planner.capture import SCOPE_KEY, shallow_clone, trace
+
+SEGMENT_PREFIX = "_ckplan_segment_"
+CONTEXT_PREFIX = "_ckplan_context_"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SegmentSpec:
+    """One checkpointed segment, in terms of the flat captured graph."""
+
+    nodes: tuple[str, ...]
+    """Names of its nodes in the flat graph, contiguous and in order."""
+    restore_buffers: tuple[str, ...] = ()
+    """Buffers its forward mutates (BatchNorm statistics): restored after recomputation."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Rewritten:
+    """The planned module and the Python source of its generated class."""
+
+    module: nn.Module
+    source: str
+
+
+@contextlib.contextmanager
+def restore_buffers(module: nn.Module, names: Sequence[str]) -> Iterator[None]:
+    """Puts the named buffers back as they were on entry, so a recomputation updates
+    BatchNorm statistics (or any buffer) no more than the original forward did."""
+    saved = [(buf, buf.detach().clone()) for buf in (module.get_buffer(n) for n in names)]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for buf, value in saved:
+                buf.copy_(value)
+
+
+def rewrite(model: nn.Module, flat_graph: fx.Graph, segments: Sequence[SegmentSpec]) -> Rewritten:
+    """Builds the planned module for ``segments`` of ``model``'s flat graph.
+
+    Args:
+        model: the user's module (not modified).
+        flat_graph: the graph ``capture`` produced for ``model``.
+        segments: what to checkpoint, in graph order, non-overlapping.
+    """
+    if not segments:
+        return Rewritten(module=shallow_clone(model), source="# empty plan: the model's own forward runs\n")
+    flat = [n for n in flat_graph.nodes if n.op not in ("placeholder", "output")]
+    position = {n.name: i for i, n in enumerate(flat)}
+    ranges = []
+    for seg in segments:
+        lo, hi = position[seg.nodes[0]], position[seg.nodes[-1]] + 1
+        if [n.name for n in flat[lo:hi]] != list(seg.nodes):
+            raise ValueError(f"segment {seg.nodes[0]}..{seg.nodes[-1]} is not a contiguous run of the graph")
+        ranges.append((lo, hi))
+    opened = _cut_modules(flat, ranges)
+    every = {name for name, _ in model.named_modules() if name}
+    coarse_gm, root = trace(model, opaque=frozenset(every - opened))
+    spans = _flat_spans(coarse_gm.graph, flat)
+    groups = [[n for n, (lo, hi) in spans.items() if a <= lo and hi <= b] for a, b in ranges]
+    for (a, b), group in zip(ranges, groups):
+        covered = sum(spans[n][1] - spans[n][0] for n in group)
+        if covered != b - a:
+            raise AssertionError(f"segment nodes {a}:{b} do not align with the re-traced graph")
+    main, pieces = _split(coarse_gm.graph, groups, [bool(s.restore_buffers) for s in segments])
+    source, namespace = _generate(type(model), main, pieces, segments)
+    cls = _compile(source, namespace, f"Checkpointed{type(model).__name__}")
+    root.__class__ = cls
+    return Rewritten(module=root, source=source)
+
+
+def _cut_modules(flat: list[fx.Node], ranges: list[tuple[int, int]]) -> set[str]:
+    """Paths of module calls that a segment boundary falls strictly inside."""
+    first: dict[str, int] = {}
+    last: dict[str, int] = {}
+    for i, node in enumerate(flat):
+        for entry in node.meta.get(SCOPE_KEY, ()):
+            first.setdefault(entry, i)
+            last[entry] = i
+    cuts = {x for a, b in ranges for x in (a, b)}
+    return {entry.rsplit("#", 1)[0] for entry in first if any(first[entry] < x <= last[entry] for x in cuts)}
+
+
+def _flat_spans(coarse: fx.Graph, flat: list[fx.Node]) -> dict[fx.Node, tuple[int, int]]:
+    """Range of flat nodes each coarse node stands for."""
+    spans: dict[fx.Node, tuple[int, int]] = {}
+    ptr = 0
+    for node in coarse.nodes:
+        if node.op in ("placeholder", "output"):
+            continue
+        if ptr >= len(flat):
+            raise AssertionError(f"re-traced graph has more nodes than the captured one at {node.name}")
+        if node.op == "call_module":
+            entry = next((e for e in flat[ptr].meta.get(SCOPE_KEY, ()) if e.rsplit("#", 1)[0] == node.target), None)
+            if entry is None:
+                raise AssertionError(f"re-traced call of {node.target} does not match node {flat[ptr].name}")
+            hi = ptr
+            while hi < len(flat) and entry in flat[hi].meta.get(SCOPE_KEY, ()):
+                hi += 1
+        else:
+            if flat[ptr].op != node.op or (node.op != "get_attr" and flat[ptr].target != node.target):
+                raise AssertionError(f"re-traced node {node.format_node()} does not match {flat[ptr].format_node()}")
+            hi = ptr + 1
+        spans[node] = (ptr, hi)
+        ptr = hi
+    if ptr != len(flat):
+        raise AssertionError("re-traced graph covers fewer nodes than the captured one")
+    return spans
+
+
+def _split(graph: fx.Graph, groups: list[list[fx.Node]], with_context: list[bool]) -> tuple[fx.Graph, list[fx.Graph]]:
+    """Moves each group into its own graph; the main graph calls it through ``checkpoint``."""
+    group_of = {node: g for g, nodes in enumerate(groups) for node in nodes}
+    main = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    pieces: list[fx.Graph] = []
+    for node in graph.nodes:
+        g = group_of.get(node)
+        if g is None:
+            env[node] = main.node_copy(node, lambda a: env[a])
+            continue
+        if node is not groups[g][0]:
+            continue
+        members = set(groups[g])
+        inputs = _external_inputs(groups[g], members)
+        outputs = [n for n in groups[g] if any(u not in members for u in n.users)]
+        pieces.append(_segment_graph(groups[g], inputs, outputs))
+        kwargs: dict = {"use_reentrant": False}
+        if with_context[g]:
+            kwargs["context_fn"] = main.get_attr(f"{CONTEXT_PREFIX}{g}")
+        fn = main.get_attr(f"{SEGMENT_PREFIX}{g}")
+        call = main.call_function(checkpoint, (fn, *(env[i] for i in inputs)), kwargs)
+        for k, out in enumerate(outputs):
+            env[out] = main.create_node("call_function", operator.getitem, (call, k), name=out.name)
+    for node in list(main.nodes):
+        if node.op == "get_attr" and not node.users:
+            main.erase_node(node)
+    return main, pieces
+
+
+def _external_inputs(nodes: list[fx.Node], members: set[fx.Node]) -> list[fx.Node]:
+    seen: dict[fx.Node, None] = {}
+    for node in nodes:
+        for arg in node.all_input_nodes:
+            if arg not in members and arg.op != "get_attr":
+                seen.setdefault(arg, None)
+    return list(seen)
+
+
+def _segment_graph(nodes: list[fx.Node], inputs: list[fx.Node], outputs: list[fx.Node]) -> fx.Graph:
+    graph = fx.Graph()
+    env = {i: graph.placeholder(i.name) for i in inputs}
+
+    def lookup(arg: fx.Node) -> fx.Node:
+        if arg not in env:  # a parameter or constant read inside the segment
+            env[arg] = graph.node_copy(arg)
+        return env[arg]
+
+    for node in nodes:
+        env[node] = graph.node_copy(node, lookup)
+    graph.output(tuple(env[o] for o in outputs))
+    return graph
+
+
+def _generate(base: type, main: fx.Graph, pieces: list[fx.Graph],
+              segments: Sequence[SegmentSpec]) -> tuple[str, dict]:
+    """Python source of the planned class and the globals it needs."""
+    namespace: dict = {"_ckplan_base": base, "torch": torch, "contextlib": contextlib,
+                       "_ckplan_restore_buffers": restore_buffers}
+    name = f"Checkpointed{base.__name__}"
+    body = [_method(main, "forward", namespace, guard=_eval_guard(base, main))]
+    for g, piece in enumerate(pieces):
+        body.append(_method(piece, f"{SEGMENT_PREFIX}{g}", namespace))
+        if segments[g].restore_buffers:
+            body.append(
+                f"def {CONTEXT_PREFIX}{g}(self):\n"
+                f"    # recomputing this segment must not update these buffers a second time\n"
+                f"    return contextlib.nullcontext(), _ckplan_restore_buffers(self, {segments[g].restore_buffers!r})\n"
+            )
+    doc = (f'"""{base.__name__} running a ckplan activation-checkpointing plan '
+           f'({len(pieces)} segment{"s" if len(pieces) != 1 else ""})."""\n')
+    source = f"class {name}(_ckplan_base):\n" + textwrap.indent(doc + "\n" + "\n".join(body), "    ")
+    return source, namespace
+
+
+def _method(graph: fx.Graph, name: str, namespace: dict, guard: str = "") -> str:
+    code = graph.python_code(root_module="self")
+    for key, value in code.globals.items():
+        if key in namespace and namespace[key] is not value:
+            raise AssertionError(f"generated code needs two different globals named {key}")
+        namespace[key] = value
+    lines = code.src.strip("\n").splitlines()
+    head = next(i for i, ln in enumerate(lines) if ln.startswith("def forward("))
+    lines[head] = lines[head].replace("def forward(", f"def {name}(", 1)
+    if guard:
+        lines.insert(head + 1, guard)
+    return "\n".join(ln.rstrip() for ln in lines[head:]) + "\n"
+
+
+def _eval_guard(base: type, main: fx.Graph) -> str:
+    """First lines of ``forward``: outside training, run the user's own forward."""
+    names = [n.name for n in main.nodes if n.op == "placeholder"]
+    params = list(inspect.signature(base.forward).parameters.values())[1:]
+    args = []
+    for param, name in zip(params, names):
+        if param.kind is inspect.Parameter.VAR_POSITIONAL:
+            args.append(f"*{name}")
+        elif param.kind is inspect.Parameter.VAR_KEYWORD:
+            args.append(f"**{name}")
+        elif param.kind is inspect.Parameter.KEYWORD_ONLY:
+            args.append(f"{param.name}={name}")
+        else:
+            args.append(name)
+    call = ", ".join(["self", *args])
+    return ("    if not (self.training and torch.is_grad_enabled()):  # the plan only matters for training\n"
+            f"        return _ckplan_base.forward({call})")
+
+
+def _compile(source: str, namespace: dict, name: str) -> type:
+    filename = f"<ckplan generated {name}>"
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+    exec(compile(source, filename, "exec"), namespace)  # noqa: S102 - our own generated code
+    cls = namespace[name]
+    cls.__module__ = namespace["_ckplan_base"].__module__
+    return cls

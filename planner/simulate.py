@@ -1,0 +1,234 @@
+"""The memory model of one training step, and its evaluation for any plan.
+
+``MemoryModel`` turns a ``Profile`` and its ``Regions`` into arrays; ``simulate``
+evaluates the memory at every forward and backward node for a plan (a set of
+checkpointed chunk ranges). The CP-SAT solver encodes exactly these formulas, so
+the two always agree; ``docs/memory-model.md`` derives them.
+
+Per node ``t`` (forward, then backward in reverse order) the predicted bytes are
+the measured un-checkpointed peak at that node, minus the activations the plan
+no longer keeps, plus (backward only) the activations its segment recomputes:
+
+    fwd[t] = const_fwd[t] + sum(size[s] * kept[s]  for s with last_use[s] < t)
+    bwd[t] = const_bwd[t] + sum(size[s] * kept[s]  for s with release[s] <= t)
+                          + sum(size[s]            for s saved in t's segment,
+                                                   produced in it, first saved <= t)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from planner.costs import Profile
+from planner.regions import Regions
+
+NEVER = np.iinfo(np.int64).max // 4
+"""Release index of a storage nobody saves."""
+
+ChunkPlan = tuple[tuple[int, int], ...]
+"""Checkpointed segments as ``(first_chunk, stop_chunk)`` pairs, in order."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MemoryModel:
+    """Arrays of the cost model. Storage-indexed arrays cover activations only."""
+
+    regions: Regions
+    node_names: tuple[str, ...]
+    size: np.ndarray
+    """Bytes per storage (int64)."""
+    producer: np.ndarray
+    """Node that allocated each storage."""
+    producer_chunk: np.ndarray
+    """Chunk of the producer, -1 outside every chunk."""
+    last_use: np.ndarray
+    """Last node (forward order) that reads each storage."""
+    first_saver: np.ndarray
+    """Earliest node that saves each storage for backward (``NEVER`` if none)."""
+    release: np.ndarray
+    """Earliest node whose backward can free a kept storage, under any plan."""
+    always_kept: np.ndarray
+    """True when some saver can never be checkpointed."""
+    saver_chunks: tuple[tuple[int, ...], ...]
+    """Chunks of each storage's savers (empty when always kept or unsaved)."""
+    consumer_chunks: tuple[tuple[int, ...], ...]
+    """Checkpointable chunks after the producer's chunk that read each storage."""
+    const_fwd: np.ndarray
+    """Plan-independent part of each node's forward peak, bytes."""
+    const_bwd: np.ndarray
+    """Plan-independent part of each node's backward peak, bytes."""
+    has_bwd: np.ndarray
+    """True for nodes that run autograd nodes in backward."""
+    chunk_cost_us: np.ndarray
+    """Forward time of each chunk, microseconds (what recomputing it costs)."""
+    step_us: int
+    """Time of one un-checkpointed step, microseconds."""
+    param_bytes: int
+    """Parameters and buffers, bytes."""
+
+    @property
+    def n_nodes(self) -> int:
+        return len(self.node_names)
+
+    @property
+    def n_chunks(self) -> int:
+        return self.regions.n_chunks
+
+    def varying(self) -> np.ndarray:
+        """Storages whose keeping depends on the plan."""
+        return np.array([i for i in range(len(self.size))
+                         if not self.always_kept[i] and (self.saver_chunks[i] or self.consumer_chunks[i])],
+                        dtype=np.int64)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Timeline:
+    """Predicted memory of one training step under a plan."""
+
+    plan: ChunkPlan
+    fwd_bytes: np.ndarray
+    """Predicted peak during each node's forward."""
+    bwd_bytes: np.ndarray
+    """Predicted peak during each node's backward (-1 where it has none)."""
+    peak_bytes: int
+    peak_phase: str
+    """``forward`` or ``backward``."""
+    peak_node: int
+    recompute_us: int
+    """Forward time re-run in backward, microseconds."""
+    breakdown: dict[str, int] = field(default_factory=dict)
+    """What the peak is made of, bytes per component."""
+    largest_kept: tuple[tuple[str, int], ...] = ()
+    """Largest activations alive at the peak: (producing node, bytes)."""
+
+
+def build_model(profile: Profile, regions: Regions) -> MemoryModel:
+    """Precomputes the arrays of the memory model for ``profile`` cut into ``regions``."""
+    nodes = profile.nodes
+    n = len(nodes)
+    chunk_of = regions.chunk_of() + [-1] * (n - regions.end)
+    ckpt_chunk = [regions.checkpointable[k] if k >= 0 else False for k in chunk_of]
+    n_storages = len(profile.storages)
+    size = np.array([s.nbytes if s.producer >= 0 else 0 for s in profile.storages], dtype=np.int64)
+    producer = np.array([s.producer for s in profile.storages], dtype=np.int64)
+    producer_chunk = np.array([chunk_of[p] if p >= 0 else -1 for p in producer], dtype=np.int64)
+    last_use = producer.copy()
+    savers: list[set[int]] = [set() for _ in range(n_storages)]
+    consumers: list[set[int]] = [set() for _ in range(n_storages)]
+    for i, node in enumerate(nodes):
+        for s in node.inputs:
+            last_use[s] = max(last_use[s], i)
+            consumers[s].add(i)
+        for s in node.saves:
+            savers[s].add(i)
+    first_saver = np.array([min(sv) if sv else NEVER for sv in savers], dtype=np.int64)
+    always = np.array([producer[s] >= 0 and any(not ckpt_chunk[u] for u in savers[s]) for s in range(n_storages)])
+    saver_chunks = tuple(() if always[s] or producer[s] < 0 else tuple(sorted({chunk_of[u] for u in savers[s]}))
+                         for s in range(n_storages))
+    consumer_chunks = tuple(
+        () if producer[s] < 0 or always[s] else tuple(sorted(
+            {chunk_of[w] for w in consumers[s] if chunk_of[w] > producer_chunk[s] and ckpt_chunk[w]}))
+        for s in range(n_storages))
+    release = first_saver.copy()
+    for s in range(n_storages):
+        if consumer_chunks[s]:  # a segment starting in the next chunk could hold it from there
+            release[s] = min(release[s], regions.starts[producer_chunk[s] + 1])
+    fwd_peak = np.array([nd.fwd_peak_bytes for nd in nodes], dtype=np.int64)
+    has_bwd = np.array([nd.bwd_peak_bytes is not None for nd in nodes])
+    bwd_peak = np.array([nd.bwd_peak_bytes or 0 for nd in nodes], dtype=np.int64)
+    saved = first_saver < NEVER
+    # The un-checkpointed run keeps every saved storage from its production until the
+    # backward of its first saver; subtract that to get the plan-independent part.
+    kept_fwd = _prefix_by(last_use[saved] + 1, size[saved], n)
+    kept_bwd = _prefix_by(first_saver[saved], size[saved], n)
+    fwd_us = np.array([round(nd.fwd_ms * 1000) for nd in nodes], dtype=np.int64)
+    chunk_cost = np.array([fwd_us[slice(*regions.bounds(k))].sum() for k in range(regions.n_chunks)], dtype=np.int64)
+    return MemoryModel(
+        regions=regions, node_names=tuple(nd.name for nd in nodes), size=size, producer=producer,
+        producer_chunk=producer_chunk, last_use=last_use, first_saver=first_saver, release=release,
+        always_kept=always, saver_chunks=saver_chunks, consumer_chunks=consumer_chunks,
+        const_fwd=fwd_peak - kept_fwd, const_bwd=np.where(has_bwd, bwd_peak - kept_bwd, 0), has_bwd=has_bwd,
+        chunk_cost_us=chunk_cost, step_us=max(1, round(profile.step_ms * 1000)), param_bytes=profile.param_bytes,
+    )
+
+
+def _prefix_by(index: np.ndarray, weight: np.ndarray, n: int) -> np.ndarray:
+    """``out[t] = sum(weight[i] for index[i] <= t)`` for t in range(n)."""
+    acc = np.zeros(n + 1, dtype=np.int64)
+    inside = index <= n
+    np.add.at(acc, np.clip(index[inside], 0, n), weight[inside])
+    return np.cumsum(acc)[:n]
+
+
+def check_plan(model: MemoryModel, plan: ChunkPlan) -> None:
+    """Raises ValueError unless ``plan`` is ordered, disjoint, non-empty ranges of checkpointable chunks."""
+    previous = 0
+    for first, stop in plan:
+        if not previous <= first < stop <= model.n_chunks:
+            raise ValueError(f"segment {(first, stop)} is out of order or out of range 0..{model.n_chunks}")
+        if not all(model.regions.checkpointable[first:stop]):
+            raise ValueError(f"segment {(first, stop)} contains a chunk that cannot be checkpointed")
+        previous = stop
+
+
+def kept_storages(model: MemoryModel, plan: ChunkPlan) -> np.ndarray:
+    """Boolean per storage: does the plan keep it alive until backward?"""
+    checkpointed = np.zeros(model.n_chunks, dtype=bool)
+    seg_start = np.full(model.n_chunks, -1, dtype=np.int64)
+    for first, stop in plan:
+        checkpointed[first:stop] = True
+        seg_start[first:stop] = first
+    kept = model.always_kept.copy()
+    for s in model.varying():
+        p = model.producer_chunk[s]
+        kept[s] = (any(not checkpointed[w] for w in model.saver_chunks[s])
+                   or any(checkpointed[w] and seg_start[w] > p for w in model.consumer_chunks[s]))
+    return kept
+
+
+def simulate(model: MemoryModel, plan: ChunkPlan) -> Timeline:
+    """Predicted memory of every node of one training step under ``plan``."""
+    check_plan(model, plan)
+    n = model.n_nodes
+    kept = kept_storages(model, plan)
+    weight = model.size * kept
+    fwd = model.const_fwd + _prefix_by(model.last_use + 1, weight, n)
+    kept_bwd = _prefix_by(model.release, weight, n)
+    recomputed = _recomputed(model, plan)
+    bwd = np.where(model.has_bwd, model.const_bwd + kept_bwd + recomputed, -1)
+    fwd_peak, bwd_peak = int(fwd.max(initial=0)), int(bwd.max(initial=0))
+    if fwd_peak >= bwd_peak:
+        phase, node, peak = "forward", int(fwd.argmax()), fwd_peak
+        alive = kept & (model.last_use < node)
+        live_kept, bump = int(_prefix_by(model.last_use + 1, weight, n)[node]), 0
+    else:
+        phase, node, peak = "backward", int(bwd.argmax()), bwd_peak
+        alive = kept & (model.release <= node)
+        live_kept, bump = int(kept_bwd[node]), int(recomputed[node])
+    largest = sorted(np.flatnonzero(alive & (model.size > 0)), key=lambda s: -model.size[s])[:3]
+    cost = sum(int(model.chunk_cost_us[first:stop].sum()) for first, stop in plan)
+    return Timeline(
+        plan=tuple(plan), fwd_bytes=fwd, bwd_bytes=bwd, peak_bytes=peak, peak_phase=phase, peak_node=node,
+        recompute_us=cost,
+        breakdown={
+            "parameters and buffers": model.param_bytes,
+            "kept activations": live_kept,
+            "recomputed activations": bump,
+            "gradients, inputs and workspace": peak - model.param_bytes - live_kept - bump,
+        },
+        largest_kept=tuple((model.node_names[model.producer[s]], int(model.size[s])) for s in largest),
+    )
+
+
+def _recomputed(model: MemoryModel, plan: ChunkPlan) -> np.ndarray:
+    """Bytes of recomputed saved activations alive during each node's backward."""
+    out = np.zeros(model.n_nodes, dtype=np.int64)
+    for first, stop in plan:
+        lo, hi = model.regions.starts[first], model.regions.bounds(stop - 1)[1]
+        inside = (model.producer >= lo) & (model.producer < hi) & (model.first_saver < hi)
+        acc = np.zeros(hi - lo + 1, dtype=np.int64)
+        np.add.at(acc, model.first_saver[inside] - lo, model.size[inside])
+        out[lo:hi] = np.cumsum(acc)[:-1]
+    return out

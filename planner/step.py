@@ -1,0 +1,62 @@
+"""What one training step is: the default loss, and leaving the model as it was found.
+
+Shared by the profile and measure stages, which both run real steps on the
+user's model and must not change it.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_leaves
+
+from planner.errors import ProfileError
+
+LossFn = Callable[[Any], torch.Tensor]
+
+
+def default_loss(output: Any) -> torch.Tensor:
+    """``output.loss`` when the output has one (Hugging Face), else the sum of all floating outputs."""
+    loss = getattr(output, "loss", None)
+    if isinstance(loss, torch.Tensor):
+        return loss
+    floats = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    if not floats:
+        raise ProfileError("the model returned no floating-point tensor to differentiate; pass loss_fn=")
+    return sum(t.sum() for t in floats)
+
+
+@contextmanager
+def untouched(model: nn.Module) -> Iterator[None]:
+    """Runs a block in training mode with no gradients allocated, then restores the
+    model's buffers, gradients, RNG state and every module's train/eval flag."""
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    grads = [(p, p.grad) for p in model.parameters()]
+    cpu_rng = torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    training = [(m, m.training) for m in model.modules()]
+    for p, _ in grads:
+        p.grad = None
+    model.train()
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for buffer, saved in buffers:
+                buffer.copy_(saved)
+        for p, grad in grads:
+            p.grad = grad
+        torch.set_rng_state(cpu_rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
+        for m, flag in training:
+            m.training = flag
+
+
+def sync(device: torch.device) -> None:
+    """Waits for queued device work (CUDA), so wall-clock timings mean something."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
