@@ -1,0 +1,20 @@
+"""ckplan: automatic activation-checkpoint planning for PyTorch training.
+
+    from planner import optimize
+    plan = optimize(model, "60%", inputs=(x,))
+    loss_fn(plan.module(x)).backward()
+
+The pipeline (one module per stage): capture -> profile -> regions -> simulate
+-> solve -> rewrite, with measure as the check. See docs/architecture.md.
+"""
+
+from planner.budget import parse_budget
+from planner.errors import CaptureError, InfeasibleBudget, PlannerError, ProfileError
+from planner.optimize import optimize
+from planner.plan import Plan, Segment, load_plan
+
+__all__ = [
+    "optimize", "load_plan", "Plan", "Segment", "InfeasibleBudget", "PlannerError", "CaptureError",
+    "ProfileError", "parse_budget",
+]
+__version__ = "0.1.0"

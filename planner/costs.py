@@ -41,8 +41,12 @@ class NodeCost:
     """Forward time of the node in milliseconds (median over timing runs)."""
     bwd_ms: float
     """Backward time of the autograd nodes this node created, in milliseconds."""
+    fwd_start_bytes: int
+    """Live bytes on the device just before the node's forward ran."""
     fwd_peak_bytes: int
     """Peak live bytes on the device while the node's forward ran."""
+    bwd_start_bytes: int | None
+    """Live bytes just before its backward ran; None when it has no backward."""
     bwd_peak_bytes: int | None
     """Peak live bytes while its backward ran; None when it has no backward."""
     inputs: tuple[int, ...] = ()

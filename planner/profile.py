@@ -70,7 +70,8 @@ def profile(
             name=rec["name"], kind=rec["kind"], target=rec["target"], scope=rec["scope"],
             module_path=call_module_path(rec["scope"]),
             fwd_ms=timer.fwd_ms(i), bwd_ms=timer.bwd_ms(i),
-            fwd_peak_bytes=rec["fwd_peak"], bwd_peak_bytes=recorder.bwd_peak.get(i),
+            fwd_start_bytes=rec["fwd_start"], fwd_peak_bytes=rec["fwd_peak"],
+            bwd_start_bytes=recorder.bwd_start.get(i), bwd_peak_bytes=recorder.bwd_peak.get(i),
             inputs=tuple(sorted(rec["inputs"])), outputs=tuple(sorted(rec["outputs"])),
             saves=tuple(sorted(rec["saves"])), mutates=tuple(sorted(rec["mutates"])),
             mutated_buffers=tuple(rec["buffers"]), checkpointable=rec["kind"] != LOSS_NODE,
@@ -237,6 +238,7 @@ class _MemoryRecorder(_StepRunner):
         self.tracker = LiveStorages(device)
         self.storages: list[StorageCost] = []
         self.records: list[dict] = []
+        self.bwd_start: dict[int, int] = {}
         self.bwd_peak: dict[int, int] = {}
         self._index_of: dict[int, int] = {}
         self._producer = -1
@@ -291,7 +293,7 @@ class _MemoryRecorder(_StepRunner):
         buffer_versions = [b._version for _, b in self._buffers]
         self._producer = index
         first_new = len(self.storages)
-        self.tracker.mark()
+        record["fwd_start"] = self.tracker.mark()
         try:
             result = super().around_node(index, node, compute, values)
         finally:
@@ -308,7 +310,8 @@ class _MemoryRecorder(_StepRunner):
 
     def on_backward(self, index, phase):
         if phase == "pre":
-            self.tracker.mark()
+            live = self.tracker.mark()
+            self.bwd_start.setdefault(index, live)
         else:
             _sync(self.device)
             self.bwd_peak[index] = max(self.bwd_peak.get(index, 0), self.tracker.window_peak_bytes)

@@ -13,6 +13,10 @@ no longer keeps, plus (backward only) the activations its segment recomputes:
     bwd[t] = const_bwd[t] + sum(size[s] * kept[s]  for s with release[s] <= t)
                           + sum(size[s]            for s saved in t's segment,
                                                    produced in it, first saved <= t)
+
+and, where a segment is re-run (just before the backward of its last saving node
+t), the same sum with the memory at the start of that backward plus the largest
+forward allocation of one of the re-run nodes.
 """
 
 from __future__ import annotations
@@ -61,6 +65,13 @@ class MemoryModel:
     """Plan-independent part of each node's backward peak, bytes."""
     has_bwd: np.ndarray
     """True for nodes that run autograd nodes in backward."""
+    recompute_at: np.ndarray
+    """Per chunk: last node that saves tensors (where a segment ending here is
+    recomputed, just before that node's backward); -1 if none."""
+    const_recompute: np.ndarray
+    """Per chunk: plan-independent bytes when a segment is recomputed at ``recompute_at``."""
+    chunk_rise: np.ndarray
+    """Per chunk: largest forward allocation rise of one of its nodes, bytes."""
     chunk_cost_us: np.ndarray
     """Forward time of each chunk, microseconds (what recomputing it costs)."""
     step_us: int
@@ -143,6 +154,16 @@ def build_model(profile: Profile, regions: Regions) -> MemoryModel:
     # backward of its first saver; subtract that to get the plan-independent part.
     kept_fwd = _prefix_by(last_use[saved] + 1, size[saved], n)
     kept_bwd = _prefix_by(first_saver[saved], size[saved], n)
+    recompute_at = np.full(regions.n_chunks, -1, dtype=np.int64)
+    for k in range(regions.n_chunks):
+        for t in range(*regions.bounds(k)):
+            if nodes[t].saves and nodes[t].bwd_start_bytes is not None:
+                recompute_at[k] = t
+    bwd_start = np.array([nd.bwd_start_bytes or 0 for nd in nodes], dtype=np.int64)
+    const_recompute = np.array([bwd_start[t] - kept_bwd[t] if t >= 0 else 0 for t in recompute_at], dtype=np.int64)
+    rise = np.array([nd.fwd_peak_bytes - nd.fwd_start_bytes for nd in nodes], dtype=np.int64)
+    chunk_rise = np.array([rise[slice(*regions.bounds(k))].max(initial=0) for k in range(regions.n_chunks)],
+                          dtype=np.int64)
     fwd_us = np.array([round(nd.fwd_ms * 1000) for nd in nodes], dtype=np.int64)
     chunk_cost = np.array([fwd_us[slice(*regions.bounds(k))].sum() for k in range(regions.n_chunks)], dtype=np.int64)
     return MemoryModel(
@@ -150,6 +171,7 @@ def build_model(profile: Profile, regions: Regions) -> MemoryModel:
         producer_chunk=producer_chunk, last_use=last_use, first_saver=first_saver, release=release,
         always_kept=always, saver_chunks=saver_chunks, consumer_chunks=consumer_chunks,
         const_fwd=fwd_peak - kept_fwd, const_bwd=np.where(has_bwd, bwd_peak - kept_bwd, 0), has_bwd=has_bwd,
+        recompute_at=recompute_at, const_recompute=const_recompute, chunk_rise=chunk_rise,
         chunk_cost_us=chunk_cost, step_us=max(1, round(profile.step_ms * 1000)), param_bytes=profile.param_bytes,
     )
 
@@ -198,6 +220,13 @@ def simulate(model: MemoryModel, plan: ChunkPlan) -> Timeline:
     kept_bwd = _prefix_by(model.release, weight, n)
     recomputed = _recomputed(model, plan)
     bwd = np.where(model.has_bwd, model.const_bwd + kept_bwd + recomputed, -1)
+    for first, stop in plan:  # the moment a segment is re-run: its last saving chunk, before its backward
+        last = max((k for k in range(first, stop) if model.recompute_at[k] >= 0), default=None)
+        if last is not None:
+            t = model.recompute_at[last]
+            rerun = (model.const_recompute[last] + kept_bwd[t] + recomputed[t]
+                     + model.chunk_rise[first:last + 1].max())
+            bwd[t] = max(bwd[t], rerun)
     fwd_peak, bwd_peak = int(fwd.max(initial=0)), int(bwd.max(initial=0))
     if fwd_peak >= bwd_peak:
         phase, node, peak = "forward", int(fwd.argmax()), fwd_peak

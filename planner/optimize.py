@@ -1,0 +1,128 @@
+"""``optimize()``: the whole pipeline, stage after stage, and nothing else."""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+from torch import nn
+
+from planner.budget import parse_budget
+from planner.capture import as_inputs, capture
+from planner.costs import Profile
+from planner.errors import InfeasibleBudget, PlannerError
+from planner.plan import Plan, Segment
+from planner.profile import profile
+from planner.regions import Regions, find_regions
+from planner.rewrite import SegmentSpec, rewrite
+from planner.simulate import ChunkPlan, MemoryModel, build_model, simulate
+from planner.solve import NoSolution, Solution, min_peak, solve
+from planner.step import LossFn
+
+
+def optimize(
+    model: nn.Module,
+    budget: int | str,
+    *,
+    inputs: tuple | Mapping | torch.Tensor | None = None,
+    loss_fn: LossFn | None = None,
+    time_limit_s: float = 30.0,
+) -> Plan:
+    """Plans activation checkpointing so one training step of ``model`` fits ``budget``.
+
+    Args:
+        model: the model to train (not modified; ``plan.module`` shares its parameters).
+        budget: peak memory of one training step: int bytes, ``"4GB"``, ``"4GiB"``,
+            ``"512MB"``, ``"512MiB"`` or ``"60%"`` of the un-checkpointed peak.
+        inputs: positional arguments (tuple) or keyword arguments (dict) for ``model``;
+            default ``model.example_inputs``.
+        loss_fn: ``output -> scalar`` differentiated by a step; default ``output.loss``
+            or the sum of the floating outputs.
+        time_limit_s: CP-SAT time limit; past it the best plan found is returned as FEASIBLE.
+
+    Returns:
+        The least-recompute ``Plan`` whose predicted peak fits the budget.
+
+    Raises:
+        InfeasibleBudget: no plan fits; carries the smallest reachable peak.
+        ValueError: malformed budget. TypeError: no inputs.
+        CaptureError, ProfileError: the model could not be traced or run.
+
+    Example:
+        >>> plan = optimize(model, "60%", inputs=(x,))          # doctest: +SKIP
+        >>> loss_fn(plan.module(x)).backward()                   # doctest: +SKIP
+    """
+    parse_budget(budget, baseline_peak_bytes=1)  # reject a malformed budget before any work
+    example = as_inputs(model, inputs)
+    captured = capture(model)                                   # fx graph + module scope per node
+    measured = profile(captured, model, example, loss_fn=loss_fn)  # one real step, node by node
+    regions = find_regions(measured)                            # where segments may start and end
+    memory = build_model(measured, regions)                     # the cost model the solver optimises
+    baseline = simulate(memory, ())
+    budget_bytes = parse_budget(budget, baseline_peak_bytes=baseline.peak_bytes)
+    solution = _solve(memory, budget_bytes, baseline.peak_bytes, time_limit_s)
+    segments = _segments(measured, regions, memory, solution.plan)
+    rewritten = rewrite(model, captured.graph_module.graph,
+                        [SegmentSpec(nodes=s.nodes, restore_buffers=s.restore_buffers) for s in segments])
+    return Plan(
+        module=rewritten.module,
+        budget_bytes=budget_bytes,
+        predicted_peak_bytes=simulate(memory, solution.plan).peak_bytes,
+        baseline_peak_bytes=baseline.peak_bytes,
+        predicted_overhead=solution.recompute_us / memory.step_us,
+        recompute_ms=solution.recompute_us / 1000,
+        step_ms=measured.step_ms,
+        segments=segments,
+        solver_status=solution.status,
+        solve_time_s=solution.solve_time_s,
+        fingerprint=captured.fingerprint,
+        capture_method=captured.method,
+        device=measured.device,
+        source=rewritten.source,
+    )
+
+
+def _solve(memory: MemoryModel, budget_bytes: int, baseline_peak: int, time_limit_s: float) -> Solution:
+    """The plan for a budget: empty when it already fits, else CP-SAT's."""
+    if budget_bytes >= baseline_peak:
+        return Solution(plan=(), status="OPTIMAL", recompute_us=0, bound_us=0, solve_time_s=0.0)
+    try:
+        return solve(memory, budget_bytes, time_limit_s=time_limit_s)
+    except NoSolution as exc:
+        if not exc.infeasible:
+            raise PlannerError(str(exc)) from exc
+    best = simulate(memory, min_peak(memory, time_limit_s=time_limit_s))
+    breakdown = dict(best.breakdown)
+    for name, nbytes in best.largest_kept:
+        breakdown[f"largest kept activation: {name}"] = nbytes
+    raise InfeasibleBudget(budget_bytes, best.peak_bytes, breakdown)
+
+
+def _segments(prof: Profile, regions: Regions, memory: MemoryModel, plan: ChunkPlan) -> tuple[Segment, ...]:
+    out = []
+    for first, stop in plan:
+        lo, hi = regions.starts[first], regions.bounds(stop - 1)[1]
+        nodes = prof.nodes[lo:hi]
+        out.append(Segment(
+            nodes=tuple(n.name for n in nodes),
+            module_paths=_covering_paths(prof, lo, hi),
+            recompute_ms=int(memory.chunk_cost_us[first:stop].sum()) / 1000,
+            restore_buffers=tuple(dict.fromkeys(b for n in nodes for b in n.mutated_buffers)),
+        ))
+    return tuple(out)
+
+
+def _covering_paths(prof: Profile, lo: int, hi: int) -> tuple[str, ...]:
+    """Outermost module calls wholly inside nodes ``lo:hi``, and ``path:op`` for ops outside them."""
+    inside: dict[str, bool] = {}
+    for i, node in enumerate(prof.nodes):
+        for entry in node.scope:
+            inside[entry] = inside.get(entry, True) and lo <= i < hi
+    paths: dict[str, None] = {}
+    for node in prof.nodes[lo:hi]:
+        whole = next((e for e in node.scope if inside[e]), None)
+        if whole is not None:
+            paths.setdefault(whole.rsplit("#", 1)[0], None)
+        elif node.kind != "get_attr":
+            paths.setdefault(f"{node.module_path or '<root>'}:{node.target.rsplit('.', 1)[-1]}", None)
+    return tuple(paths)

@@ -1,0 +1,148 @@
+"""The result handed to the user: what is checkpointed, what it costs, and the module that runs it.
+
+A ``Plan`` is plain data plus ``module``; it saves to JSON and re-applies to a
+fresh instance of the same architecture (checked by graph fingerprint).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from planner.budget import format_bytes
+from planner.capture import capture
+from planner.rewrite import SegmentSpec, rewrite
+
+FORMAT = "ckplan-plan"
+VERSION = 1
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Segment:
+    """One checkpointed run of the graph."""
+
+    nodes: tuple[str, ...]
+    """Graph node names, in order."""
+    module_paths: tuple[str, ...]
+    """Modules whose calls lie wholly inside, outermost first; ``path:op`` for loose ops."""
+    recompute_ms: float
+    """Forward time re-run in backward, ms."""
+    restore_buffers: tuple[str, ...] = ()
+    """Buffers restored after recomputation (BatchNorm running statistics)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    """A checkpointing plan for one model, budget and input shape.
+
+    Attributes:
+        module: the planned module (shares parameters and buffers with the model);
+            None for a plan loaded from JSON until ``apply`` is called.
+    """
+
+    module: nn.Module | None = field(repr=False, compare=False)
+    budget_bytes: int
+    predicted_peak_bytes: int
+    """Peak of one training step under the plan, from the memory model."""
+    baseline_peak_bytes: int
+    """Predicted peak without checkpointing."""
+    predicted_overhead: float
+    """Recompute time / un-checkpointed step time (0.0 for the empty plan)."""
+    recompute_ms: float
+    step_ms: float
+    """Measured time of one un-checkpointed step, ms."""
+    segments: tuple[Segment, ...]
+    solver_status: str
+    """``OPTIMAL`` (proven under the cost model) or ``FEASIBLE`` (time limit hit)."""
+    solve_time_s: float
+    fingerprint: str
+    """Structure hash of the traced graph the plan refers to."""
+    capture_method: str
+    device: str
+    source: str = field(default="", repr=False)
+    """Python source of the planned module's generated class."""
+
+    def apply(self, model: nn.Module) -> nn.Module:
+        """Returns ``model`` rewritten to run this plan (``model`` itself is not modified).
+
+        Raises:
+            ValueError: ``model`` does not trace to the graph the plan was made for.
+        """
+        captured = capture(model)
+        if captured.fingerprint != self.fingerprint:
+            raise ValueError(
+                f"this plan was made for a graph with fingerprint {self.fingerprint}, but "
+                f"{type(model).__name__} traces to {captured.fingerprint}: apply it to the same architecture "
+                "and configuration, or plan again"
+            )
+        specs = [SegmentSpec(nodes=s.nodes, restore_buffers=s.restore_buffers) for s in self.segments]
+        return rewrite(model, captured.graph_module.graph, specs).module
+
+    def summary(self) -> str:
+        """A human-readable table of the plan."""
+        lines = [
+            f"ckplan: {len(self.segments)} checkpointed segment(s), solver {self.solver_status} "
+            f"in {self.solve_time_s:.2f} s (capture: {self.capture_method}, device: {self.device})",
+            f"peak {format_bytes(self.baseline_peak_bytes)} -> {format_bytes(self.predicted_peak_bytes)} "
+            f"(budget {format_bytes(self.budget_bytes)}), recompute {self.recompute_ms:.2f} ms per step "
+            f"= +{100 * self.predicted_overhead:.1f}% of a {self.step_ms:.2f} ms step",
+        ]
+        if self.segments:
+            width = max(len(_describe(s)) for s in self.segments)
+            lines.append(f"  {'#':>3}  {'segment':<{width}}  {'nodes':>5}  {'recompute':>10}")
+            for i, seg in enumerate(self.segments):
+                lines.append(f"  {i:>3}  {_describe(seg):<{width}}  {len(seg.nodes):>5}  {seg.recompute_ms:>7.2f} ms")
+        else:
+            lines.append("  nothing checkpointed: the model already fits the budget")
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready description (everything but the module)."""
+        data = {"format": FORMAT, "version": VERSION}
+        for name in ("budget_bytes", "predicted_peak_bytes", "baseline_peak_bytes", "predicted_overhead",
+                     "recompute_ms", "step_ms", "solver_status", "solve_time_s", "fingerprint",
+                     "capture_method", "device", "source"):
+            data[name] = getattr(self, name)
+        data["segments"] = [asdict(s) for s in self.segments]
+        return data
+
+    def save(self, path: str | Path) -> None:
+        """Writes ``to_dict()`` as JSON; read it back with ``load_plan``."""
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+    def __repr__(self) -> str:
+        return (f"Plan(segments={len(self.segments)}, peak {format_bytes(self.predicted_peak_bytes)} of budget "
+                f"{format_bytes(self.budget_bytes)}, overhead +{100 * self.predicted_overhead:.1f}%, "
+                f"{self.solver_status})")
+
+
+def _describe(segment: Segment) -> str:
+    paths = segment.module_paths
+    return ", ".join(paths) if len(paths) <= 3 else f"{paths[0]} ... {paths[-1]} ({len(paths)} parts)"
+
+
+def load_plan(path: str | Path) -> Plan:
+    """Reads a plan written by ``Plan.save``; call ``.apply(model)`` to get the module.
+
+    Raises:
+        ValueError: the file is not a ckplan plan, or of an unknown version.
+    """
+    try:
+        data = json.loads(Path(path).read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path} is not valid JSON ({exc}); pass a file written by Plan.save") from exc
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        raise ValueError(f"{path} is not a ckplan plan; pass a file written by Plan.save")
+    if data.get("version") != VERSION:
+        raise ValueError(f"{path} has plan version {data.get('version')}, this ckplan reads version {VERSION}")
+    fields = {k: v for k, v in data.items() if k not in ("format", "version", "segments")}
+    segments = tuple(
+        Segment(nodes=tuple(s["nodes"]), module_paths=tuple(s["module_paths"]), recompute_ms=s["recompute_ms"],
+                restore_buffers=tuple(s.get("restore_buffers", ())))
+        for s in data["segments"]
+    )
+    return Plan(module=None, segments=segments, **fields)
