@@ -38,6 +38,8 @@ class LiveStorages(TorchDispatchMode):
         self._sizes: dict[int, int] = {}
         self.on_new_storage = None
         """Optional callback ``(key, tensor)`` run for each newly seen storage."""
+        self.on_write = None
+        """Optional callback ``(tensor)`` run for each tensor an op modifies in place."""
 
     def track(self, tensor: torch.Tensor) -> bool:
         """Start counting the storage behind ``tensor``; False if already counted."""
@@ -69,8 +71,22 @@ class LiveStorages(TorchDispatchMode):
         self.live_bytes -= self._sizes.pop(key, 0)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        if self.on_write is not None:
+            for tensor in written_tensors(func, args, kwargs):
+                self.on_write(tensor)
+        out = func(*args, **kwargs)
         for leaf in tree_leaves(out):
             if isinstance(leaf, torch.Tensor):
                 self.track(leaf)
         return out
+
+
+def written_tensors(func, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """Tensors an aten op modifies in place, read from its schema (``Tensor(a!)`` arguments)."""
+    written = []
+    for i, arg in enumerate(func._schema.arguments):
+        if arg.alias_info is not None and arg.alias_info.is_write:
+            value = args[i] if i < len(args) else kwargs.get(arg.name)
+            written.extend(t for t in tree_leaves(value) if isinstance(t, torch.Tensor))
+    return written

@@ -19,6 +19,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 from torch.utils._pytree import tree_leaves
+from torch.utils._python_dispatch import _disable_current_modes
 
 from planner.capture import SCOPE_KEY, Captured, Inputs, call_module_path, target_text
 from planner.costs import LOSS_NODE, NodeCost, Profile, StorageCost
@@ -243,11 +244,15 @@ class _MemoryRecorder(_StepRunner):
         self._index_of: dict[int, int] = {}
         self._producer = -1
         self._current: dict | None = None
+        self._open: int | None = None
         self._buffers = list(model.named_buffers())
         for tensor in list(model.parameters()) + [b for _, b in self._buffers]:
             self.tracker.track(tensor)
         self.param_bytes = self.tracker.live_bytes
         self.tracker.on_new_storage = self._new_storage
+        self.tracker.on_write = self._written
+        self._buffer_of = {storage_key(b): name for name, b in self._buffers}
+        self._writes: set[int] = set()
 
     def step(self, inputs: Inputs, loss_fn: LossFn) -> None:
         for value in tree_leaves((inputs.args, inputs.kwargs)):
@@ -256,12 +261,27 @@ class _MemoryRecorder(_StepRunner):
                     continue
         with self.tracker, torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t):
             super().step(inputs, loss_fn)
+            self._close_window()
 
     def _new_storage(self, key: int, tensor: torch.Tensor) -> None:
         index = len(self.storages)
         self.storages.append(StorageCost(nbytes=tensor.untyped_storage().nbytes(), producer=self._producer))
         self._index_of[key] = index
         weakref.finalize(tensor.untyped_storage(), self._index_of.pop, key, None)
+
+    def _touchable_buffers(self, node: fx.Node | None, values: list) -> list[tuple[str, torch.Tensor]]:
+        """Copies of the buffers a node could modify: those passed to it and those of the module it
+        calls. Op schemas do not always say (``native_batch_norm`` updates running stats unannotated)."""
+        names = {self._buffer_of[storage_key(v)] for v in values
+                 if isinstance(v, torch.Tensor) and not v.is_meta and storage_key(v) in self._buffer_of}
+        if node is not None and node.op == "call_module":
+            names |= {f"{node.target}.{name}" for name, _ in self.model.get_submodule(node.target).named_buffers()}
+        with _disable_current_modes():  # profiling's own copies are not the model's memory
+            return [(name, self.model.get_buffer(name).detach().clone()) for name in sorted(names)]
+
+    def _written(self, tensor: torch.Tensor) -> None:
+        if self._current is not None and tensor.device.type == self.device.type and not tensor.is_meta:
+            self._writes.add(storage_key(tensor))
 
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
         index = self._index_of.get(storage_key(tensor)) if tensor.device.type == self.device.type else None
@@ -289,8 +309,8 @@ class _MemoryRecorder(_StepRunner):
         }
         self.records.append(record)
         self._current = record
-        versions = [(v, v._version) for v in values if isinstance(v, torch.Tensor)]
-        buffer_versions = [b._version for _, b in self._buffers]
+        self._writes = set()
+        touchable = self._touchable_buffers(node, values)
         self._producer = index
         first_new = len(self.storages)
         record["fwd_start"] = self.tracker.mark()
@@ -302,19 +322,30 @@ class _MemoryRecorder(_StepRunner):
         _sync(self.device)
         record["fwd_peak"] = self.tracker.window_peak_bytes
         record["outputs"] = set(range(first_new, len(self.storages)))
-        record["mutates"] = self._storages([v for v, version in versions if v._version != version]) - record["outputs"]
-        record["buffers"] = [name for (name, b), version in zip(self._buffers, buffer_versions) if b._version != version]
+        record["mutates"] = {self._index_of[k] for k in self._writes if k in self._index_of} - record["outputs"]
+        with _disable_current_modes():
+            changed = {name for name, before in touchable if not torch.equal(self.model.get_buffer(name), before)}
+        record["buffers"] = sorted(changed | {self._buffer_of[k] for k in self._writes if k in self._buffer_of})
         if node is None:  # the loss node also "uses" the graph's outputs until it has run
             record["inputs"] |= self._storages(values)
         return result
 
     def on_backward(self, index, phase):
-        if phase == "pre":
-            live = self.tracker.mark()
-            self.bwd_start.setdefault(index, live)
-        else:
+        # A node's backward window runs from its first autograd node until the next graph node's
+        # backward starts, so it includes what autograd does after it (summing the gradients of a
+        # tensor read by two branches allocates right then).
+        if phase != "pre" or index == self._open:
+            return
+        self._close_window()
+        self._open = index
+        live = self.tracker.mark()
+        self.bwd_start.setdefault(index, live)
+
+    def _close_window(self) -> None:
+        if self._open is not None:
             _sync(self.device)
-            self.bwd_peak[index] = max(self.bwd_peak.get(index, 0), self.tracker.window_peak_bytes)
+            self.bwd_peak[self._open] = max(self.bwd_peak.get(self._open, 0), self.tracker.window_peak_bytes)
+        self._open = None
 
 
 class _Timer(_StepRunner):

@@ -2,11 +2,11 @@
 
 The planned module is a shallow clone of the user's root module (sharing every
 parameter, buffer and submodule) whose class is a generated subclass. Its
-``forward`` is the model re-traced with every submodule that no segment cuts
-through kept as a call (so its hooks run and FSDP2 can shard it), and each
-segment becomes a method called through
-``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``. In eval mode or
-under ``torch.no_grad()`` the user's own forward runs unchanged.
+``forward`` is the model re-traced with every submodule outside the segments
+kept as a call (so its hooks run), and each segment becomes a method called
+through ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`` whose
+body is the traced code of its ops (torch.nn layers still called as modules).
+In eval mode or under ``torch.no_grad()`` the user's own forward runs unchanged.
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ def rewrite(model: nn.Module, flat_graph: fx.Graph, segments: Sequence[SegmentSp
         if [n.name for n in flat[lo:hi]] != list(seg.nodes):
             raise ValueError(f"segment {seg.nodes[0]}..{seg.nodes[-1]} is not a contiguous run of the graph")
         ranges.append((lo, hi))
-    opened = _cut_modules(flat, ranges)
+    opened = _opened_modules(flat, ranges)
     every = {name for name, _ in model.named_modules() if name}
     coarse_gm, root = trace(model, opaque=frozenset(every - opened))
     spans = _flat_spans(coarse_gm.graph, flat)
@@ -95,8 +95,11 @@ def rewrite(model: nn.Module, flat_graph: fx.Graph, segments: Sequence[SegmentSp
     return Rewritten(module=root, source=source)
 
 
-def _cut_modules(flat: list[fx.Node], ranges: list[tuple[int, int]]) -> set[str]:
-    """Paths of module calls that a segment boundary falls strictly inside."""
+def _opened_modules(flat: list[fx.Node], ranges: list[tuple[int, int]]) -> set[str]:
+    """Paths of module calls to inline: those a segment boundary falls strictly inside, and those
+    wholly inside a segment. Inside a segment nothing is saved, so tensor lifetimes decide the
+    memory; the traced code frees each value at its last use, exactly as it was profiled, while
+    a module's own Python forward keeps temporaries alive until their names are rebound."""
     first: dict[str, int] = {}
     last: dict[str, int] = {}
     for i, node in enumerate(flat):
@@ -104,7 +107,9 @@ def _cut_modules(flat: list[fx.Node], ranges: list[tuple[int, int]]) -> set[str]
             first.setdefault(entry, i)
             last[entry] = i
     cuts = {x for a, b in ranges for x in (a, b)}
-    return {entry.rsplit("#", 1)[0] for entry in first if any(first[entry] < x <= last[entry] for x in cuts)}
+    return {entry.rsplit("#", 1)[0] for entry in first
+            if any(first[entry] < x <= last[entry] for x in cuts)
+            or any(a <= first[entry] and last[entry] < b for a, b in ranges)}
 
 
 def _flat_spans(coarse: fx.Graph, flat: list[fx.Node]) -> dict[fx.Node, tuple[int, int]]:

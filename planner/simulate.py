@@ -70,8 +70,8 @@ class MemoryModel:
     recomputed, just before that node's backward); -1 if none."""
     const_recompute: np.ndarray
     """Per chunk: plan-independent bytes when a segment is recomputed at ``recompute_at``."""
-    chunk_rise: np.ndarray
-    """Per chunk: largest forward allocation rise of one of its nodes, bytes."""
+    fwd_rise: np.ndarray
+    """Per node: bytes its forward allocates on top of what was live (outputs, workspace)."""
     chunk_cost_us: np.ndarray
     """Forward time of each chunk, microseconds (what recomputing it costs)."""
     step_us: int
@@ -162,8 +162,6 @@ def build_model(profile: Profile, regions: Regions) -> MemoryModel:
     bwd_start = np.array([nd.bwd_start_bytes or 0 for nd in nodes], dtype=np.int64)
     const_recompute = np.array([bwd_start[t] - kept_bwd[t] if t >= 0 else 0 for t in recompute_at], dtype=np.int64)
     rise = np.array([nd.fwd_peak_bytes - nd.fwd_start_bytes for nd in nodes], dtype=np.int64)
-    chunk_rise = np.array([rise[slice(*regions.bounds(k))].max(initial=0) for k in range(regions.n_chunks)],
-                          dtype=np.int64)
     fwd_us = np.array([round(nd.fwd_ms * 1000) for nd in nodes], dtype=np.int64)
     chunk_cost = np.array([fwd_us[slice(*regions.bounds(k))].sum() for k in range(regions.n_chunks)], dtype=np.int64)
     return MemoryModel(
@@ -171,7 +169,7 @@ def build_model(profile: Profile, regions: Regions) -> MemoryModel:
         producer_chunk=producer_chunk, last_use=last_use, first_saver=first_saver, release=release,
         always_kept=always, saver_chunks=saver_chunks, consumer_chunks=consumer_chunks,
         const_fwd=fwd_peak - kept_fwd, const_bwd=np.where(has_bwd, bwd_peak - kept_bwd, 0), has_bwd=has_bwd,
-        recompute_at=recompute_at, const_recompute=const_recompute, chunk_rise=chunk_rise,
+        recompute_at=recompute_at, const_recompute=const_recompute, fwd_rise=rise,
         chunk_cost_us=chunk_cost, step_us=max(1, round(profile.step_ms * 1000)), param_bytes=profile.param_bytes,
     )
 
@@ -221,12 +219,10 @@ def simulate(model: MemoryModel, plan: ChunkPlan) -> Timeline:
     recomputed = _recomputed(model, plan)
     bwd = np.where(model.has_bwd, model.const_bwd + kept_bwd + recomputed, -1)
     for first, stop in plan:  # the moment a segment is re-run: its last saving chunk, before its backward
-        last = max((k for k in range(first, stop) if model.recompute_at[k] >= 0), default=None)
+        last = rerun_chunk(model, first, stop)
         if last is not None:
             t = model.recompute_at[last]
-            rerun = (model.const_recompute[last] + kept_bwd[t] + recomputed[t]
-                     + model.chunk_rise[first:last + 1].max())
-            bwd[t] = max(bwd[t], rerun)
+            bwd[t] = max(bwd[t], model.const_recompute[last] + kept_bwd[t] + rerun_bytes(model, first, last))
     fwd_peak, bwd_peak = int(fwd.max(initial=0)), int(bwd.max(initial=0))
     if fwd_peak >= bwd_peak:
         phase, node, peak = "forward", int(fwd.argmax()), fwd_peak
@@ -249,6 +245,30 @@ def simulate(model: MemoryModel, plan: ChunkPlan) -> Timeline:
         },
         largest_kept=tuple((model.node_names[model.producer[s]], int(model.size[s])) for s in largest),
     )
+
+
+def rerun_chunk(model: MemoryModel, first: int, stop: int) -> int | None:
+    """Chunk whose backward triggers the re-run of segment ``[first, stop)``: its last saving chunk."""
+    return max((k for k in range(first, stop) if model.recompute_at[k] >= 0), default=None)
+
+
+def rerun_bytes(model: MemoryModel, first: int, last: int) -> int:
+    """Peak bytes the re-run of a segment adds, replayed node by node.
+
+    The segment starts at chunk ``first`` and is re-run up to ``t = recompute_at[last]``
+    (early stop). While node u re-runs, alive are: the storages the segment produced
+    before u that some node up to t saves (held until unpacked) or that a later node
+    still reads, plus u's own allocations.
+    """
+    lo, t = model.regions.starts[first], int(model.recompute_at[last])
+    inside = np.flatnonzero((model.producer >= lo) & (model.producer <= t) & (model.size > 0))
+    held = model.first_saver[inside] <= t
+    until = np.where(held, t, np.minimum(model.last_use[inside], t))
+    alive = np.zeros(t - lo + 2, dtype=np.int64)
+    np.add.at(alive, model.producer[inside] - lo + 1, model.size[inside])
+    np.add.at(alive, until - lo + 1, -model.size[inside])
+    alive = np.cumsum(alive)[: t - lo + 1]
+    return int((alive + model.fwd_rise[lo:t + 1]).max())
 
 
 def _recomputed(model: MemoryModel, plan: ChunkPlan) -> np.ndarray:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 from ortools.sat.python import cp_model
 
-from planner.simulate import NEVER, ChunkPlan, MemoryModel, simulate
+from planner.simulate import NEVER, ChunkPlan, MemoryModel, rerun_bytes, rerun_chunk, simulate
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -107,7 +107,7 @@ def build(model: MemoryModel, *, budget_bytes: int | None) -> tuple[cp_model.CpM
 
 def _upper_bound(model: MemoryModel) -> int:
     return int(max(model.const_fwd.max(initial=0), model.const_bwd.max(initial=0),
-                   model.const_recompute.max(initial=0)) + 2 * model.size.sum() + model.chunk_rise.max(initial=0))
+                   model.const_recompute.max(initial=0)) + 2 * model.size.sum() + model.fwd_rise.max(initial=0))
 
 
 def _add_forward_limits(cp, model: MemoryModel, variables: _Vars, limit) -> None:
@@ -160,13 +160,10 @@ def _add_backward_limits(cp, model: MemoryModel, variables: _Vars, limit) -> Non
         if model.has_bwd[t] and const[t] > best_later.get(owner[t], -np.inf):
             times.append(t)
             best_later[owner[t]] = const[t]
-    reruns = []
-    for (a, b), var in variables.segment.items():
-        last = max((k for k in range(a, b) if model.recompute_at[k] >= 0), default=None)
-        if last is not None:
-            reruns.append((a, last, var))
+    reruns = [(var, last) for (a, b), var in variables.segment.items()
+              if (last := rerun_chunk(model, a, b)) is not None]
     kept_at = _kept_prefix(cp, model, variables, model.release,
-                           times + [int(model.recompute_at[last]) for _, last, _ in reruns], "bwd_kept")
+                           times + [int(model.recompute_at[last]) for _, last in reruns], "bwd_kept")
     for t in times:
         k = owner[t]
         bump = sum(int(recomputed[a, t]) * variables.covers[a, k]
@@ -174,11 +171,12 @@ def _add_backward_limits(cp, model: MemoryModel, variables: _Vars, limit) -> Non
         _add_limit(cp, kept_at[t] + int(const[t]) + bump, limit)
     # Re-run of segment [a, b): just before the backward of its last saving node t.
     extra = const - model.const_bwd  # always-kept storages released by t
-    for a, last, var in reruns:
-        t = int(model.recompute_at[last])
-        total_bytes = (int(model.const_recompute[last] + extra[t]) + int(recomputed[a, t])
-                       + int(model.chunk_rise[a:last + 1].max()))
-        _add_limit(cp, kept_at[t] + total_bytes, limit, enforce=[var])
+    for (a, b), var in variables.segment.items():
+        last = rerun_chunk(model, a, b)
+        if last is not None:
+            t = int(model.recompute_at[last])
+            fixed_bytes = int(model.const_recompute[last] + extra[t]) + rerun_bytes(model, a, last)
+            _add_limit(cp, kept_at[t] + fixed_bytes, limit, enforce=[var])
 
 
 def _recomputed_from(model: MemoryModel) -> np.ndarray:
@@ -258,6 +256,19 @@ def min_peak(model: MemoryModel, *, time_limit_s: float = 30.0, workers: int | N
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         raise NoSolution(False, "CP-SAT could not find the smallest peak")
     return read_plan(solver, variables)
+
+
+def encoded_peak(model: MemoryModel, plan: ChunkPlan, *, time_limit_s: float = 30.0) -> int:
+    """The peak the CP-SAT encoding gives a fixed plan; equals ``simulate(model, plan).peak_bytes``
+    when the encoding is right (tests check it on random graphs and plans)."""
+    cp, variables, peak = build(model, budget_bytes=None)
+    chosen = set(plan)
+    for ab, var in variables.segment.items():
+        cp.add(var == int(ab in chosen))
+    solver = _solver(time_limit_s, None)
+    if solver.solve(cp) != cp_model.OPTIMAL:
+        raise NoSolution(False, f"could not evaluate plan {plan}")
+    return int(solver.value(peak))
 
 
 def _solver(time_limit_s: float, workers: int | None) -> cp_model.CpSolver:

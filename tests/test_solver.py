@@ -1,0 +1,48 @@
+"""CP-SAT against exact references on small graphs: brute force over every segmentation."""
+
+import random
+
+import pytest
+
+from planner.simulate import simulate
+from planner.solve import NoSolution, encoded_peak, min_peak, solve
+from synthetic import all_plans, brute_force, memory_model, min_peak_brute, random_profile
+
+CASES = [(n, seed, skips) for n, seed in [(6, 0), (8, 1), (9, 2), (10, 3), (10, 4)] for skips in (False, True)]
+
+
+@pytest.mark.parametrize(("n", "seed", "skips"), CASES)
+def test_binding_budget_matches_brute_force(n, seed, skips):
+    model = memory_model(random_profile(n, seed, skip_connections=skips))
+    lowest, highest = min_peak_brute(model), simulate(model, ()).peak_bytes
+    for budget in (lowest, (lowest + highest) // 2, highest - 1):
+        expected = brute_force(model, budget)
+        solution = solve(model, budget, time_limit_s=20)
+        assert solution.status == "OPTIMAL"
+        assert solution.recompute_us == expected, f"budget {budget}: plan {solution.plan}"
+        assert simulate(model, solution.plan).peak_bytes <= budget
+
+
+@pytest.mark.parametrize(("n", "seed", "skips"), CASES[:4])
+def test_slack_budget_needs_no_checkpointing(n, seed, skips):
+    model = memory_model(random_profile(n, seed, skip_connections=skips))
+    solution = solve(model, simulate(model, ()).peak_bytes, time_limit_s=20)
+    assert solution.recompute_us == 0 and solution.status == "OPTIMAL"
+
+
+@pytest.mark.parametrize(("n", "seed", "skips"), CASES)
+def test_infeasible_budget_is_proven_and_min_peak_is_exact(n, seed, skips):
+    model = memory_model(random_profile(n, seed, skip_connections=skips))
+    lowest = min_peak_brute(model)
+    with pytest.raises(NoSolution) as info:
+        solve(model, lowest - 1, time_limit_s=20)
+    assert info.value.infeasible
+    assert simulate(model, min_peak(model)).peak_bytes == lowest
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_encoding_equals_simulator_on_random_plans(seed):
+    model = memory_model(random_profile(9, seed, skip_connections=True))
+    rng = random.Random(seed)
+    for plan in rng.sample(all_plans(model), 12):
+        assert encoded_peak(model, plan) == simulate(model, plan).peak_bytes, plan
