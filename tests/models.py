@@ -1,0 +1,40 @@
+"""Small models for fast tests of the API (each plans in about a second)."""
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class Block(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(width, 4 * width)
+        self.bn = nn.BatchNorm1d(4 * width)
+        self.fc2 = nn.Linear(4 * width, width)
+        self.drop = nn.Dropout(0.2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.drop(self.fc2(F.gelu(self.bn(self.fc1(x)))))
+
+
+class Tower(nn.Module):
+    """Residual MLP blocks with BatchNorm and dropout."""
+
+    def __init__(self, width: int = 64, depth: int = 4) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(width) for _ in range(depth))
+        self.head = nn.Linear(width, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def tower(seed: int = 0) -> Tower:
+    torch.manual_seed(seed)
+    return Tower()
+
+
+def tower_inputs() -> tuple[torch.Tensor]:
+    return (torch.randn(512, 64, generator=torch.Generator().manual_seed(1)),)

@@ -1,0 +1,108 @@
+"""The Plan API: module sharing, state_dict, hooks, eval mode, save/load/apply, summary."""
+
+import json
+
+import pytest
+import torch
+
+from conftest import training_step
+from models import tower, tower_inputs
+from planner import load_plan, optimize
+
+
+@pytest.fixture(scope="module")
+def planned():
+    model = tower()
+    return model, optimize(model, "55%", inputs=tower_inputs())
+
+
+def test_module_shares_parameters_and_keeps_the_tree(planned):
+    model, plan = planned
+    assert plan.segments and plan.solver_status == "OPTIMAL"
+    assert list(plan.module.state_dict()) == list(model.state_dict())
+    for (name, p), (name2, q) in zip(model.named_parameters(), plan.module.named_parameters()):
+        assert name == name2 and p is q
+    for (_, b), (_, c) in zip(model.named_buffers(), plan.module.named_buffers()):
+        assert b is c
+    assert plan.module.get_submodule("blocks.2.fc1") is model.blocks[2].fc1
+    assert "torch.utils.checkpoint.checkpoint(" in plan.source and "use_reentrant = False" in plan.source
+
+
+def test_model_is_not_modified(planned):
+    model, plan = planned
+    assert type(model).__name__ == "Tower" and type(plan.module).__name__ == "CheckpointedTower"
+    assert not any(k.startswith("_tensor_constant") or k.startswith("_ckplan") for k in vars(model))
+
+
+def test_hooks_of_layers_still_run(planned):
+    model, plan = planned
+    calls = []
+    handle = model.blocks[1].fc1.register_forward_hook(lambda *a: calls.append(1))
+    try:
+        plan.module(*tower_inputs()).sum().backward()
+    finally:
+        handle.remove()
+        model.zero_grad(set_to_none=True)
+    assert calls, "a torch.nn layer is still called as a module, so its hooks run"
+
+
+def test_eval_mode_runs_the_original_forward(planned):
+    model, plan = planned
+    plan.module.eval()
+    model.eval()
+    try:
+        with torch.no_grad():
+            torch.testing.assert_close(plan.module(*tower_inputs()), model(*tower_inputs()), rtol=0, atol=0)
+    finally:
+        plan.module.train()
+        model.train()
+
+
+def test_save_load_apply_to_a_fresh_instance(planned, tmp_path, restore_buffers):
+    _, plan = planned
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    loaded = load_plan(path)
+    assert loaded.to_dict() == plan.to_dict() and loaded.module is None
+    fresh = tower(seed=3)
+    applied = loaded.apply(fresh)
+    restore_buffers(fresh)
+    expected = training_step(fresh, fresh, tower_inputs(), lambda y: y.square().mean(), seed=5)
+    restore_buffers(fresh)
+    actual = training_step(applied, fresh, tower_inputs(), lambda y: y.square().mean(), seed=5)
+    torch.testing.assert_close(actual[0], expected[0], rtol=1e-4, atol=1e-5)
+    for key in expected[1]:
+        torch.testing.assert_close(actual[1][key], expected[1][key], rtol=1e-4, atol=1e-5)
+    for key in expected[2]:
+        torch.testing.assert_close(actual[2][key], expected[2][key], rtol=0, atol=0)
+
+
+def test_apply_to_another_architecture_is_refused(planned):
+    _, plan = planned
+    with pytest.raises(ValueError, match="fingerprint"):
+        plan.apply(torch.nn.Sequential(torch.nn.Linear(64, 64)))
+
+
+@pytest.mark.parametrize("content", ["{not json", json.dumps({"format": "other"}),
+                                     json.dumps({"format": "ckplan-plan", "version": 99})])
+def test_load_plan_rejects_other_files(tmp_path, content):
+    path = tmp_path / "bad.json"
+    path.write_text(content)
+    with pytest.raises(ValueError, match="ckplan|JSON|version"):
+        load_plan(path)
+
+
+def test_summary_and_numbers_agree(planned):
+    _, plan = planned
+    text = plan.summary()
+    assert f"{len(plan.segments)} checkpointed segment" in text and "blocks." in text
+    assert plan.predicted_peak_bytes <= plan.budget_bytes < plan.baseline_peak_bytes
+    assert plan.predicted_overhead == pytest.approx(plan.recompute_ms / plan.step_ms, rel=0.02)
+    assert plan.recompute_ms == pytest.approx(sum(s.recompute_ms for s in plan.segments), abs=1e-6)
+
+
+def test_budget_at_baseline_gives_the_empty_plan():
+    model = tower()
+    plan = optimize(model, "100%", inputs=tower_inputs())
+    assert plan.segments == () and plan.predicted_overhead == 0.0
+    assert plan.predicted_peak_bytes == plan.baseline_peak_bytes
