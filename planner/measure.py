@@ -32,14 +32,18 @@ class Measurement:
 
 
 def measure_peak(module: nn.Module, inputs: Inputs, loss_fn: Callable[[Any], torch.Tensor] | None = None) -> int:
-    """Peak bytes of one training step, starting with no gradients allocated."""
+    """Peak bytes of one training step, starting with no gradients allocated.
+
+    The step is ``output = module(*inputs); loss_fn(output).backward()`` with ``output``
+    referenced until backward ends, as in the usual training loop."""
     loss_fn = loss_fn or default_loss
     device = next(module.parameters()).device
     with untouched(module):
         if device.type == "cuda":
             torch.cuda.synchronize(device)
             torch.cuda.reset_peak_memory_stats(device)
-            loss_fn(module(*inputs.args, **inputs.kwargs)).backward()
+            output = module(*inputs.args, **inputs.kwargs)  # kept alive through backward, as a training loop does
+            loss_fn(output).backward()
             torch.cuda.synchronize(device)
             return torch.cuda.max_memory_allocated(device)
         tracker = LiveStorages(device)
@@ -47,7 +51,9 @@ def measure_peak(module: nn.Module, inputs: Inputs, loss_fn: Callable[[Any], tor
             if isinstance(t, torch.Tensor):
                 tracker.track(t)
         with tracker:
-            loss_fn(module(*inputs.args, **inputs.kwargs)).backward()
+            output = module(*inputs.args, **inputs.kwargs)  # kept alive through backward, as a training loop does
+            loss_fn(output).backward()
+        del output
         return tracker.peak_bytes
 
 
