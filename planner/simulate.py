@@ -135,11 +135,15 @@ def build_model(profile: Profile, regions: Regions) -> MemoryModel:
         for s in node.saves:
             savers[s].add(i)
     first_saver = np.array([min(sv) if sv else NEVER for sv in savers], dtype=np.int64)
-    always = np.array([producer[s] >= 0 and any(not ckpt_chunk[u] for u in savers[s]) for s in range(n_storages)])
-    saver_chunks = tuple(() if always[s] or producer[s] < 0 else tuple(sorted({chunk_of[u] for u in savers[s]}))
-                         for s in range(n_storages))
+    # The model's outputs stay referenced until backward ends whatever the plan: their
+    # bytes are part of every measured peak, so they are left out of what a plan can free.
+    pinned = {s for i, node in enumerate(nodes) if i >= regions.end for s in node.inputs}
+    always = np.array([producer[s] >= 0 and s not in pinned and any(not ckpt_chunk[u] for u in savers[s])
+                       for s in range(n_storages)])
+    saver_chunks = tuple(() if always[s] or producer[s] < 0 or s in pinned
+                         else tuple(sorted({chunk_of[u] for u in savers[s]})) for s in range(n_storages))
     consumer_chunks = tuple(
-        () if producer[s] < 0 or always[s] else tuple(sorted(
+        () if producer[s] < 0 or always[s] or s in pinned else tuple(sorted(
             {chunk_of[w] for w in consumers[s] if chunk_of[w] > producer_chunk[s] and ckpt_chunk[w]}))
         for s in range(n_storages))
     release = first_saver.copy()
@@ -149,7 +153,7 @@ def build_model(profile: Profile, regions: Regions) -> MemoryModel:
     fwd_peak = np.array([nd.fwd_peak_bytes for nd in nodes], dtype=np.int64)
     has_bwd = np.array([nd.bwd_peak_bytes is not None for nd in nodes])
     bwd_peak = np.array([nd.bwd_peak_bytes or 0 for nd in nodes], dtype=np.int64)
-    saved = first_saver < NEVER
+    saved = (first_saver < NEVER) & ~np.isin(np.arange(n_storages), list(pinned))
     # The un-checkpointed run keeps every saved storage from its production until the
     # backward of its first saver; subtract that to get the plan-independent part.
     kept_fwd = _prefix_by(last_use[saved] + 1, size[saved], n)

@@ -28,11 +28,12 @@ def training_step(module: torch.nn.Module, model: torch.nn.Module, inputs, loss_
     args, kwargs = (inputs, {}) if isinstance(inputs, tuple) else ((), inputs)
     output = module(*args, **kwargs)
     loss_fn(output).backward()
+    output = output.detach() if isinstance(output, torch.Tensor) else output
     grads = {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
     buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
     for p in model.parameters():
         p.grad = None
-    return output.detach(), grads, buffers
+    return output, grads, buffers
 
 
 @pytest.fixture

@@ -38,3 +38,22 @@ def tower(seed: int = 0) -> Tower:
 
 def tower_inputs() -> tuple[torch.Tensor]:
     return (torch.randn(512, 64, generator=torch.Generator().manual_seed(1)),)
+
+
+class DictModel(nn.Module):
+    """Keyword inputs with a default, a dict output holding a tuple: outputs stay referenced."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk = nn.Sequential(*[nn.Linear(64, 64) for _ in range(6)])
+        self.head = nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor, scale: torch.Tensor | None = None, mask: torch.Tensor | None = None):
+        h = self.trunk(x)
+        if scale is not None:
+            h = h * scale
+        return {"h": h, "pair": (self.head(h).relu(), h.sum())}
+
+
+def dict_loss(out) -> torch.Tensor:
+    return out["pair"][0].mean() + out["h"].square().mean()

@@ -6,8 +6,10 @@ import pytest
 import torch
 
 from conftest import training_step
-from models import tower, tower_inputs
-from planner import load_plan, optimize
+from models import DictModel, dict_loss, tower, tower_inputs
+from planner import InfeasibleBudget, load_plan, optimize
+from planner.capture import as_inputs
+from planner.measure import measure_peak
 
 
 @pytest.fixture(scope="module")
@@ -106,3 +108,20 @@ def test_budget_at_baseline_gives_the_empty_plan():
     plan = optimize(model, "100%", inputs=tower_inputs())
     assert plan.segments == () and plan.predicted_overhead == 0.0
     assert plan.predicted_peak_bytes == plan.baseline_peak_bytes
+
+
+def test_dict_inputs_and_nested_outputs(restore_buffers):
+    torch.manual_seed(0)
+    model = DictModel()
+    inputs = {"x": torch.randn(2048, 64), "scale": torch.tensor(2.0)}
+    with pytest.raises(InfeasibleBudget) as info:
+        optimize(model, 1, inputs=inputs, loss_fn=dict_loss)
+    plan = optimize(model, info.value.min_peak_bytes, inputs=inputs, loss_fn=dict_loss)
+    assert plan.segments
+    expected = training_step(model, model, inputs, lambda out: dict_loss(out))
+    actual = training_step(plan.module, model, inputs, lambda out: dict_loss(out))
+    for key in expected[1]:
+        torch.testing.assert_close(actual[1][key], expected[1][key], rtol=1e-4, atol=1e-5)
+    measured = measure_peak(plan.module, as_inputs(model, inputs), dict_loss)
+    assert measured <= plan.budget_bytes
+    assert abs(plan.predicted_peak_bytes - measured) <= 0.10 * measured
