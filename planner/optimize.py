@@ -15,7 +15,7 @@ from planner.plan import Plan, Segment
 from planner.profile import profile
 from planner.regions import Regions, find_regions
 from planner.rewrite import SegmentSpec, rewrite
-from planner.simulate import ChunkPlan, MemoryModel, build_model, simulate
+from planner.simulate import ChunkPlan, MemoryModel, build_model, freed_bytes, simulate
 from planner.solve import NoSolution, Solution, min_peak, solve
 from planner.step import LossFn
 
@@ -64,10 +64,11 @@ def optimize(
     segments = _segments(measured, regions, memory, solution.plan)
     rewritten = rewrite(model, captured.graph_module.graph,
                         [SegmentSpec(nodes=s.nodes, restore_buffers=s.restore_buffers) for s in segments])
+    predicted = simulate(memory, solution.plan)
     return Plan(
         module=rewritten.module,
         budget_bytes=budget_bytes,
-        predicted_peak_bytes=simulate(memory, solution.plan).peak_bytes,
+        predicted_peak_bytes=predicted.peak_bytes,
         baseline_peak_bytes=baseline.peak_bytes,
         predicted_overhead=solution.recompute_us / memory.step_us,
         recompute_ms=solution.recompute_us / 1000,
@@ -79,6 +80,8 @@ def optimize(
         capture_method=captured.method,
         device=measured.device,
         source=rewritten.source,
+        peak_breakdown=predicted.breakdown,
+        largest_kept=predicted.largest_kept,
     )
 
 
@@ -93,20 +96,21 @@ def _solve(memory: MemoryModel, budget_bytes: int, baseline_peak: int, time_limi
             raise PlannerError(str(exc)) from exc
     best = simulate(memory, min_peak(memory, time_limit_s=time_limit_s))
     breakdown = dict(best.breakdown)
-    for name, nbytes in best.largest_kept:
+    for name, nbytes, _ in best.largest_kept:
         breakdown[f"largest kept activation: {name}"] = nbytes
     raise InfeasibleBudget(budget_bytes, best.peak_bytes, breakdown)
 
 
 def _segments(prof: Profile, regions: Regions, memory: MemoryModel, plan: ChunkPlan) -> tuple[Segment, ...]:
     out = []
-    for first, stop in plan:
+    for (first, stop), freed in zip(plan, freed_bytes(memory, plan)):
         lo, hi = regions.starts[first], regions.bounds(stop - 1)[1]
         nodes = prof.nodes[lo:hi]
         out.append(Segment(
             nodes=tuple(n.name for n in nodes),
             module_paths=_covering_paths(prof, lo, hi),
             recompute_ms=int(memory.chunk_cost_us[first:stop].sum()) / 1000,
+            freed_bytes=freed,
             restore_buffers=tuple(dict.fromkeys(b for n in nodes for b in n.mutated_buffers)),
         ))
     return tuple(out)

@@ -31,6 +31,8 @@ class Segment:
     """Modules whose calls lie wholly inside, outermost first; ``path:op`` for loose ops."""
     recompute_ms: float
     """Forward time re-run in backward, ms."""
+    freed_bytes: int = 0
+    """Activation bytes it stops keeping until backward, net of the inputs it keeps."""
     restore_buffers: tuple[str, ...] = ()
     """Buffers restored after recomputation (BatchNorm running statistics)."""
 
@@ -65,6 +67,10 @@ class Plan:
     device: str
     source: str = field(default="", repr=False)
     """Python source of the planned module's generated class."""
+    peak_breakdown: dict[str, int] = field(default_factory=dict, repr=False)
+    """What the predicted peak is made of, bytes per component."""
+    largest_kept: tuple[tuple[str, int, str], ...] = field(default=(), repr=False)
+    """Largest activations alive at the predicted peak: (producing node, bytes, why it stays)."""
 
     def apply(self, model: nn.Module) -> nn.Module:
         """Returns ``model`` rewritten to run this plan (``model`` itself is not modified).
@@ -105,8 +111,9 @@ class Plan:
         data = {"format": FORMAT, "version": VERSION}
         for name in ("budget_bytes", "predicted_peak_bytes", "baseline_peak_bytes", "predicted_overhead",
                      "recompute_ms", "step_ms", "solver_status", "solve_time_s", "fingerprint",
-                     "capture_method", "device", "source"):
+                     "capture_method", "device", "source", "peak_breakdown"):
             data[name] = getattr(self, name)
+        data["largest_kept"] = [list(item) for item in self.largest_kept]
         data["segments"] = [asdict(s) for s in self.segments]
         return data
 
@@ -139,10 +146,11 @@ def load_plan(path: str | Path) -> Plan:
         raise ValueError(f"{path} is not a ckplan plan; pass a file written by Plan.save")
     if data.get("version") != VERSION:
         raise ValueError(f"{path} has plan version {data.get('version')}, this ckplan reads version {VERSION}")
-    fields = {k: v for k, v in data.items() if k not in ("format", "version", "segments")}
+    fields = {k: v for k, v in data.items() if k not in ("format", "version", "segments", "largest_kept")}
     segments = tuple(
         Segment(nodes=tuple(s["nodes"]), module_paths=tuple(s["module_paths"]), recompute_ms=s["recompute_ms"],
-                restore_buffers=tuple(s.get("restore_buffers", ())))
+                freed_bytes=s.get("freed_bytes", 0), restore_buffers=tuple(s.get("restore_buffers", ())))
         for s in data["segments"]
     )
-    return Plan(module=None, segments=segments, **fields)
+    largest = tuple(tuple(item) for item in data.get("largest_kept", ()))
+    return Plan(module=None, segments=segments, largest_kept=largest, **fields)

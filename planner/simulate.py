@@ -55,6 +55,8 @@ class MemoryModel:
     """Earliest node whose backward can free a kept storage, under any plan."""
     always_kept: np.ndarray
     """True when some saver can never be checkpointed."""
+    savers: tuple[tuple[int, ...], ...]
+    """Nodes that save each storage for backward."""
     saver_chunks: tuple[tuple[int, ...], ...]
     """Chunks of each storage's savers (empty when always kept or unsaved)."""
     consumer_chunks: tuple[tuple[int, ...], ...]
@@ -111,8 +113,8 @@ class Timeline:
     """Forward time re-run in backward, microseconds."""
     breakdown: dict[str, int] = field(default_factory=dict)
     """What the peak is made of, bytes per component."""
-    largest_kept: tuple[tuple[str, int], ...] = ()
-    """Largest activations alive at the peak: (producing node, bytes)."""
+    largest_kept: tuple[tuple[str, int, str], ...] = ()
+    """Largest activations kept alive at the peak: (producing node, bytes, why it stays)."""
 
 
 def build_model(profile: Profile, regions: Regions) -> MemoryModel:
@@ -171,6 +173,7 @@ def build_model(profile: Profile, regions: Regions) -> MemoryModel:
     return MemoryModel(
         regions=regions, node_names=tuple(nd.name for nd in nodes), size=size, producer=producer,
         producer_chunk=producer_chunk, last_use=last_use, first_saver=first_saver, release=release,
+        savers=tuple(tuple(sorted(sv)) for sv in savers),
         always_kept=always, saver_chunks=saver_chunks, consumer_chunks=consumer_chunks,
         const_fwd=fwd_peak - kept_fwd, const_bwd=np.where(has_bwd, bwd_peak - kept_bwd, 0), has_bwd=has_bwd,
         recompute_at=recompute_at, const_recompute=const_recompute, fwd_rise=rise,
@@ -247,8 +250,35 @@ def simulate(model: MemoryModel, plan: ChunkPlan) -> Timeline:
             "recomputed activations": bump,
             "gradients, inputs and workspace": peak - model.param_bytes - live_kept - bump,
         },
-        largest_kept=tuple((model.node_names[model.producer[s]], int(model.size[s])) for s in largest),
+        largest_kept=tuple((model.node_names[model.producer[s]], int(model.size[s]), _why_kept(model, plan, s))
+                           for s in largest),
     )
+
+
+def _why_kept(model: MemoryModel, plan: ChunkPlan, s: int) -> str:
+    owner = model.regions.chunk_of()
+    inside = {k for first, stop in plan for k in range(first, stop)}
+    for u in model.savers[s]:
+        if u >= len(owner) or owner[u] not in inside:
+            return f"saved for backward by {model.node_names[u]}"
+    for first, stop in plan:
+        if model.producer_chunk[s] < first and any(first <= w < stop for w in model.consumer_chunks[s]):
+            return f"input of the checkpointed segment starting at {model.node_names[model.regions.starts[first]]}"
+    return "kept for backward"
+
+
+def freed_bytes(model: MemoryModel, plan: ChunkPlan) -> list[int]:
+    """Per segment: activation bytes it no longer keeps until backward (produced inside it),
+    minus the inputs it keeps that nothing else would."""
+    before, after = kept_storages(model, ()), kept_storages(model, plan)
+    out = []
+    for first, stop in plan:
+        lo, hi = model.regions.starts[first], model.regions.bounds(stop - 1)[1]
+        inside = (model.producer >= lo) & (model.producer < hi)
+        held = np.array([model.producer_chunk[s] < first and any(first <= w < stop for w in model.consumer_chunks[s])
+                         for s in range(len(model.size))], dtype=bool)
+        out.append(int(model.size[inside & before & ~after].sum() - model.size[held & after & ~before].sum()))
+    return out
 
 
 def rerun_chunk(model: MemoryModel, first: int, stop: int) -> int | None:
