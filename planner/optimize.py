@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Callable, Mapping
 
 import torch
 from torch import nn
@@ -16,7 +16,8 @@ from planner.profile import profile
 from planner.regions import Regions, find_regions
 from planner.rewrite import SegmentSpec, rewrite
 from planner.simulate import ChunkPlan, MemoryModel, build_model, freed_bytes, simulate
-from planner.solve import NoSolution, Solution, min_peak, solve
+from planner.solve import NoSolution, Solution, min_peak
+from planner.solvers import Solver, get_solver
 from planner.step import LossFn
 
 
@@ -27,6 +28,8 @@ def optimize(
     inputs: tuple | Mapping | torch.Tensor | None = None,
     loss_fn: LossFn | None = None,
     time_limit_s: float = 30.0,
+    solver: str = "cpsat",
+    progress: Callable[[str], None] | None = None,
 ) -> Plan:
     """Plans activation checkpointing so one training step of ``model`` fits ``budget``.
 
@@ -39,6 +42,10 @@ def optimize(
         loss_fn: ``output -> scalar`` differentiated by a step; default ``output.loss``
             or the sum of the floating outputs.
         time_limit_s: CP-SAT time limit; past it the best plan found is returned as FEASIBLE.
+        solver: which planner chooses the segments; one of ``planner.solvers.SOLVERS``
+            (``cpsat``, the default, is optimal under the cost model).
+        progress: called with the name of each stage as it starts (``capture``, ``profile``,
+            ``solve``, ``rewrite``), for progress displays.
 
     Returns:
         The least-recompute ``Plan`` whose predicted peak fits the budget.
@@ -53,15 +60,21 @@ def optimize(
         >>> loss_fn(plan.module(x)).backward()                   # doctest: +SKIP
     """
     parse_budget(budget, baseline_peak_bytes=1)  # reject a malformed budget before any work
+    strategy = get_solver(solver)
+    stage = progress or (lambda name: None)
     example = as_inputs(model, inputs)
+    stage("capture")
     captured = capture(model)                                   # fx graph + module scope per node
+    stage("profile")
     measured = profile(captured, model, example, loss_fn=loss_fn)  # one real step, node by node
     regions = find_regions(measured)                            # where segments may start and end
     memory = build_model(measured, regions)                     # the cost model the solver optimises
     baseline = simulate(memory, ())
     budget_bytes = parse_budget(budget, baseline_peak_bytes=baseline.peak_bytes)
-    solution = _solve(memory, budget_bytes, baseline.peak_bytes, time_limit_s)
+    stage("solve")
+    solution = _solve(strategy, memory, budget_bytes, baseline.peak_bytes, time_limit_s)
     segments = _segments(measured, regions, memory, solution.plan)
+    stage("rewrite")
     rewritten = rewrite(model, captured.graph_module.graph,
                         [SegmentSpec(nodes=s.nodes, restore_buffers=s.restore_buffers) for s in segments])
     predicted = simulate(memory, solution.plan)
@@ -85,12 +98,13 @@ def optimize(
     )
 
 
-def _solve(memory: MemoryModel, budget_bytes: int, baseline_peak: int, time_limit_s: float) -> Solution:
-    """The plan for a budget: empty when it already fits, else CP-SAT's."""
+def _solve(strategy: Solver, memory: MemoryModel, budget_bytes: int, baseline_peak: int,
+           time_limit_s: float) -> Solution:
+    """The plan for a budget: empty when it already fits, else the strategy's."""
     if budget_bytes >= baseline_peak:
         return Solution(plan=(), status="OPTIMAL", recompute_us=0, bound_us=0, solve_time_s=0.0)
     try:
-        return solve(memory, budget_bytes, time_limit_s=time_limit_s)
+        return strategy(memory, budget_bytes, time_limit_s=time_limit_s)
     except NoSolution as exc:
         if not exc.infeasible:
             raise PlannerError(str(exc)) from exc
