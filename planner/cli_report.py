@@ -1,0 +1,297 @@
+"""What ``ckplan`` prints: the report (rich), the JSON object, errors, progress and the emitted source.
+
+Rendering only: ``cli.py`` decides what to run and calls these with plain data.
+The report goes to stdout; progress and errors to stderr.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from rich import box
+from rich.console import Console
+from rich.progress import Progress, SpinnerColumn, TaskID, TextColumn, TimeElapsedColumn
+from rich.table import Table
+from rich.text import Text
+
+from planner.budget import format_bytes
+from planner.errors import InfeasibleBudget
+from planner.plan import Plan, Segment
+
+MAX_PATHS = 3
+"""Segments spanning more module paths than this are shown as ``first … last (N parts)``."""
+
+_STAGES = {
+    "load": "load: running the model file",
+    "capture": "capture: tracing the model with torch.fx",
+    "profile": "profile: one training step, node by node",
+    "solve": "solve: choosing segments ({solver}, limit {time_limit_s:g} s)",
+    "rewrite": "rewrite: generating the checkpointed module",
+    "verify": "verify: measuring real steps with and without the plan",
+}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Verification:
+    """Measured training steps of the model and of the planned module (``--verify``)."""
+
+    baseline_peak_bytes: int
+    """Measured peak of one step without the plan."""
+    planned_peak_bytes: int
+    """Measured peak of one step with the plan."""
+    baseline_step_ms: float
+    """Median step time without the plan, ms."""
+    planned_step_ms: float
+    """Median step time with the plan, ms."""
+    runs: int
+    """Timed steps per module (interleaved, after one warm-up round)."""
+
+    @property
+    def measured_overhead(self) -> float:
+        """Extra step time of the plan, as a fraction of the un-checkpointed step."""
+        return self.planned_step_ms / self.baseline_step_ms - 1 if self.baseline_step_ms > 0 else math.nan
+
+
+class StageProgress:
+    """A spinner per pipeline stage on stderr; a no-op when disabled. Call it with each stage's name."""
+
+    def __init__(self, console: Console, *, enabled: bool, solver: str, time_limit_s: float) -> None:
+        self._progress = Progress(SpinnerColumn(finished_text="[green]✓"), TextColumn("{task.description}"),
+                                  TimeElapsedColumn(), console=console, transient=True) if enabled else None
+        self._task: TaskID | None = None
+        self._labels = {k: v.format(solver=solver, time_limit_s=time_limit_s) for k, v in _STAGES.items()}
+
+    def __enter__(self) -> StageProgress:
+        if self._progress is not None:
+            self._progress.start()
+        return self
+
+    def __call__(self, stage: str) -> None:
+        if self._progress is None:
+            return
+        if self._task is not None:
+            self._progress.update(self._task, total=1, completed=1)
+        self._task = self._progress.add_task(self._labels.get(stage, stage), total=None)
+
+    def __exit__(self, *exc: object) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+
+
+# -- the human report ------------------------------------------------------------------------------------------
+
+
+def print_report(console: Console, plan: Plan, *, model_file: str, solver: str, quiet: bool, explain: bool,
+                 verification: Verification | None, saved: str | None, emitted: str | None) -> None:
+    """The header, the segment table (unless ``quiet``), and the sections asked for."""
+    console.print(header(plan, model_file=model_file, solver=solver))
+    if explain:
+        print_explain(console, plan)
+    elif not quiet:
+        _section(console, segments_table(plan) if plan.segments else
+                 Text("nothing checkpointed: the model already fits the budget", style="green"))
+    if verification is not None:
+        _section(console, verification_table(plan, verification))
+    written = [f"{what} {path}" for what, path in (("plan saved to", saved), ("module source written to", emitted))
+               if path]
+    if written and not quiet:
+        _section(console, Text("\n".join(written)))
+
+
+def header(plan: Plan, *, model_file: str, solver: str) -> Table:
+    """The model file, then baseline peak → predicted peak and the budget, the overhead, the solver."""
+    change = plan.predicted_peak_bytes / plan.baseline_peak_bytes - 1 if plan.baseline_peak_bytes else 0.0
+    share = plan.budget_bytes / plan.baseline_peak_bytes if plan.baseline_peak_bytes else math.nan
+    count = len(plan.segments)
+    grid = Table.grid(padding=(0, 2))
+    grid.add_column(style="dim")
+    grid.add_column()
+    grid.add_row(Text("ckplan", style="bold"), Text(model_file, style="bold cyan"))
+    grid.add_row("peak", Text.assemble(
+        (format_bytes(plan.baseline_peak_bytes), "bold"), " → ", (format_bytes(plan.predicted_peak_bytes), "bold green"),
+        f" ({100 * change:+.1f}%)"))
+    grid.add_row("budget", f"{format_bytes(plan.budget_bytes)} ({100 * share:.0f}% of the un-checkpointed peak)")
+    grid.add_row("overhead", Text.assemble(
+        (f"+{100 * plan.predicted_overhead:.1f}%", "bold yellow"),
+        f" predicted: {plan.recompute_ms:.2f} ms recomputed per {plan.step_ms:.2f} ms step"))
+    grid.add_row("plan", Text.assemble(
+        f"{count} checkpointed segment{'' if count == 1 else 's'}, solver {solver} ",
+        (plan.solver_status, "green" if plan.solver_status == "OPTIMAL" else "yellow"),
+        f" in {plan.solve_time_s:.2f} s, on {plan.device}"))
+    return grid
+
+
+def _section(console: Console, renderable: Table | Text) -> None:
+    console.print()
+    console.print(renderable)
+
+
+def _table(title: str) -> Table:
+    """A section's table: a bold title, a ruled header, no outer frame."""
+    return Table(box=box.SIMPLE_HEAD, show_edge=False, title=title, title_justify="left", title_style="bold")
+
+
+def segments_table(plan: Plan) -> Table:
+    """One row per segment: module paths, graph nodes, bytes freed, recompute time."""
+    table = _table("checkpointed segments")
+    table.add_column("#", justify="right")
+    table.add_column("modules", overflow="fold")
+    table.add_column("nodes", justify="right")
+    table.add_column("frees", justify="right")
+    table.add_column("recompute", justify="right")
+    for i, seg in enumerate(plan.segments):
+        table.add_row(str(i), Text(short_paths(seg.module_paths)), str(len(seg.nodes)),
+                      format_bytes(seg.freed_bytes), f"{seg.recompute_ms:.2f} ms")
+    return table
+
+
+def short_paths(paths: tuple[str, ...] | list[str]) -> str:
+    """``a, b, c`` or ``blocks.0 … blocks.3 (10 parts)``."""
+    return ", ".join(paths) if len(paths) <= MAX_PATHS else f"{paths[0]} … {paths[-1]} ({len(paths)} parts)"
+
+
+def print_explain(console: Console, plan: Plan) -> None:
+    """Per segment what it frees and costs; what the peak is made of; the largest activations kept and why."""
+    if plan.segments:
+        _section(console, explain_segments(plan.segments))
+    else:
+        _section(console, Text(f"nothing checkpointed: the un-checkpointed peak {format_bytes(plan.baseline_peak_bytes)}"
+                           f" already fits the budget {format_bytes(plan.budget_bytes)}", style="green"))
+    parts = _table(f"what the peak {format_bytes(plan.predicted_peak_bytes)} is made of")
+    parts.add_column("component")
+    parts.add_column("bytes", justify="right")
+    for name, nbytes in plan.peak_breakdown.items():
+        parts.add_row(Text(name), format_bytes(nbytes))
+    _section(console, parts)
+    if not plan.largest_kept:
+        _section(console, Text("no activation is alive at the peak"))
+        return
+    kept = _table("largest activations kept at the peak")
+    kept.add_column("activation (node)", overflow="fold")
+    kept.add_column("bytes", justify="right")
+    kept.add_column("why it stays", overflow="fold")
+    for node, nbytes, reason in plan.largest_kept:
+        kept.add_row(Text(node), format_bytes(nbytes), Text(reason))
+    _section(console, kept)
+
+
+def explain_segments(segments: tuple[Segment, ...]) -> Table:
+    """Every segment in full: all module paths, its node range, bytes freed, ms recomputed, buffers restored."""
+    table = _table("checkpointed segments in detail")
+    table.add_column("#", justify="right")
+    table.add_column("modules and nodes", overflow="fold")
+    table.add_column("frees", justify="right")
+    table.add_column("recomputes", justify="right")
+    table.add_column("KiB freed per ms", justify="right")
+    for i, seg in enumerate(segments):
+        nodes = seg.nodes[0] if len(seg.nodes) == 1 else f"{seg.nodes[0]} … {seg.nodes[-1]}"
+        what = Text.assemble((", ".join(seg.module_paths), "cyan"), f"\n{len(seg.nodes)} node{'' if len(seg.nodes) == 1 else 's'}: {nodes}")
+        if seg.restore_buffers:
+            what.append(f"\nrestores {', '.join(seg.restore_buffers)} after recomputing (updated once a step)")
+        rate = f"{seg.freed_bytes / 1024 / seg.recompute_ms:,.0f}" if seg.recompute_ms > 0 else "∞"
+        table.add_row(str(i), what, format_bytes(seg.freed_bytes), f"{seg.recompute_ms:.2f} ms", rate)
+    return table
+
+
+def verification_table(plan: Plan, v: Verification) -> Table:
+    """Measured next to predicted: both peaks, both step times, the overhead."""
+    table = _table(f"verify: real training steps (median of {v.runs})")
+    table.add_column("")
+    table.add_column("predicted", justify="right")
+    table.add_column("measured", justify="right")
+    table.add_row("peak without the plan", format_bytes(plan.baseline_peak_bytes), format_bytes(v.baseline_peak_bytes))
+    fits = v.planned_peak_bytes <= plan.budget_bytes
+    table.add_row("peak with the plan", format_bytes(plan.predicted_peak_bytes),
+                  Text(format_bytes(v.planned_peak_bytes) + (" ✓ fits" if fits else " ✗ over budget"),
+                       style="green" if fits else "bold red"))
+    table.add_row("step without the plan", f"{plan.step_ms:.2f} ms", f"{v.baseline_step_ms:.2f} ms")
+    table.add_row("step with the plan", f"{plan.step_ms + plan.recompute_ms:.2f} ms", f"{v.planned_step_ms:.2f} ms")
+    table.add_row("overhead", f"+{100 * plan.predicted_overhead:.1f}%", f"{100 * v.measured_overhead:+.1f}%")
+    return table
+
+
+# -- JSON, errors, emitted source -------------------------------------------------------------------------------
+
+
+def plan_json(plan: Plan, *, model_file: str, solver: str, verification: Verification | None,
+              saved: str | None, emitted: str | None) -> dict[str, Any]:
+    """The ``--json`` object: the plan's numbers and segments (not its source), and the verification."""
+    data: dict[str, Any] = {"model_file": model_file, "solver": solver}
+    data.update({k: v for k, v in plan.to_dict().items() if k not in ("format", "version", "source")})
+    data["largest_kept"] = [{"node": n, "bytes": b, "reason": r} for n, b, r in plan.largest_kept]
+    if verification is not None:
+        data["verify"] = {
+            "baseline_peak_bytes": verification.baseline_peak_bytes,
+            "planned_peak_bytes": verification.planned_peak_bytes,
+            "baseline_step_ms": verification.baseline_step_ms,
+            "planned_step_ms": verification.planned_step_ms,
+            "measured_overhead": verification.measured_overhead,
+            "predicted_peak_bytes": plan.predicted_peak_bytes,
+            "predicted_overhead": plan.predicted_overhead,
+            "fits_budget": verification.planned_peak_bytes <= plan.budget_bytes,
+            "runs": verification.runs,
+        }
+    data["saved"], data["emitted"] = saved, emitted
+    return data
+
+
+def infeasible_json(exc: InfeasibleBudget) -> dict[str, Any]:
+    return {"error": "infeasible", "message": str(exc), "budget_bytes": exc.budget_bytes,
+            "min_peak_bytes": exc.min_peak_bytes, "breakdown": exc.breakdown}
+
+
+def print_json(data: dict[str, Any]) -> None:
+    """Exactly one JSON object on stdout."""
+    sys.stdout.write(json.dumps(data, indent=2) + "\n")
+    sys.stdout.flush()
+
+
+def print_error(err: Console, message: str, *, full: bool = True) -> None:
+    """``ckplan: error: message`` on stderr, never wrapped or read as markup; one line unless ``full``."""
+    first, _, rest = message.strip().partition("\n")
+    if rest and not full:
+        message = f"{first} (--debug shows the rest)"
+    err.print(Text.assemble(("ckplan: error: ", "bold red"), message), soft_wrap=True, highlight=False)
+
+
+def print_infeasible(err: Console, exc: InfeasibleBudget) -> None:
+    """The smallest reachable peak, what it consists of, and the budget to ask for instead."""
+    err.print(Text.assemble(
+        ("ckplan: infeasible: ", "bold red"), "budget ", (format_bytes(exc.budget_bytes), "bold"),
+        " is below the smallest peak any checkpointing plan reaches, ", (format_bytes(exc.min_peak_bytes), "bold"),
+    ), soft_wrap=True, highlight=False)
+    table = _table("the smallest peak consists of")
+    table.add_column("component")
+    table.add_column("bytes", justify="right")
+    total = 0
+    for name, nbytes in exc.breakdown.items():
+        if nbytes:
+            table.add_row(Text(name), format_bytes(nbytes))
+        total += nbytes
+        if total == exc.min_peak_bytes and nbytes:  # the components are complete; what follows details them
+            table.rows[-1].end_section = True
+            table.add_row(Text("total", style="bold"), Text(format_bytes(total), style="bold"), end_section=True)
+    err.print(table)
+    err.print(Text(f"raise the budget to at least {format_bytes(exc.min_peak_bytes)} "
+                   f"(--budget {exc.min_peak_bytes}) or shrink the batch"), soft_wrap=True, highlight=False)
+
+
+def emitted_source(plan: Plan, *, model_file: str, model_class: str, budget: int | str,
+                   save_path: str | None) -> str:
+    """``plan.source`` under a header saying what it is and how to get the module for real."""
+    plan_file = save_path or "plan.json"
+    lines = [
+        f"# Generated by ckplan from {model_file}: the checkpointed module for a budget of "
+        f"{format_bytes(plan.budget_bytes)} ({len(plan.segments)} segment(s), predicted peak "
+        f"{format_bytes(plan.predicted_peak_bytes)}, overhead +{100 * plan.predicted_overhead:.1f}%).",
+        f"# `_ckplan_base` stands for your model's class ({model_class}); the generated class subclasses it.",
+        "# This file is for reading and review, not importing. The supported way to get the module is:",
+        f"#     ckplan {model_file} --budget {budget} --save {plan_file}",
+        f"#     module = planner.load_plan({plan_file!r}).apply(model)",
+        "",
+    ]
+    return "\n".join(lines) + "\n" + plan.source.rstrip("\n") + "\n"
