@@ -1,0 +1,73 @@
+"""How planning time grows with the graph: transformer-shaped synthetic graphs, 100 to 5000 nodes.
+
+    python bench/solver_scaling.py                       # writes bench/results/solver_scaling.md
+    python bench/solver_scaling.py --nodes 100 2000 --budget 0.5 --time-limit 60
+
+For each size: regions + memory model build time, then each solver at the budget
+(a fraction of the un-checkpointed peak): status, recompute time found, proven
+bound, wall time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from pathlib import Path
+
+from planner.regions import find_regions
+from planner.simulate import build_model, simulate
+from planner.solve import NoSolution
+from planner.solvers import SOLVERS
+from planner.synthetic import transformer_profile
+
+ROOT = Path(__file__).resolve().parent.parent
+NODES_PER_LAYER = 17
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--nodes", nargs="+", type=int, default=[100, 500, 1000, 2000, 5000])
+    parser.add_argument("--budget", type=float, default=0.5)
+    parser.add_argument("--solvers", nargs="+", default=["cpsat", "rotor"])
+    parser.add_argument("--max-chunks", type=int, default=64)
+    parser.add_argument("--time-limit", type=float, default=60.0)
+    parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "solver_scaling.md"))
+    args = parser.parse_args()
+    lines = [
+        "# Solver scaling on transformer-shaped graphs",
+        "",
+        f"`python bench/solver_scaling.py --nodes {' '.join(map(str, args.nodes))} --budget {args.budget} "
+        f"--max-chunks {args.max_chunks} --time-limit {args.time_limit:g}` on {os.cpu_count()} CPU cores. "
+        f"Budget: {args.budget:.0%} of the un-checkpointed peak. `planner.synthetic.transformer_profile`: "
+        f"{NODES_PER_LAYER} nodes per block.",
+        "",
+        "| nodes | blocks | chunks | model build | solver | status | recompute | bound | gap | time |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for nodes in args.nodes:
+        layers = max(1, round((nodes - 2) / NODES_PER_LAYER))
+        profile = transformer_profile(layers)
+        started = time.perf_counter()
+        regions = find_regions(profile, max_chunks=args.max_chunks)
+        model = build_model(profile, regions)
+        build_s = time.perf_counter() - started
+        budget = int(simulate(model, ()).peak_bytes * args.budget)
+        for name in args.solvers:
+            began = time.perf_counter()
+            try:
+                sol = SOLVERS[name](model, budget, time_limit_s=args.time_limit)
+                result = (f"{sol.status} | {sol.recompute_us / 1000:.1f} ms | {sol.bound_us / 1000:.1f} ms | "
+                          f"{(sol.recompute_us - sol.bound_us) / max(1, sol.recompute_us):.1%}")
+            except NoSolution as exc:
+                result = f"{'INFEASIBLE' if exc.infeasible else 'UNKNOWN'} | | | "
+            elapsed = time.perf_counter() - began
+            lines.append(f"| {len(profile.nodes)} | {layers} | {regions.n_chunks} | {build_s:.2f} s | {name} | "
+                         f"{result} | {elapsed:.2f} s |")
+            print(lines[-1], flush=True)
+    Path(args.out).write_text("\n".join(lines) + "\n")
+    print(f"written to {args.out}")
+
+
+if __name__ == "__main__":
+    main()
