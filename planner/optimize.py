@@ -17,7 +17,7 @@ from planner.regions import Regions, find_regions
 from planner.rewrite import SegmentSpec, rewrite
 from planner.simulate import ChunkPlan, MemoryModel, build_model, freed_bytes, simulate
 from planner.solve import NoSolution, Solution, min_peak
-from planner.solvers import Solver, get_solver
+from planner.solvers import get_solver
 from planner.step import LossFn
 
 
@@ -60,7 +60,7 @@ def optimize(
         >>> loss_fn(plan.module(x)).backward()                   # doctest: +SKIP
     """
     parse_budget(budget, baseline_peak_bytes=1)  # reject a malformed budget before any work
-    strategy = get_solver(solver)
+    get_solver(solver)  # reject an unknown solver before any work
     stage = progress or (lambda name: None)
     example = as_inputs(model, inputs)
     stage("capture")
@@ -72,7 +72,7 @@ def optimize(
     baseline = simulate(memory, ())
     budget_bytes = parse_budget(budget, baseline_peak_bytes=baseline.peak_bytes)
     stage("solve")
-    solution = _solve(strategy, memory, budget_bytes, baseline.peak_bytes, time_limit_s)
+    solution = _solve(solver, memory, budget_bytes, baseline.peak_bytes, time_limit_s)
     segments = _segments(measured, regions, memory, solution.plan)
     stage("rewrite")
     rewritten = rewrite(model, captured.graph_module.graph,
@@ -98,17 +98,24 @@ def optimize(
     )
 
 
-def _solve(strategy: Solver, memory: MemoryModel, budget_bytes: int, baseline_peak: int,
+def _solve(solver: str, memory: MemoryModel, budget_bytes: int, baseline_peak: int,
            time_limit_s: float) -> Solution:
-    """The plan for a budget: empty when it already fits, else the strategy's."""
+    """The plan for a budget: empty when it already fits, else the strategy's, checked against the budget."""
     if budget_bytes >= baseline_peak:
         return Solution(plan=(), status="OPTIMAL", recompute_us=0, bound_us=0, solve_time_s=0.0)
     try:
-        return strategy(memory, budget_bytes, time_limit_s=time_limit_s)
+        solution = get_solver(solver)(memory, budget_bytes, time_limit_s=time_limit_s)
     except NoSolution as exc:
         if not exc.infeasible:
             raise PlannerError(str(exc)) from exc
+        solution = None
+    if solution is not None and simulate(memory, solution.plan).peak_bytes <= budget_bytes:
+        return solution
     best = simulate(memory, min_peak(memory, time_limit_s=time_limit_s))
+    if best.peak_bytes <= budget_bytes:  # a fixed or conservative strategy missed what cpsat can do
+        peak = "no plan" if solution is None else f"a plan peaking at {simulate(memory, solution.plan).peak_bytes} B"
+        raise PlannerError(f"solver {solver!r} finds {peak} for a budget of {budget_bytes} B, which plans down to "
+                           f"{best.peak_bytes} B fit; use the cpsat solver (solver='cpsat', ckplan --solver cpsat)")
     breakdown = dict(best.breakdown)
     for name, nbytes, _ in best.largest_kept:
         breakdown[f"largest kept activation: {name}"] = nbytes

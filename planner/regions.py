@@ -27,6 +27,10 @@ class Regions:
     """One past the last node that may be checkpointed (the loss comes after)."""
     checkpointable: tuple[bool, ...]
     """Per chunk: False when checkpointing it would recompute from mutated inputs."""
+    blocks: tuple[tuple[int, int], ...] = ()
+    """Chunk ranges ``(first, stop)`` of the calls of the model's repeated blocks, if any."""
+    block_paths: tuple[str, ...] = ()
+    """Module path of each block (children of the largest container of numbered submodules)."""
 
     @property
     def n_chunks(self) -> int:
@@ -66,20 +70,62 @@ def find_regions(profile: Profile, *, max_chunks: int = 64) -> Regions:
             crossing[storage.producer + 1] += storage.nbytes
             crossing[min(last_use[s], end) + 1] -= storage.nbytes
     crossing = np.cumsum(crossing)
-    candidates = []
+    block_paths, block_nodes = find_blocks(profile, end)
+    block_edges = {b for first, stop in block_nodes for b in (first, stop)}
+    # Rank cut positions: block edges, then shallower module boundaries, then, within each block,
+    # fewer crossing bytes first; a block's k-th best cut comes before any block's (k+1)-th.
+    groups: dict[tuple[int, int], list[tuple[int, int]]] = {}
     for b in range(1, end):
         if any(p < b <= m for p, m in mutated_after):
             continue
-        depth = _common_depth(nodes[b - 1].scope, nodes[b].scope)
-        candidates.append((depth, int(crossing[b]), b))
-    chosen = sorted(b for _, _, b in sorted(candidates)[: max(0, max_chunks - 1)])
+        depth = -1 if b in block_edges else _common_depth(nodes[b - 1].scope, nodes[b].scope)
+        block = next((i for i, (lo, hi) in enumerate(block_nodes) if lo < b < hi), -1)
+        groups.setdefault((depth, block), []).append((int(crossing[b]), b))
+    candidates = []
+    for (depth, _), members in groups.items():
+        for rank, (cross, b) in enumerate(sorted(members)):
+            candidates.append((depth, rank, cross, b))
+    chosen = sorted(c[-1] for c in sorted(candidates)[: max(0, max_chunks - 1)])
     starts = (0, *chosen)
     stops = (*chosen, end)
     checkpointable = tuple(
         not any(p < first and first <= m < stop for p, m in mutated_after)
         for first, stop in zip(starts, stops)
     )
-    return Regions(starts=starts, end=end, checkpointable=checkpointable)
+    index = {b: k for k, b in enumerate(starts)} | {end: len(starts)}
+    blocks = tuple((index[first], index[stop]) for first, stop in block_nodes
+                   if first in index and stop in index)
+    if len(blocks) != len(block_nodes):  # a block edge could not be cut (in-place hazard)
+        blocks, block_paths = (), ()
+    return Regions(starts=starts, end=end, checkpointable=checkpointable, blocks=blocks, block_paths=block_paths)
+
+
+def find_blocks(profile: Profile, end: int) -> tuple[tuple[str, ...], list[tuple[int, int]]]:
+    """The model's repeated blocks: children ``<container>.<i>`` of the container with the most
+    numbered children called in the graph (``blocks.0``, ``layers.3``, ``transformer.h.11``).
+
+    Returns their paths and node ranges ``[first, stop)``, or nothing when there is no such
+    container or its children's calls are not contiguous, disjoint runs of nodes.
+    """
+    calls: dict[str, list[int]] = {}
+    for i, node in enumerate(profile.nodes[:end]):
+        for entry in node.scope:
+            calls.setdefault(entry.rsplit("#", 1)[0], []).append(i)
+    children: dict[str, list[str]] = {}
+    for path in calls:
+        parent, _, last = path.rpartition(".")
+        if last.isdigit():
+            children.setdefault(parent, []).append(path)
+    if not children:
+        return (), []
+    parent = max(children, key=lambda p: (len(children[p]), sum(len(calls[c]) for c in children[p])))
+    if len(children[parent]) < 2:
+        return (), []
+    paths = sorted(children[parent], key=lambda c: calls[c][0])
+    ranges = [(calls[c][0], calls[c][-1] + 1) for c in paths]
+    contiguous = all(len(calls[c]) == hi - lo for c, (lo, hi) in zip(paths, ranges))
+    disjoint = all(a[1] <= b[0] for a, b in zip(ranges, ranges[1:]))
+    return (tuple(paths), ranges) if contiguous and disjoint else ((), [])
 
 
 def _last_use(profile: Profile) -> list[int]:

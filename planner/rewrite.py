@@ -230,7 +230,7 @@ def _method(graph: fx.Graph, name: str, namespace: dict, guard: str = "") -> str
 
 def _eval_guard(base: type, main: fx.Graph) -> str:
     """First lines of ``forward``: outside training, run the user's own forward."""
-    names = [n.name for n in main.nodes if n.op == "placeholder"]
+    names = [n.target.lstrip("*") for n in main.nodes if n.op == "placeholder"]  # as in the def line
     params = list(inspect.signature(base.forward).parameters.values())[1:]
     args = []
     for param, name in zip(params, names):

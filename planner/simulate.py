@@ -158,8 +158,8 @@ def build_model(profile: Profile, regions: Regions) -> MemoryModel:
     saved = (first_saver < NEVER) & ~np.isin(np.arange(n_storages), list(pinned))
     # The un-checkpointed run keeps every saved storage from its production until the
     # backward of its first saver; subtract that to get the plan-independent part.
-    kept_fwd = _prefix_by(last_use[saved] + 1, size[saved], n)
-    kept_bwd = _prefix_by(first_saver[saved], size[saved], n)
+    kept_fwd = prefix_by(last_use[saved] + 1, size[saved], n)
+    kept_bwd = prefix_by(first_saver[saved], size[saved], n)
     recompute_at = np.full(regions.n_chunks, -1, dtype=np.int64)
     for k in range(regions.n_chunks):
         for t in range(*regions.bounds(k)):
@@ -181,7 +181,7 @@ def build_model(profile: Profile, regions: Regions) -> MemoryModel:
     )
 
 
-def _prefix_by(index: np.ndarray, weight: np.ndarray, n: int) -> np.ndarray:
+def prefix_by(index: np.ndarray, weight: np.ndarray, n: int) -> np.ndarray:
     """``out[t] = sum(weight[i] for index[i] <= t)`` for t in range(n)."""
     acc = np.zeros(n + 1, dtype=np.int64)
     inside = index <= n
@@ -221,8 +221,8 @@ def simulate(model: MemoryModel, plan: ChunkPlan) -> Timeline:
     n = model.n_nodes
     kept = kept_storages(model, plan)
     weight = model.size * kept
-    fwd = model.const_fwd + _prefix_by(model.last_use + 1, weight, n)
-    kept_bwd = _prefix_by(model.release, weight, n)
+    fwd = model.const_fwd + prefix_by(model.last_use + 1, weight, n)
+    kept_bwd = prefix_by(model.release, weight, n)
     recomputed = _recomputed(model, plan)
     bwd = np.where(model.has_bwd, model.const_bwd + kept_bwd + recomputed, -1)
     for first, stop in plan:  # the moment a segment is re-run: its last saving chunk, before its backward
@@ -234,7 +234,7 @@ def simulate(model: MemoryModel, plan: ChunkPlan) -> Timeline:
     if fwd_peak >= bwd_peak:
         phase, node, peak = "forward", int(fwd.argmax()), fwd_peak
         alive = kept & (model.last_use < node)
-        live_kept, bump = int(_prefix_by(model.last_use + 1, weight, n)[node]), 0
+        live_kept, bump = int(prefix_by(model.last_use + 1, weight, n)[node]), 0
     else:
         phase, node, peak = "backward", int(bwd.argmax()), bwd_peak
         alive = kept & (model.release <= node)
@@ -315,3 +315,15 @@ def _recomputed(model: MemoryModel, plan: ChunkPlan) -> np.ndarray:
         np.add.at(acc, model.first_saver[inside] - lo, model.size[inside])
         out[lo:hi] = np.cumsum(acc)[:-1]
     return out
+
+
+def recomputed_from(model: MemoryModel) -> np.ndarray:
+    """``[a, t]``: recomputed bytes still held at node t's backward when t's segment starts at chunk a
+    (saved storages produced from chunk a up to t, first saved at or before t)."""
+    n = model.n_nodes
+    saved = (model.first_saver < NEVER) & (model.size > 0) & (model.producer_chunk >= 0)
+    per_chunk = np.zeros((model.n_chunks + 1, n), dtype=np.int64)
+    for j in range(model.n_chunks):
+        mask = saved & (model.producer_chunk == j)
+        per_chunk[j] = prefix_by(model.first_saver[mask], model.size[mask], n)
+    return np.cumsum(per_chunk[::-1], axis=0)[::-1][: model.n_chunks]

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 import numpy as np
 from ortools.sat.python import cp_model
 
-from planner.simulate import NEVER, ChunkPlan, MemoryModel, rerun_bytes, rerun_chunk, simulate
+from planner.simulate import (NEVER, ChunkPlan, MemoryModel, prefix_by, recomputed_from, rerun_bytes, rerun_chunk,
+                              simulate)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -114,7 +115,7 @@ def _add_forward_limits(cp, model: MemoryModel, variables: _Vars, limit) -> None
     """Forward: at node t, every storage last read before t is alive iff kept."""
     n = model.n_nodes
     fixed = model.size * model.always_kept
-    const = model.const_fwd + _prefix(model.last_use + 1, fixed, n)
+    const = model.const_fwd + prefix_by(model.last_use + 1, fixed, n)
     # The kept prefix only grows with t, so a limit is implied by any later one with a larger constant.
     later_max = np.maximum.accumulate(const[::-1])[::-1]
     times = [t for t in range(n) if t == n - 1 or const[t] > later_max[t + 1]]
@@ -150,9 +151,9 @@ def _add_backward_limits(cp, model: MemoryModel, variables: _Vars, limit) -> Non
     and, where a segment is re-run, the same plus the largest allocation of the re-run."""
     n = model.n_nodes
     fixed = model.size * model.always_kept
-    const = model.const_bwd + _prefix(model.release, fixed, n)
+    const = model.const_bwd + prefix_by(model.release, fixed, n)
     owner = model.regions.chunk_of() + [-1] * (n - model.regions.end)
-    recomputed = _recomputed_from(model)
+    recomputed = recomputed_from(model)
     # Within one chunk both the kept prefix and the recomputed bytes only grow with t, so a
     # limit is implied by a later one of the same chunk with a larger constant.
     times, best_later = [], {}
@@ -179,19 +180,6 @@ def _add_backward_limits(cp, model: MemoryModel, variables: _Vars, limit) -> Non
             _add_limit(cp, kept_at[t] + fixed_bytes, limit, enforce=[var])
 
 
-def _recomputed_from(model: MemoryModel) -> np.ndarray:
-    """``[a, t]``: bytes recomputed and still held at node t's backward when t's segment starts at chunk a
-    (saved storages produced from chunk a up to t, first saved at or before t)."""
-    n = model.n_nodes
-    saved = (model.first_saver < NEVER) & (model.size > 0) & (model.producer_chunk >= 0)
-    per_chunk = np.zeros((model.n_chunks + 1, n), dtype=np.int64)
-    for j in range(model.n_chunks):
-        mask = saved & (model.producer_chunk == j)
-        per_chunk[j] = _prefix(model.first_saver[mask], model.size[mask], n)
-    # from chunk a onwards: suffix sums over chunks
-    return np.cumsum(per_chunk[::-1], axis=0)[::-1][: model.n_chunks]
-
-
 def _add_limit(cp, expr, limit, enforce=None) -> None:
     """``expr <= limit`` (limit an int budget or the peak variable), optionally only if all ``enforce`` hold."""
     if isinstance(expr, int):
@@ -206,13 +194,6 @@ def _add_limit(cp, expr, limit, enforce=None) -> None:
         ct = cp.add(expr <= limit)
     if enforce:
         ct.only_enforce_if(enforce)
-
-
-def _prefix(index: np.ndarray, weight: np.ndarray, n: int) -> np.ndarray:
-    acc = np.zeros(n + 1, dtype=np.int64)
-    inside = index <= n
-    np.add.at(acc, np.clip(index[inside], 0, n), weight[inside])
-    return np.cumsum(acc)[:n]
 
 
 def read_plan(solver: cp_model.CpSolver, variables: _Vars) -> ChunkPlan:
@@ -252,6 +233,7 @@ def min_peak(model: MemoryModel, *, time_limit_s: float = 30.0, workers: int | N
     """A plan reaching the smallest predicted peak (used to explain infeasible budgets)."""
     cp, variables, _ = build(model, budget_bytes=None)
     solver = _solver(time_limit_s, workers)
+    solver.parameters.optimize_with_core = False  # one integer objective: plain search is faster here
     status = solver.solve(cp)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         raise NoSolution(False, "CP-SAT could not find the smallest peak")
@@ -266,6 +248,7 @@ def encoded_peak(model: MemoryModel, plan: ChunkPlan, *, time_limit_s: float = 3
     for ab, var in variables.segment.items():
         cp.add(var == int(ab in chosen))
     solver = _solver(time_limit_s, None)
+    solver.parameters.optimize_with_core = False
     if solver.solve(cp) != cp_model.OPTIMAL:
         raise NoSolution(False, f"could not evaluate plan {plan}")
     return int(solver.value(peak))

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from planner.baselines import every_block, no_checkpointing, sqrt_n
+from planner.rotor import rotor
 from planner.simulate import MemoryModel
 from planner.solve import Solution, solve
 
@@ -19,6 +21,10 @@ class Solver(Protocol):
 
 SOLVERS: dict[str, Solver] = {
     "cpsat": solve,
+    "rotor": rotor,
+    "every_block": every_block,
+    "sqrt_n": sqrt_n,
+    "none": no_checkpointing,
 }
 
 

@@ -125,3 +125,16 @@ def test_dict_inputs_and_nested_outputs(restore_buffers):
     measured = measure_peak(plan.module, as_inputs(model, inputs), dict_loss)
     assert measured <= plan.budget_bytes
     assert abs(plan.predicted_peak_bytes - measured) <= 0.10 * measured
+
+
+def test_eval_mode_of_a_sequential_whose_argument_is_named_input():
+    torch.manual_seed(0)
+    mlp = torch.nn.Sequential(*[m for _ in range(4) for m in (torch.nn.Linear(64, 256), torch.nn.GELU(),
+                                                                torch.nn.Linear(256, 64))])
+    x = torch.randn(512, 64)
+    plan = optimize(mlp, "80%", inputs=(x,))
+    assert plan.segments
+    plan.module.eval()
+    mlp.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(plan.module(x), mlp(x), rtol=0, atol=0)
