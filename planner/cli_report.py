@@ -191,7 +191,9 @@ def explain_segments(segments: tuple[Segment, ...]) -> Table:
         nodes = seg.nodes[0] if len(seg.nodes) == 1 else f"{seg.nodes[0]} … {seg.nodes[-1]}"
         what = Text.assemble((", ".join(seg.module_paths), "cyan"), f"\n{len(seg.nodes)} node{'' if len(seg.nodes) == 1 else 's'}: {nodes}")
         if seg.restore_buffers:
-            what.append(f"\nrestores {', '.join(seg.restore_buffers)} after recomputing (updated once a step)")
+            owners = sorted({name.rsplit(".", 1)[0] for name in seg.restore_buffers})
+            what.append(f"\nrestores {len(seg.restore_buffers)} buffers of {_paths_text(owners)} after "
+                        "recomputing (updated once a step)")
         rate = f"{seg.freed_bytes / 1024 / seg.recompute_ms:,.0f}" if seg.recompute_ms > 0 else "∞"
         table.add_row(str(i), what, format_bytes(seg.freed_bytes), f"{seg.recompute_ms:.2f} ms", rate)
     return table
@@ -295,3 +297,7 @@ def emitted_source(plan: Plan, *, model_file: str, model_class: str, budget: int
         "",
     ]
     return "\n".join(lines) + "\n" + plan.source.rstrip("\n") + "\n"
+
+
+def _paths_text(paths: list[str]) -> str:
+    return ", ".join(paths) if len(paths) <= 2 else f"{paths[0]} … {paths[-1]} ({len(paths)} modules)"
