@@ -2,23 +2,37 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, Mapping
 
 import torch
 from torch import nn
 
 from planner.budget import parse_budget
-from planner.capture import as_inputs, capture
+from planner.capture import Captured, as_inputs, capture
 from planner.costs import Profile
 from planner.errors import InfeasibleBudget, PlannerError
-from planner.plan import Plan, Segment
+from planner.plan import MemoryTimeline, Plan, Segment
 from planner.profile import profile
 from planner.regions import Regions, find_regions
 from planner.rewrite import SegmentSpec, rewrite
-from planner.simulate import ChunkPlan, MemoryModel, build_model, freed_bytes, simulate
+from planner.simulate import ChunkPlan, MemoryModel, Timeline, build_model, freed_bytes, simulate
 from planner.solve import NoSolution, Solution, min_peak
 from planner.solvers import get_solver
 from planner.step import LossFn
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Prepared:
+    """A model captured and profiled once, ready to be planned for any budget."""
+
+    model: nn.Module
+    captured: Captured
+    profile: Profile
+    regions: Regions
+    memory: MemoryModel
+    baseline: Timeline
+    """Predicted memory without checkpointing."""
 
 
 def optimize(
@@ -52,7 +66,7 @@ def optimize(
 
     Raises:
         InfeasibleBudget: no plan fits; carries the smallest reachable peak.
-        ValueError: malformed budget. TypeError: no inputs.
+        ValueError: malformed budget or unknown solver. TypeError: no inputs.
         CaptureError, ProfileError: the model could not be traced or run.
 
     Example:
@@ -61,6 +75,13 @@ def optimize(
     """
     parse_budget(budget, baseline_peak_bytes=1)  # reject a malformed budget before any work
     get_solver(solver)  # reject an unknown solver before any work
+    prepared = prepare(model, inputs=inputs, loss_fn=loss_fn, progress=progress)
+    return plan_for(prepared, budget, solver=solver, time_limit_s=time_limit_s, progress=progress)
+
+
+def prepare(model: nn.Module, *, inputs: tuple | Mapping | torch.Tensor | None = None,
+            loss_fn: LossFn | None = None, progress: Callable[[str], None] | None = None) -> Prepared:
+    """Captures and profiles ``model`` once (arguments as for ``optimize``)."""
     stage = progress or (lambda name: None)
     example = as_inputs(model, inputs)
     stage("capture")
@@ -69,13 +90,21 @@ def optimize(
     measured = profile(captured, model, example, loss_fn=loss_fn)  # one real step, node by node
     regions = find_regions(measured)                            # where segments may start and end
     memory = build_model(measured, regions)                     # the cost model the solver optimises
-    baseline = simulate(memory, ())
+    return Prepared(model=model, captured=captured, profile=measured, regions=regions, memory=memory,
+                    baseline=simulate(memory, ()))
+
+
+def plan_for(prepared: Prepared, budget: int | str, *, solver: str = "cpsat", time_limit_s: float = 30.0,
+             progress: Callable[[str], None] | None = None) -> Plan:
+    """Solves and rewrites a prepared model for one budget (arguments as for ``optimize``)."""
+    stage = progress or (lambda name: None)
+    memory, baseline = prepared.memory, prepared.baseline
     budget_bytes = parse_budget(budget, baseline_peak_bytes=baseline.peak_bytes)
     stage("solve")
     solution = _solve(solver, memory, budget_bytes, baseline.peak_bytes, time_limit_s)
-    segments = _segments(measured, regions, memory, solution.plan)
+    segments = _segments(prepared.profile, prepared.regions, memory, solution.plan)
     stage("rewrite")
-    rewritten = rewrite(model, captured.graph_module.graph,
+    rewritten = rewrite(prepared.model, prepared.captured.graph_module.graph,
                         [SegmentSpec(nodes=s.nodes, restore_buffers=s.restore_buffers) for s in segments])
     predicted = simulate(memory, solution.plan)
     return Plan(
@@ -85,16 +114,23 @@ def optimize(
         baseline_peak_bytes=baseline.peak_bytes,
         predicted_overhead=solution.recompute_us / memory.step_us,
         recompute_ms=solution.recompute_us / 1000,
-        step_ms=measured.step_ms,
+        step_ms=prepared.profile.step_ms,
         segments=segments,
         solver_status=solution.status,
         solve_time_s=solution.solve_time_s,
-        fingerprint=captured.fingerprint,
-        capture_method=captured.method,
-        device=measured.device,
+        fingerprint=prepared.captured.fingerprint,
+        capture_method=prepared.captured.method,
+        device=prepared.profile.device,
         source=rewritten.source,
         peak_breakdown=predicted.breakdown,
         largest_kept=predicted.largest_kept,
+        timeline=MemoryTimeline(
+            nodes=memory.node_names,
+            forward_bytes=tuple(int(b) for b in predicted.fwd_bytes),
+            backward_bytes=tuple(int(b) if ok else None for b, ok in zip(predicted.bwd_bytes, memory.has_bwd)),
+            baseline_forward_bytes=tuple(int(b) for b in baseline.fwd_bytes),
+            baseline_backward_bytes=tuple(int(b) if ok else None for b, ok in zip(baseline.bwd_bytes, memory.has_bwd)),
+        ),
     )
 
 

@@ -37,6 +37,19 @@ class Segment:
     """Buffers restored after recomputation (BatchNorm running statistics)."""
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MemoryTimeline:
+    """Predicted live bytes during each node's forward and backward, with and without the plan."""
+
+    nodes: tuple[str, ...]
+    """Node names in forward order (the loss last); backward runs them in reverse."""
+    forward_bytes: tuple[int, ...]
+    backward_bytes: tuple[int | None, ...]
+    """None for nodes that run nothing in backward."""
+    baseline_forward_bytes: tuple[int, ...]
+    baseline_backward_bytes: tuple[int | None, ...]
+
+
 @dataclass(frozen=True, kw_only=True)
 class Plan:
     """A checkpointing plan for one model, budget and input shape.
@@ -71,6 +84,8 @@ class Plan:
     """What the predicted peak is made of, bytes per component."""
     largest_kept: tuple[tuple[str, int, str], ...] = field(default=(), repr=False)
     """Largest activations alive at the predicted peak: (producing node, bytes, why it stays)."""
+    timeline: MemoryTimeline | None = field(default=None, repr=False)
+    """Predicted memory over one step, for plots."""
 
     def apply(self, model: nn.Module) -> nn.Module:
         """Returns ``model`` rewritten to run this plan (``model`` itself is not modified).
@@ -114,6 +129,7 @@ class Plan:
                      "capture_method", "device", "source", "peak_breakdown"):
             data[name] = getattr(self, name)
         data["largest_kept"] = [list(item) for item in self.largest_kept]
+        data["timeline"] = None if self.timeline is None else {k: list(v) for k, v in asdict(self.timeline).items()}
         data["segments"] = [asdict(s) for s in self.segments]
         return data
 
@@ -146,11 +162,14 @@ def load_plan(path: str | Path) -> Plan:
         raise ValueError(f"{path} is not a ckplan plan; pass a file written by Plan.save")
     if data.get("version") != VERSION:
         raise ValueError(f"{path} has plan version {data.get('version')}, this ckplan reads version {VERSION}")
-    fields = {k: v for k, v in data.items() if k not in ("format", "version", "segments", "largest_kept")}
+    fields = {k: v for k, v in data.items() if k not in ("format", "version", "segments", "largest_kept", "timeline")}
     segments = tuple(
         Segment(nodes=tuple(s["nodes"]), module_paths=tuple(s["module_paths"]), recompute_ms=s["recompute_ms"],
                 freed_bytes=s.get("freed_bytes", 0), restore_buffers=tuple(s.get("restore_buffers", ())))
         for s in data["segments"]
     )
     largest = tuple(tuple(item) for item in data.get("largest_kept", ()))
-    return Plan(module=None, segments=segments, largest_kept=largest, **fields)
+    timeline = data.get("timeline")
+    if timeline is not None:
+        timeline = MemoryTimeline(**{k: tuple(v) for k, v in timeline.items()})
+    return Plan(module=None, segments=segments, largest_kept=largest, timeline=timeline, **fields)
