@@ -71,9 +71,15 @@ class Captured:
     graph_module: fx.GraphModule
     """Graph of the model's forward; shares parameters and submodules with the model."""
     method: str
-    """How the graph was obtained (``torch.fx.symbolic_trace``)."""
+    """How the graph was obtained: ``FX`` or ``EXPORT``."""
     fingerprint: str
     """Hash of the graph's structure: equal for two instances of one architecture."""
+    notes: tuple[str, ...] = ()
+    """One line per capture method that was tried first and failed, and why."""
+
+
+FX = "torch.fx.symbolic_trace"
+EXPORT = "torch.export (non-strict)"
 
 
 class ScopeTracer(fx.Tracer):
@@ -159,10 +165,33 @@ def trace(model: nn.Module, *, opaque: frozenset[str] = frozenset()) -> tuple[fx
     return fx.GraphModule(root, graph, class_name=type(model).__name__), root
 
 
-def capture(model: nn.Module) -> Captured:
-    """Traces ``model`` into a flat graph (user modules inlined, torch.nn layers kept as calls)."""
-    gm, _ = trace(model)
-    return Captured(graph_module=gm, method="torch.fx.symbolic_trace", fingerprint=fingerprint(gm.graph))
+def capture(model: nn.Module, inputs: Inputs | None = None) -> Captured:
+    """Traces ``model`` into a flat graph, with ``torch.fx.symbolic_trace`` (user modules inlined,
+    torch.nn layers kept as calls) or, when that fails and example inputs are given, with
+    ``torch.export`` on those inputs.
+
+    Raises:
+        CaptureError: no method could capture the model; names each failure.
+    """
+    try:
+        gm, _ = trace(model)
+        return Captured(graph_module=gm, method=FX, fingerprint=fingerprint(gm.graph))
+    except CaptureError as fx_error:
+        if inputs is None:
+            raise
+        note = f"{FX} failed: {fx_error}"
+    from planner.capture_export import export_graph  # torch.export is only needed here
+
+    try:
+        gm = export_graph(model, inputs.args, inputs.kwargs)
+    except Exception as exc:  # noqa: BLE001 - report both failures in one error
+        where = user_frame(exc)
+        raise CaptureError(
+            f"{note.split('; make that line')[0]}; and {EXPORT} failed: {type(exc).__name__}: "
+            f"{(str(exc).strip().splitlines() or [''])[0]}" + (f" (at {where})" if where else "")
+            + "; make the model traceable on these inputs (no Python control flow on tensor values)"
+        ) from exc
+    return Captured(graph_module=gm, method=EXPORT, fingerprint=fingerprint(gm.graph), notes=(note,))
 
 
 def fingerprint(graph: fx.Graph) -> str:

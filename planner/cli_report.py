@@ -122,6 +122,9 @@ def header(plan: Plan, *, model_file: str, solver: str) -> Table:
         f"{count} checkpointed segment{'' if count == 1 else 's'}, solver {solver} ",
         (plan.solver_status, "green" if plan.solver_status == "OPTIMAL" else "yellow"),
         f" in {plan.solve_time_s:.2f} s, on {plan.device}"))
+    grid.add_row("capture", plan.capture_method)
+    for note in plan.capture_notes:
+        grid.add_row("", Text(note.splitlines()[0][:160], style="dim"))
     return grid
 
 

@@ -85,7 +85,7 @@ def prepare(model: nn.Module, *, inputs: tuple | Mapping | torch.Tensor | None =
     stage = progress or (lambda name: None)
     example = as_inputs(model, inputs)
     stage("capture")
-    captured = capture(model)                                   # fx graph + module scope per node
+    captured = capture(model, example)                          # fx (or export) graph + module scopes
     stage("profile")
     measured = profile(captured, model, example, loss_fn=loss_fn)  # one real step, node by node
     regions = find_regions(measured)                            # where segments may start and end
@@ -104,7 +104,7 @@ def plan_for(prepared: Prepared, budget: int | str, *, solver: str = "cpsat", ti
     solution = _solve(solver, memory, budget_bytes, baseline.peak_bytes, time_limit_s)
     segments = _segments(prepared.profile, prepared.regions, memory, solution.plan)
     stage("rewrite")
-    rewritten = rewrite(prepared.model, prepared.captured.graph_module.graph,
+    rewritten = rewrite(prepared.model, prepared.captured,
                         [SegmentSpec(nodes=s.nodes, restore_buffers=s.restore_buffers) for s in segments])
     predicted = simulate(memory, solution.plan)
     return Plan(
@@ -120,6 +120,7 @@ def plan_for(prepared: Prepared, budget: int | str, *, solver: str = "cpsat", ti
         solve_time_s=solution.solve_time_s,
         fingerprint=prepared.captured.fingerprint,
         capture_method=prepared.captured.method,
+        capture_notes=prepared.captured.notes,
         device=prepared.profile.device,
         source=rewritten.source,
         peak_breakdown=predicted.breakdown,

@@ -14,7 +14,7 @@ from typing import Any
 from torch import nn
 
 from planner.budget import format_bytes
-from planner.capture import capture
+from planner.capture import EXPORT, as_inputs, capture
 from planner.rewrite import SegmentSpec, rewrite
 
 FORMAT = "ckplan-plan"
@@ -77,6 +77,8 @@ class Plan:
     fingerprint: str
     """Structure hash of the traced graph the plan refers to."""
     capture_method: str
+    capture_notes: tuple[str, ...] = ()
+    """Why earlier capture methods failed, one line each."""
     device: str
     source: str = field(default="", repr=False)
     """Python source of the planned module's generated class."""
@@ -87,13 +89,21 @@ class Plan:
     timeline: MemoryTimeline | None = field(default=None, repr=False)
     """Predicted memory over one step, for plots."""
 
-    def apply(self, model: nn.Module) -> nn.Module:
+    def apply(self, model: nn.Module, *, inputs=None) -> nn.Module:
         """Returns ``model`` rewritten to run this plan (``model`` itself is not modified).
+
+        Args:
+            model: a fresh instance of the architecture the plan was made for.
+            inputs: example inputs, needed when the plan was captured with torch.export
+                (default ``model.example_inputs``).
 
         Raises:
             ValueError: ``model`` does not trace to the graph the plan was made for.
         """
-        captured = capture(model)
+        example = as_inputs(model, inputs) if inputs is not None or hasattr(model, "example_inputs") else None
+        if self.capture_method == EXPORT and example is None:
+            raise TypeError("this plan was captured with torch.export: pass inputs= (the example inputs) to apply()")
+        captured = capture(model, example)
         if captured.fingerprint != self.fingerprint:
             raise ValueError(
                 f"this plan was made for a graph with fingerprint {self.fingerprint}, but "
@@ -101,7 +111,7 @@ class Plan:
                 "and configuration, or plan again"
             )
         specs = [SegmentSpec(nodes=s.nodes, restore_buffers=s.restore_buffers) for s in self.segments]
-        return rewrite(model, captured.graph_module.graph, specs).module
+        return rewrite(model, captured, specs).module
 
     def summary(self) -> str:
         """A human-readable table of the plan."""
@@ -112,6 +122,7 @@ class Plan:
             f"(budget {format_bytes(self.budget_bytes)}), recompute {self.recompute_ms:.2f} ms per step "
             f"= +{100 * self.predicted_overhead:.1f}% of a {self.step_ms:.2f} ms step",
         ]
+        lines += [f"  ({note.splitlines()[0][:160]})" for note in self.capture_notes]
         if self.segments:
             width = max(len(_describe(s)) for s in self.segments)
             lines.append(f"  {'#':>3}  {'segment':<{width}}  {'nodes':>5}  {'recompute':>10}")
@@ -126,7 +137,7 @@ class Plan:
         data = {"format": FORMAT, "version": VERSION}
         for name in ("budget_bytes", "predicted_peak_bytes", "baseline_peak_bytes", "predicted_overhead",
                      "recompute_ms", "step_ms", "solver_status", "solve_time_s", "fingerprint",
-                     "capture_method", "device", "source", "peak_breakdown"):
+                     "capture_method", "capture_notes", "device", "source", "peak_breakdown"):
             data[name] = getattr(self, name)
         data["largest_kept"] = [list(item) for item in self.largest_kept]
         data["timeline"] = None if self.timeline is None else {k: list(v) for k, v in asdict(self.timeline).items()}
@@ -136,6 +147,18 @@ class Plan:
     def save(self, path: str | Path) -> None:
         """Writes ``to_dict()`` as JSON; read it back with ``load_plan``."""
         Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+    def plot_timeline(self, ax=None):
+        """Predicted memory over one training step, with and without the plan (a matplotlib
+        Figure; ``ax``: draw into these axes). See ``planner.plotting.plot_timeline``."""
+        from planner.plotting import plot_timeline
+
+        return plot_timeline(self, ax=ax)
+
+    def _repr_html_(self) -> str:
+        from planner.explore import plan_html
+
+        return plan_html(self)
 
     def __repr__(self) -> str:
         return (f"Plan(segments={len(self.segments)}, peak {format_bytes(self.predicted_peak_bytes)} of budget "
@@ -172,4 +195,5 @@ def load_plan(path: str | Path) -> Plan:
     timeline = data.get("timeline")
     if timeline is not None:
         timeline = MemoryTimeline(**{k: tuple(v) for k, v in timeline.items()})
+    fields["capture_notes"] = tuple(fields.get("capture_notes", ()))
     return Plan(module=None, segments=segments, largest_kept=largest, timeline=timeline, **fields)

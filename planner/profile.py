@@ -17,6 +17,7 @@ from typing import Any, Callable
 
 import torch
 import torch.fx as fx
+import torch.fx._pytree as fx_pytree
 from torch import nn
 from torch.utils._pytree import tree_leaves
 from torch.utils._python_dispatch import _disable_current_modes
@@ -159,7 +160,8 @@ class _StepRunner(fx.Interpreter):
     def step(self, inputs: Inputs, loss_fn: LossFn) -> None:
         self._seen = set()
         try:
-            output = self.run(*inputs.args, **inputs.kwargs) if not inputs.kwargs else self._run_kwargs(inputs)
+            output = self._run_pytree(inputs) if self._specs() else (
+                self.run(*inputs.args) if not inputs.kwargs else self._run_kwargs(inputs))
             loss = self._loss(output, loss_fn)
             loss.backward()
             _sync(self.device)
@@ -167,6 +169,15 @@ class _StepRunner(fx.Interpreter):
             for handle in self._handles:
                 handle.remove()
             self._handles = []
+
+    def _specs(self):
+        in_spec, out_spec = getattr(self.module, "_in_spec", None), getattr(self.module, "_out_spec", None)
+        return (in_spec, out_spec) if in_spec is not None and out_spec is not None else None
+
+    def _run_pytree(self, inputs: Inputs) -> Any:
+        """Graphs from torch.export take flattened inputs (the Interpreter rebuilds the outputs)."""
+        in_spec, _ = self._specs()
+        return self.run(*fx_pytree.tree_flatten_spec((inputs.args, inputs.kwargs), in_spec))
 
     def _run_kwargs(self, inputs: Inputs) -> Any:
         placeholders = [n for n in self.module.graph.nodes if n.op == "placeholder"]
@@ -275,7 +286,8 @@ class _MemoryRecorder(_StepRunner):
         names = {self._buffer_of[storage_key(v)] for v in values
                  if isinstance(v, torch.Tensor) and not v.is_meta and storage_key(v) in self._buffer_of}
         if node is not None and node.op == "call_module":
-            names |= {f"{node.target}.{name}" for name, _ in self.model.get_submodule(node.target).named_buffers()}
+            names |= {self._buffer_of[storage_key(b)] for b in self.module.get_submodule(node.target).buffers()
+                      if storage_key(b) in self._buffer_of}
         with _disable_current_modes():  # profiling's own copies are not the model's memory
             return [(name, self.model.get_buffer(name).detach().clone()) for name in sorted(names)]
 

@@ -24,7 +24,7 @@ import torch.fx as fx
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from planner.capture import SCOPE_KEY, shallow_clone, trace
+from planner.capture import EXPORT, SCOPE_KEY, Captured, shallow_clone, trace
 
 SEGMENT_PREFIX = "_ckplan_segment_"
 CONTEXT_PREFIX = "_ckplan_context_"
@@ -61,17 +61,17 @@ def restore_buffers(module: nn.Module, names: Sequence[str]) -> Iterator[None]:
                 buf.copy_(value)
 
 
-def rewrite(model: nn.Module, flat_graph: fx.Graph, segments: Sequence[SegmentSpec]) -> Rewritten:
-    """Builds the planned module for ``segments`` of ``model``'s flat graph.
+def rewrite(model: nn.Module, captured: Captured, segments: Sequence[SegmentSpec]) -> Rewritten:
+    """Builds the planned module for ``segments`` of ``model``'s captured graph.
 
     Args:
         model: the user's module (not modified).
-        flat_graph: the graph ``capture`` produced for ``model``.
+        captured: what ``capture`` produced for ``model``.
         segments: what to checkpoint, in graph order, non-overlapping.
     """
     if not segments:
         return Rewritten(module=shallow_clone(model), source="# empty plan: the model's own forward runs\n")
-    flat = [n for n in flat_graph.nodes if n.op not in ("placeholder", "output")]
+    flat = [n for n in captured.graph_module.graph.nodes if n.op not in ("placeholder", "output")]
     position = {n.name: i for i, n in enumerate(flat)}
     ranges = []
     for seg in segments:
@@ -79,6 +79,8 @@ def rewrite(model: nn.Module, flat_graph: fx.Graph, segments: Sequence[SegmentSp
         if [n.name for n in flat[lo:hi]] != list(seg.nodes):
             raise ValueError(f"segment {seg.nodes[0]}..{seg.nodes[-1]} is not a contiguous run of the graph")
         ranges.append((lo, hi))
+    if captured.method == EXPORT:
+        return _rewrite_exported(model, captured.graph_module, [flat[lo:hi] for lo, hi in ranges], segments)
     opened = _opened_modules(flat, ranges)
     every = {name for name, _ in model.named_modules() if name}
     coarse_gm, root = trace(model, opaque=frozenset(every - opened))
@@ -89,10 +91,53 @@ def rewrite(model: nn.Module, flat_graph: fx.Graph, segments: Sequence[SegmentSp
         if covered != b - a:
             raise AssertionError(f"segment nodes {a}:{b} do not align with the re-traced graph")
     main, pieces = _split(coarse_gm.graph, groups, [bool(s.restore_buffers) for s in segments])
-    source, namespace = _generate(type(model), main, pieces, segments)
-    cls = _compile(source, namespace, f"Checkpointed{type(model).__name__}")
-    root.__class__ = cls
+    source, namespace = _generate(type(model), f"Checkpointed{type(model).__name__}", main, pieces, segments,
+                                  guard=_eval_guard(type(model), main))
+    root.__class__ = _compile(source, namespace, f"Checkpointed{type(model).__name__}")
     return Rewritten(module=root, source=source)
+
+
+def _rewrite_exported(model: nn.Module, gm: fx.GraphModule, groups: list[list[fx.Node]],
+                      segments: Sequence[SegmentSpec]) -> Rewritten:
+    """The planned module of an exported graph: a clone of ``ExportedProgram.module()`` (same
+    parameter objects and state_dict keys as the model) whose forward runs the ATen graph with
+    the segments checkpointed; outside training it calls the user's model itself."""
+    main, pieces = _split(gm.graph, groups, [bool(s.restore_buffers) for s in segments])
+    main._codegen = gm.graph._codegen  # flatten inputs / unflatten outputs like the exported module
+    name = f"Checkpointed{type(model).__name__}"
+    source, namespace = _generate(type(gm), name, main, pieces, segments, guard=_eager_guard(gm))
+    namespace["_ckplan_module_mode"] = module_mode
+    planned = shallow_clone(gm)
+    for method in ("train", "eval"):  # ExportedProgram.module() forbids them per instance; ours switch paths
+        planned.__dict__.pop(method, None)
+    planned.__class__ = _compile(source, namespace, name)
+    planned.__dict__["_ckplan_eager"] = model  # not a registered submodule: no state_dict keys
+    return Rewritten(module=planned, source=source)
+
+
+@contextlib.contextmanager
+def module_mode(model: nn.Module, training: bool) -> Iterator[None]:
+    """Sets every module of ``model`` to training or eval mode, restoring each flag afterwards."""
+    flags = [(m, m.training) for m in model.modules()]
+    model.train(training)
+    try:
+        yield
+    finally:
+        for m, flag in flags:
+            m.training = flag
+
+
+def _eager_guard(gm: fx.GraphModule) -> str:
+    """First lines of an exported graph's forward: outside training, the user's model runs as is
+    (the exported graph is specialised to training mode and to the example shapes)."""
+    names = gm.graph._codegen.pytree_info.orig_args
+    spec = gm._in_spec
+    args_spec, kwargs_spec = spec.children() if callable(getattr(spec, "children", None)) else spec.children_specs
+    n_pos = args_spec.num_children
+    call = ", ".join([*names[:n_pos], *(f"{key}={name}" for key, name in zip(kwargs_spec.context, names[n_pos:]))])
+    return ("    if not (self.training and torch.is_grad_enabled()):  # the plan only matters for training\n"
+            "        with _ckplan_module_mode(self._ckplan_eager, self.training):\n"
+            f"            return self._ckplan_eager({call})")
 
 
 def _opened_modules(flat: list[fx.Node], ranges: list[tuple[int, int]]) -> set[str]:
@@ -150,7 +195,7 @@ def _split(graph: fx.Graph, groups: list[list[fx.Node]], with_context: list[bool
         if g is None:
             env[node] = main.node_copy(node, lambda a: env[a])
             continue
-        if node is not groups[g][0]:
+        if node is not groups[g][-1]:  # emit at the last node: every external input exists by then
             continue
         members = set(groups[g])
         inputs = _external_inputs(groups[g], members)
@@ -193,13 +238,12 @@ def _segment_graph(nodes: list[fx.Node], inputs: list[fx.Node], outputs: list[fx
     return graph
 
 
-def _generate(base: type, main: fx.Graph, pieces: list[fx.Graph],
-              segments: Sequence[SegmentSpec]) -> tuple[str, dict]:
-    """Python source of the planned class and the globals it needs."""
+def _generate(base: type, name: str, main: fx.Graph, pieces: list[fx.Graph],
+              segments: Sequence[SegmentSpec], *, guard: str) -> tuple[str, dict]:
+    """Python source of the planned class ``name`` and the globals it needs."""
     namespace: dict = {"_ckplan_base": base, "torch": torch, "contextlib": contextlib,
                        "_ckplan_restore_buffers": restore_buffers}
-    name = f"Checkpointed{base.__name__}"
-    body = [_method(main, "forward", namespace, guard=_eval_guard(base, main))]
+    body = [_method(main, "forward", namespace, guard=guard)]
     for g, piece in enumerate(pieces):
         body.append(_method(piece, f"{SEGMENT_PREFIX}{g}", namespace))
         if segments[g].restore_buffers:
@@ -208,7 +252,7 @@ def _generate(base: type, main: fx.Graph, pieces: list[fx.Graph],
                 f"    # recomputing this segment must not update these buffers a second time\n"
                 f"    return contextlib.nullcontext(), _ckplan_restore_buffers(self, {segments[g].restore_buffers!r})\n"
             )
-    doc = (f'"""{base.__name__} running a ckplan activation-checkpointing plan '
+    doc = (f'"""{name.removeprefix("Checkpointed")} running a ckplan activation-checkpointing plan '
            f'({len(pieces)} segment{"s" if len(pieces) != 1 else ""})."""\n')
     source = f"class {name}(_ckplan_base):\n" + textwrap.indent(doc + "\n" + "\n".join(body), "    ")
     return source, namespace

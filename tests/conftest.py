@@ -28,12 +28,34 @@ def training_step(module: torch.nn.Module, model: torch.nn.Module, inputs, loss_
     args, kwargs = (inputs, {}) if isinstance(inputs, tuple) else ((), inputs)
     output = module(*args, **kwargs)
     loss_fn(output).backward()
-    output = output.detach() if isinstance(output, torch.Tensor) else output
     grads = {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
     buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
     for p in model.parameters():
         p.grad = None
     return output, grads, buffers
+
+
+def assert_plan_is_exact(model, plan, inputs, loss_fn, restore) -> None:
+    """The planned module matches the model (outputs, every gradient, buffers after a step), its
+    measured peak fits the budget, and the prediction is within 10% of the measurement."""
+    from planner.capture import as_inputs
+    from planner.measure import measure_peak
+
+    restore(model)
+    expected = training_step(model, model, inputs, loss_fn, seed=7)
+    restore(model)
+    actual = training_step(plan.module, model, inputs, loss_fn, seed=7)
+    restore(model)
+    torch.testing.assert_close(loss_fn(actual[0]), loss_fn(expected[0]), rtol=1e-4, atol=1e-5)
+    assert actual[1].keys() == expected[1].keys() == {n for n, p in model.named_parameters() if p.requires_grad}
+    for key in expected[1]:
+        torch.testing.assert_close(actual[1][key], expected[1][key], rtol=1e-4, atol=1e-5, msg=key)
+    for key in expected[2]:  # BatchNorm statistics updated exactly once
+        torch.testing.assert_close(actual[2][key], expected[2][key], rtol=0, atol=0, msg=key)
+    assert list(plan.module.state_dict()) == list(model.state_dict())
+    measured = measure_peak(plan.module, as_inputs(model, inputs), loss_fn)
+    assert measured <= plan.budget_bytes
+    assert abs(plan.predicted_peak_bytes - measured) <= 0.10 * measured
 
 
 @pytest.fixture

@@ -1,12 +1,9 @@
 """Every bundled example at every budget regime: same numerics, measured peak within budget and prediction."""
 
 import pytest
-import torch
 
-from conftest import load_example, training_step
+from conftest import assert_plan_is_exact, load_example
 from planner import InfeasibleBudget, optimize
-from planner.capture import as_inputs
-from planner.measure import measure_peak
 
 EXAMPLES = ["seed_cnn", "gpt", "resnet"]
 BUDGETS = ["100%", "70%", "50%", "smallest"]
@@ -35,18 +32,4 @@ def test_plan_matches_original_and_fits(name, budget, restore_buffers):
     assert plan.predicted_peak_bytes <= plan.budget_bytes
     assert (plan.segments == ()) == (budget == "100%")
 
-    restore_buffers(model)
-    expected = training_step(model, model, inputs, loss_fn, seed=7)
-    restore_buffers(model)
-    actual = training_step(plan.module, model, inputs, loss_fn, seed=7)
-    restore_buffers(model)
-    torch.testing.assert_close(actual[0], expected[0], rtol=1e-4, atol=1e-5)
-    assert actual[1].keys() == expected[1].keys() == {n for n, p in model.named_parameters() if p.requires_grad}
-    for key in expected[1]:
-        torch.testing.assert_close(actual[1][key], expected[1][key], rtol=1e-4, atol=1e-5, msg=key)
-    for key in expected[2]:  # BatchNorm statistics updated exactly once
-        torch.testing.assert_close(actual[2][key], expected[2][key], rtol=0, atol=0, msg=key)
-
-    measured = measure_peak(plan.module, as_inputs(model, inputs), loss_fn)
-    assert measured <= plan.budget_bytes
-    assert abs(plan.predicted_peak_bytes - measured) <= 0.10 * measured
+    assert_plan_is_exact(model, plan, inputs, loss_fn, restore_buffers)
