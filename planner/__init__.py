@@ -10,11 +10,12 @@ The pipeline (one module per stage): capture -> profile -> regions -> simulate
 
 from planner.budget import parse_budget
 from planner.errors import CaptureError, InfeasibleBudget, PlannerError, ProfileError
+from planner.explore import Tradeoff, sweep
 from planner.optimize import Prepared, optimize, plan_for, prepare
 from planner.plan import Plan, Segment, load_plan
 
 __all__ = [
     "optimize", "prepare", "plan_for", "Prepared", "load_plan", "Plan", "Segment", "InfeasibleBudget", "PlannerError", "CaptureError",
-    "ProfileError", "parse_budget",
+    "ProfileError", "parse_budget", "sweep", "Tradeoff",
 ]
 __version__ = "0.1.0"
