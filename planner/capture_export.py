@@ -9,11 +9,45 @@ read from its ``nn_module_stack``. It is specialised to the example inputs' shap
 
 from __future__ import annotations
 
+import contextlib
+import io
+import logging
+import os
+import sys
+from typing import Iterator
+
 import torch
 import torch.fx as fx
 from torch import nn
 
 from planner.capture import SCOPE_KEY
+
+
+@contextlib.contextmanager
+def _quiet_torch_logs() -> Iterator[None]:
+    """Silences torch while exporting: a failed export prints the partial graph (not through
+    logging) and warns; ckplan reports the failure itself, in one line."""
+    loggers = [logging.getLogger(name) for name in list(logging.Logger.manager.loggerDict) if name.startswith("torch")]
+    levels = [(lg, lg.level) for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.CRITICAL)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = [os.dup(1), os.dup(2)]
+    try:
+        with open(os.devnull, "w") as null, contextlib.redirect_stdout(io.StringIO()), \
+                contextlib.redirect_stderr(io.StringIO()):
+            os.dup2(null.fileno(), 1)
+            os.dup2(null.fileno(), 2)
+            yield
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        for fd, copy in zip((1, 2), saved):
+            os.dup2(copy, fd)
+            os.close(copy)
+        for lg, level in levels:
+            lg.setLevel(level)
 
 
 def export_graph(model: nn.Module, args: tuple, kwargs: dict) -> fx.GraphModule:
@@ -24,7 +58,8 @@ def export_graph(model: nn.Module, args: tuple, kwargs: dict) -> fx.GraphModule:
     flags = [(m, m.training) for m in model.modules()]
     model.train()
     try:
-        program = torch.export.export(model, args, kwargs, strict=False)
+        with _quiet_torch_logs():  # a failed export dumps the partial graph to stderr; we report it in one line
+            program = torch.export.export(model, args, kwargs, strict=False)
     finally:
         for m, flag in flags:
             m.training = flag

@@ -59,6 +59,10 @@ class NodeCost:
     """Activation storages it modified in place."""
     mutated_buffers: tuple[str, ...] = ()
     """Fully qualified names of module buffers it modified (BatchNorm stats)."""
+    mutated_buffer_bytes: int = 0
+    """Bytes of those buffers (a checkpointed segment copies them while it is re-run)."""
+    eager_excess_bytes: int = 0
+    """Extra bytes the model's own forward keeps alive during this node (Python locals)."""
     checkpointable: bool = True
     """False for nodes that can never be inside a segment (the loss)."""
 

@@ -40,6 +40,8 @@ class LiveStorages(TorchDispatchMode):
         """Optional callback ``(key, tensor)`` run for each newly seen storage."""
         self.on_write = None
         """Optional callback ``(tensor)`` run for each tensor an op modifies in place."""
+        self.trace: list[tuple[str, int]] | None = None
+        """When a list, ``(op name, live bytes after it)`` is appended for every op."""
 
     def track(self, tensor: torch.Tensor) -> bool:
         """Start counting the storage behind ``tensor``; False if already counted."""
@@ -79,6 +81,8 @@ class LiveStorages(TorchDispatchMode):
         for leaf in tree_leaves(out):
             if isinstance(leaf, torch.Tensor):
                 self.track(leaf)
+        if self.trace is not None:
+            self.trace.append((func.name(), self.live_bytes))
         return out
 
 

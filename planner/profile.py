@@ -22,10 +22,11 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 from torch.utils._python_dispatch import _disable_current_modes
 
-from planner.capture import SCOPE_KEY, Captured, Inputs, call_module_path, target_text
+from planner.capture import FX, SCOPE_KEY, Captured, Inputs, call_module_path, target_text
 from planner.costs import LOSS_NODE, NodeCost, Profile, StorageCost
 from planner.errors import ProfileError, user_frame
 from planner.memtrack import LiveStorages, storage_key
+from planner.profile_eager import eager_excess, eager_forward_trace
 from planner.step import LossFn, default_loss, sync as _sync, untouched
 
 def profile(
@@ -63,6 +64,10 @@ def profile(
     with untouched(model):
         recorder = _MemoryRecorder(captured.graph_module, model, device)
         recorder.step(inputs, loss_fn)
+        excess = None
+        if captured.method == FX:  # the planned module calls the user's modules outside segments
+            excess = eager_excess(recorder.forward_trace(), eager_forward_trace(model, inputs, device),
+                                  [rec["ops"] for rec in recorder.records])
         timer = _Timer(captured.graph_module, device)
         for _ in range(timing_runs):
             timer.step(inputs, loss_fn)
@@ -77,6 +82,8 @@ def profile(
             inputs=tuple(sorted(rec["inputs"])), outputs=tuple(sorted(rec["outputs"])),
             saves=tuple(sorted(rec["saves"])), mutates=tuple(sorted(rec["mutates"])),
             mutated_buffers=tuple(rec["buffers"]), checkpointable=rec["kind"] != LOSS_NODE,
+            mutated_buffer_bytes=sum(recorder.buffer_bytes[name] for name in rec["buffers"]),
+            eager_excess_bytes=excess[i] if excess else 0,
         )
         for i, rec in enumerate(recorder.records)
     )
@@ -263,6 +270,7 @@ class _MemoryRecorder(_StepRunner):
         self.tracker.on_new_storage = self._new_storage
         self.tracker.on_write = self._written
         self._buffer_of = {storage_key(b): name for name, b in self._buffers}
+        self.buffer_bytes = {name: b.untyped_storage().nbytes() for name, b in self._buffers}
         self._writes: set[int] = set()
 
     def step(self, inputs: Inputs, loss_fn: LossFn) -> None:
@@ -270,9 +278,14 @@ class _MemoryRecorder(_StepRunner):
             if isinstance(value, torch.Tensor):
                 if not self.tracker.track(value):  # already counted (e.g. shares a parameter's storage)
                     continue
+        self.tracker.trace = []
         with self.tracker, torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t):
             super().step(inputs, loss_fn)
             self._close_window()
+
+    def forward_trace(self) -> list[tuple[str, int]]:
+        """The ops of the graph's forward (the loss excluded), with live bytes after each."""
+        return self.tracker.trace[: self.records[-1]["ops"][0]]
 
     def _new_storage(self, key: int, tensor: torch.Tensor) -> None:
         index = len(self.storages)
@@ -326,6 +339,7 @@ class _MemoryRecorder(_StepRunner):
         self._producer = index
         first_new = len(self.storages)
         record["fwd_start"] = self.tracker.mark()
+        first_op = len(self.tracker.trace)
         try:
             result = super().around_node(index, node, compute, values)
         finally:
@@ -333,6 +347,7 @@ class _MemoryRecorder(_StepRunner):
             self._current = None
         _sync(self.device)
         record["fwd_peak"] = self.tracker.window_peak_bytes
+        record["ops"] = (first_op, len(self.tracker.trace))
         record["outputs"] = set(range(first_new, len(self.storages)))
         record["mutates"] = {self._index_of[k] for k in self._writes if k in self._index_of} - record["outputs"]
         with _disable_current_modes():

@@ -139,7 +139,7 @@ class _ChainDP:
             if last is not None:
                 t = int(m.recompute_at[last])
                 rerun = (m.const_recompute[last] + (self.const_bwd[t] - m.const_bwd[t]) + alive_b[t - lo]
-                         + rerun_bytes(m, a, last))
+                         + rerun_bytes(m, a, last, b))
                 worst = max(worst, int(rerun))
         has = m.has_bwd[lo:hi]
         if has.any():

@@ -74,6 +74,8 @@ class MemoryModel:
     """Per chunk: plan-independent bytes when a segment is recomputed at ``recompute_at``."""
     fwd_rise: np.ndarray
     """Per node: bytes its forward allocates on top of what was live (outputs, workspace)."""
+    restore_bytes: np.ndarray
+    """Per node: bytes of the buffers it mutates, copied while its segment is re-run."""
     chunk_cost_us: np.ndarray
     """Forward time of each chunk, microseconds (what recomputing it costs)."""
     step_us: int
@@ -152,7 +154,9 @@ def build_model(profile: Profile, regions: Regions) -> MemoryModel:
     for s in range(n_storages):
         if consumer_chunks[s]:  # a segment starting in the next chunk could hold it from there
             release[s] = min(release[s], regions.starts[producer_chunk[s] + 1])
-    fwd_peak = np.array([nd.fwd_peak_bytes for nd in nodes], dtype=np.int64)
+    # Outside segments the user's modules run their own forward, whose locals outlive the traced
+    # graph's values; counting that excess everywhere is exact there and conservative inside.
+    fwd_peak = np.array([nd.fwd_peak_bytes + nd.eager_excess_bytes for nd in nodes], dtype=np.int64)
     has_bwd = np.array([nd.bwd_peak_bytes is not None for nd in nodes])
     bwd_peak = np.array([nd.bwd_peak_bytes or 0 for nd in nodes], dtype=np.int64)
     saved = (first_saver < NEVER) & ~np.isin(np.arange(n_storages), list(pinned))
@@ -177,6 +181,7 @@ def build_model(profile: Profile, regions: Regions) -> MemoryModel:
         always_kept=always, saver_chunks=saver_chunks, consumer_chunks=consumer_chunks,
         const_fwd=fwd_peak - kept_fwd, const_bwd=np.where(has_bwd, bwd_peak - kept_bwd, 0), has_bwd=has_bwd,
         recompute_at=recompute_at, const_recompute=const_recompute, fwd_rise=rise,
+        restore_bytes=np.array([nd.mutated_buffer_bytes for nd in nodes], dtype=np.int64),
         chunk_cost_us=chunk_cost, step_us=max(1, round(profile.step_ms * 1000)), param_bytes=profile.param_bytes,
     )
 
@@ -229,7 +234,7 @@ def simulate(model: MemoryModel, plan: ChunkPlan) -> Timeline:
         last = rerun_chunk(model, first, stop)
         if last is not None:
             t = model.recompute_at[last]
-            bwd[t] = max(bwd[t], model.const_recompute[last] + kept_bwd[t] + rerun_bytes(model, first, last))
+            bwd[t] = max(bwd[t], model.const_recompute[last] + kept_bwd[t] + rerun_bytes(model, first, last, stop))
     fwd_peak, bwd_peak = int(fwd.max(initial=0)), int(bwd.max(initial=0))
     if fwd_peak >= bwd_peak:
         phase, node, peak = "forward", int(fwd.argmax()), fwd_peak
@@ -286,13 +291,13 @@ def rerun_chunk(model: MemoryModel, first: int, stop: int) -> int | None:
     return max((k for k in range(first, stop) if model.recompute_at[k] >= 0), default=None)
 
 
-def rerun_bytes(model: MemoryModel, first: int, last: int) -> int:
-    """Peak bytes the re-run of a segment adds, replayed node by node.
+def rerun_bytes(model: MemoryModel, first: int, last: int, stop: int) -> int:
+    """Peak bytes the re-run of segment ``[first, stop)`` adds, replayed node by node.
 
-    The segment starts at chunk ``first`` and is re-run up to ``t = recompute_at[last]``
-    (early stop). While node u re-runs, alive are: the storages the segment produced
-    before u that some node up to t saves (held until unpacked) or that a later node
-    still reads, plus u's own allocations.
+    The segment is re-run up to ``t = recompute_at[last]`` (early stop). While node u
+    re-runs, alive are: the storages the segment produced before u that some node up to t
+    saves (held until unpacked) or that a later node still reads, u's own allocations, and
+    the copies of the buffers the segment mutates (restored after the re-run).
     """
     lo, t = model.regions.starts[first], int(model.recompute_at[last])
     inside = np.flatnonzero((model.producer >= lo) & (model.producer <= t) & (model.size > 0))
@@ -302,7 +307,8 @@ def rerun_bytes(model: MemoryModel, first: int, last: int) -> int:
     np.add.at(alive, model.producer[inside] - lo + 1, model.size[inside])
     np.add.at(alive, until - lo + 1, -model.size[inside])
     alive = np.cumsum(alive)[: t - lo + 1]
-    return int((alive + model.fwd_rise[lo:t + 1]).max())
+    restored = int(model.restore_bytes[lo:model.regions.bounds(stop - 1)[1]].sum())
+    return int((alive + model.fwd_rise[lo:t + 1]).max()) + restored
 
 
 def _recomputed(model: MemoryModel, plan: ChunkPlan) -> np.ndarray:

@@ -176,7 +176,7 @@ def _add_backward_limits(cp, model: MemoryModel, variables: _Vars, limit) -> Non
         last = rerun_chunk(model, a, b)
         if last is not None:
             t = int(model.recompute_at[last])
-            fixed_bytes = int(model.const_recompute[last] + extra[t]) + rerun_bytes(model, a, last)
+            fixed_bytes = int(model.const_recompute[last] + extra[t]) + rerun_bytes(model, a, last, b)
             _add_limit(cp, kept_at[t] + fixed_bytes, limit, enforce=[var])
 
 

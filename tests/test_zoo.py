@@ -1,0 +1,38 @@
+"""Convnets with BatchNorm and in-place ops, and a ViT with SDPA dropout: exact, within budget."""
+
+import pytest
+import torch
+
+from conftest import assert_plan_is_exact
+from planner import InfeasibleBudget, optimize
+from planner.capture import FX
+from zoo import MobileNetV2, ResNet18, ViT, images, labels_loss
+
+# (builder, batch, image size, reaches 50%): ResNet-18's stride-2 stem makes its first activations and
+# their gradients the floor of any plan (~70-80% of the un-checkpointed peak at these sizes).
+MODELS = {
+    "resnet18": (lambda: ResNet18(8), 16, 128, False),
+    "mobilenetv2": (MobileNetV2, 16, 64, True),
+    "vit": (ViT, 16, 32, True),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("budget", ["50%", "smallest"])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_zoo_model(name, budget, restore_buffers):
+    build, batch, size, reaches_half = MODELS[name]
+    torch.manual_seed(0)
+    model, inputs, loss_fn = build(), images(batch, size), labels_loss(batch)
+    if budget == "50%" and not reaches_half:
+        with pytest.raises(InfeasibleBudget) as info:
+            optimize(model, budget, inputs=inputs, loss_fn=loss_fn)
+        assert info.value.min_peak_bytes > info.value.budget_bytes
+        return
+    if budget == "smallest":
+        with pytest.raises(InfeasibleBudget) as info:
+            optimize(model, 1, inputs=inputs, loss_fn=loss_fn)
+        budget = info.value.min_peak_bytes
+    plan = optimize(model, budget, inputs=inputs, loss_fn=loss_fn)
+    assert plan.capture_method == FX and plan.segments
+    assert_plan_is_exact(model, plan, inputs, loss_fn, restore_buffers)
