@@ -21,6 +21,9 @@ class StorageCost:
     """Size of the storage in bytes (shared by every view of it)."""
     producer: int
     """Index of the node that allocated it; -1 for model inputs."""
+    autocast_cached: bool = False
+    """A cast of a parameter held in autocast's cache: alive through the forward and the loss
+    whatever the plan (the cache is cleared before backward)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

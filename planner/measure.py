@@ -18,7 +18,7 @@ from torch.utils._pytree import tree_leaves
 
 from planner.capture import Inputs
 from planner.memtrack import LiveStorages
-from planner.step import default_loss, sync as _sync, untouched
+from planner.step import backward, default_loss, sync as _sync, untouched
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -34,7 +34,7 @@ class Measurement:
 def measure_peak(module: nn.Module, inputs: Inputs, loss_fn: Callable[[Any], torch.Tensor] | None = None) -> int:
     """Peak bytes of one training step, starting with no gradients allocated.
 
-    The step is ``output = module(*inputs); loss_fn(output).backward()`` with ``output``
+    The step is ``output = module(*inputs); backward(loss_fn(output))`` with ``output``
     referenced until backward ends, as in the usual training loop."""
     loss_fn = loss_fn or default_loss
     device = next(module.parameters()).device
@@ -43,7 +43,7 @@ def measure_peak(module: nn.Module, inputs: Inputs, loss_fn: Callable[[Any], tor
             torch.cuda.synchronize(device)
             torch.cuda.reset_peak_memory_stats(device)
             output = module(*inputs.args, **inputs.kwargs)  # kept alive through backward, as a training loop does
-            loss_fn(output).backward()
+            backward(loss_fn(output))
             torch.cuda.synchronize(device)
             return torch.cuda.max_memory_allocated(device)
         tracker = LiveStorages(device)
@@ -52,7 +52,7 @@ def measure_peak(module: nn.Module, inputs: Inputs, loss_fn: Callable[[Any], tor
                 tracker.track(t)
         with tracker:
             output = module(*inputs.args, **inputs.kwargs)  # kept alive through backward, as a training loop does
-            loss_fn(output).backward()
+            backward(loss_fn(output))
         del output
         return tracker.peak_bytes
 
@@ -71,7 +71,7 @@ def step_times_ms(modules: Sequence[nn.Module], inputs: Inputs, loss_fn: Callabl
                 device = next(module.parameters()).device
                 _sync(device)
                 start = time.perf_counter()
-                loss_fn(module(*inputs.args, **inputs.kwargs)).backward()
+                backward(loss_fn(module(*inputs.args, **inputs.kwargs)))
                 _sync(device)
                 samples[i].append((time.perf_counter() - start) * 1e3)
                 for p in module.parameters():

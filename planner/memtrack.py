@@ -42,6 +42,8 @@ class LiveStorages(TorchDispatchMode):
         """Optional callback ``(tensor)`` run for each tensor an op modifies in place."""
         self.trace: list[tuple[str, int]] | None = None
         """When a list, ``(op name, live bytes after it)`` is appended for every op."""
+        self.on_op = None
+        """Optional callback ``(func, args, out)`` run after every op."""
 
     def track(self, tensor: torch.Tensor) -> bool:
         """Start counting the storage behind ``tensor``; False if already counted."""
@@ -83,6 +85,8 @@ class LiveStorages(TorchDispatchMode):
                 self.track(leaf)
         if self.trace is not None:
             self.trace.append((func.name(), self.live_bytes))
+        if self.on_op is not None:
+            self.on_op(func, args, out)
         return out
 
 

@@ -10,6 +10,7 @@ gradients, RNG state and train/eval mode are restored afterwards).
 from __future__ import annotations
 
 import statistics
+from dataclasses import replace
 import time
 import weakref
 from collections import defaultdict
@@ -27,7 +28,7 @@ from planner.costs import LOSS_NODE, NodeCost, Profile, StorageCost
 from planner.errors import ProfileError, user_frame
 from planner.memtrack import LiveStorages, storage_key
 from planner.profile_eager import eager_excess, eager_forward_trace
-from planner.step import LossFn, default_loss, sync as _sync, untouched
+from planner.step import LossFn, backward, default_loss, sync as _sync, untouched
 
 def profile(
     captured: Captured,
@@ -89,7 +90,8 @@ def profile(
     )
     return Profile(
         nodes=nodes,
-        storages=tuple(recorder.storages),
+        storages=tuple(replace(st, autocast_cached=True) if i in recorder._cached else st
+                       for i, st in enumerate(recorder.storages)),
         device=str(device),
         torch_version=torch.__version__,
         input_shapes=inputs.describe(),
@@ -170,7 +172,7 @@ class _StepRunner(fx.Interpreter):
             output = self._run_pytree(inputs) if self._specs() else (
                 self.run(*inputs.args) if not inputs.kwargs else self._run_kwargs(inputs))
             loss = self._loss(output, loss_fn)
-            loss.backward()
+            backward(loss)
             _sync(self.device)
         finally:
             for handle in self._handles:
@@ -269,6 +271,9 @@ class _MemoryRecorder(_StepRunner):
         self.param_bytes = self.tracker.live_bytes
         self.tracker.on_new_storage = self._new_storage
         self.tracker.on_write = self._written
+        self.tracker.on_op = self._op
+        self._param_keys = {storage_key(p) for p in model.parameters()}
+        self._cached: set[int] = set()
         self._buffer_of = {storage_key(b): name for name, b in self._buffers}
         self.buffer_bytes = {name: b.untyped_storage().nbytes() for name, b in self._buffers}
         self._writes: set[int] = set()
@@ -303,6 +308,15 @@ class _MemoryRecorder(_StepRunner):
                       if storage_key(b) in self._buffer_of}
         with _disable_current_modes():  # profiling's own copies are not the model's memory
             return [(name, self.model.get_buffer(name).detach().clone()) for name in sorted(names)]
+
+    def _op(self, func, args, out) -> None:
+        """Notes casts of parameters that autocast keeps in its cache."""
+        if (func is torch.ops.aten._to_copy.default and isinstance(out, torch.Tensor) and args
+                and isinstance(args[0], torch.Tensor) and torch.is_autocast_cache_enabled()
+                and storage_key(args[0]) in self._param_keys):
+            index = self._index_of.get(storage_key(out))
+            if index is not None:
+                self._cached.add(index)
 
     def _written(self, tensor: torch.Tensor) -> None:
         if self._current is not None and tensor.device.type == self.device.type and not tensor.is_meta:
@@ -425,7 +439,7 @@ def _time_plain_steps(gm: fx.GraphModule, inputs: Inputs, loss_fn: LossFn, devic
         loss = loss_fn(gm(*inputs.args, **inputs.kwargs))
         _sync(device)
         mid = time.perf_counter()
-        loss.backward()
+        backward(loss)
         _sync(device)
         fwd.append((mid - start) * 1e3)
         bwd.append((time.perf_counter() - mid) * 1e3)

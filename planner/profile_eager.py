@@ -30,6 +30,7 @@ def eager_forward_trace(model: nn.Module, inputs: Inputs, device: torch.device) 
     with tracker:
         output = model(*inputs.args, **inputs.kwargs)
     del output
+    torch.clear_autocast_cache()  # a forward without backward leaves autocast's casts cached
     return tracker.trace
 
 

@@ -37,6 +37,7 @@ class _Local:
     saved_in_p: bool
     saved_in_next: bool
     read_in_next: bool
+    fwd_fixed: bool
 
     @property
     def spans_next(self) -> bool:
@@ -55,9 +56,11 @@ def rotor(model: MemoryModel, budget_bytes: int, *, time_limit_s: float = 30.0, 
         NoSolution: no plan fits under that reading (``infeasible=True``).
     """
     began = time.perf_counter()
+    if budget_bytes < 0:
+        raise NoSolution(True, "a negative budget fits no plan")
     locals_, fixed = _classify(model)
     n = model.n_nodes
-    const_fwd = model.const_fwd + prefix_by(model.last_use + 1, fixed, n)
+    const_fwd = model.const_fwd + prefix_by(model.last_use + 1, fixed * ~model.fwd_fixed, n)
     const_bwd = model.const_bwd + prefix_by(model.release, fixed, n)
     sizes = [s.size for s in locals_]
     quantum = max(math.gcd(*sizes) if sizes else 1, math.ceil(budget_bytes / max_slots))
@@ -87,7 +90,8 @@ def _classify(model: MemoryModel) -> tuple[list[_Local], np.ndarray]:
         savers = {owner[u] for u in model.savers[s] if u < len(owner)}
         locals_.append(_Local(size=int(model.size[s]), p=p, last_use=int(model.last_use[s]),
                               release=int(model.release[s]), saved_in_p=p in savers,
-                              saved_in_next=p + 1 in savers, read_in_next=p + 1 in model.consumer_chunks[s]))
+                              saved_in_next=p + 1 in savers, read_in_next=p + 1 in model.consumer_chunks[s],
+                              fwd_fixed=bool(model.fwd_fixed[s])))
     return locals_, fixed
 
 
@@ -126,7 +130,7 @@ class _ChainDP:
                 continue
             if s.p < b - 1 or not s.spans_next:
                 added += s.size
-            if s.last_use + 1 < hi:
+            if s.last_use + 1 < hi and not s.fwd_fixed:
                 alive_f[max(s.last_use + 1, lo) - lo] += s.size
             if s.release < hi:
                 alive_b[max(s.release, lo) - lo] += s.size

@@ -53,6 +53,8 @@ class MemoryModel:
     """Earliest node that saves each storage for backward (``NEVER`` if none)."""
     release: np.ndarray
     """Earliest node whose backward can free a kept storage, under any plan."""
+    fwd_fixed: np.ndarray
+    """True for storages alive through the whole forward whatever the plan (autocast's cache)."""
     always_kept: np.ndarray
     """True when some saver can never be checkpointed."""
     savers: tuple[tuple[int, ...], ...]
@@ -160,9 +162,10 @@ def build_model(profile: Profile, regions: Regions) -> MemoryModel:
     has_bwd = np.array([nd.bwd_peak_bytes is not None for nd in nodes])
     bwd_peak = np.array([nd.bwd_peak_bytes or 0 for nd in nodes], dtype=np.int64)
     saved = (first_saver < NEVER) & ~np.isin(np.arange(n_storages), list(pinned))
+    fwd_fixed = np.array([s.autocast_cached for s in profile.storages], dtype=bool)
     # The un-checkpointed run keeps every saved storage from its production until the
     # backward of its first saver; subtract that to get the plan-independent part.
-    kept_fwd = prefix_by(last_use[saved] + 1, size[saved], n)
+    kept_fwd = prefix_by(last_use[saved & ~fwd_fixed] + 1, size[saved & ~fwd_fixed], n)
     kept_bwd = prefix_by(first_saver[saved], size[saved], n)
     recompute_at = np.full(regions.n_chunks, -1, dtype=np.int64)
     for k in range(regions.n_chunks):
@@ -177,6 +180,7 @@ def build_model(profile: Profile, regions: Regions) -> MemoryModel:
     return MemoryModel(
         regions=regions, node_names=tuple(nd.name for nd in nodes), size=size, producer=producer,
         producer_chunk=producer_chunk, last_use=last_use, first_saver=first_saver, release=release,
+        fwd_fixed=fwd_fixed,
         savers=tuple(tuple(sorted(sv)) for sv in savers),
         always_kept=always, saver_chunks=saver_chunks, consumer_chunks=consumer_chunks,
         const_fwd=fwd_peak - kept_fwd, const_bwd=np.where(has_bwd, bwd_peak - kept_bwd, 0), has_bwd=has_bwd,
@@ -226,7 +230,7 @@ def simulate(model: MemoryModel, plan: ChunkPlan) -> Timeline:
     n = model.n_nodes
     kept = kept_storages(model, plan)
     weight = model.size * kept
-    fwd = model.const_fwd + prefix_by(model.last_use + 1, weight, n)
+    fwd = model.const_fwd + prefix_by(model.last_use + 1, weight * ~model.fwd_fixed, n)
     kept_bwd = prefix_by(model.release, weight, n)
     recomputed = _recomputed(model, plan)
     bwd = np.where(model.has_bwd, model.const_bwd + kept_bwd + recomputed, -1)
@@ -239,7 +243,7 @@ def simulate(model: MemoryModel, plan: ChunkPlan) -> Timeline:
     if fwd_peak >= bwd_peak:
         phase, node, peak = "forward", int(fwd.argmax()), fwd_peak
         alive = kept & (model.last_use < node)
-        live_kept, bump = int(prefix_by(model.last_use + 1, weight, n)[node]), 0
+        live_kept, bump = int(prefix_by(model.last_use + 1, weight * ~model.fwd_fixed, n)[node]), 0
     else:
         phase, node, peak = "backward", int(bwd.argmax()), bwd_peak
         alive = kept & (model.release <= node)

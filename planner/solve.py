@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 from ortools.sat.python import cp_model
@@ -114,21 +114,24 @@ def _upper_bound(model: MemoryModel) -> int:
 def _add_forward_limits(cp, model: MemoryModel, variables: _Vars, limit) -> None:
     """Forward: at node t, every storage last read before t is alive iff kept."""
     n = model.n_nodes
-    fixed = model.size * model.always_kept
+    fixed = model.size * (model.always_kept & ~model.fwd_fixed)
     const = model.const_fwd + prefix_by(model.last_use + 1, fixed, n)
     # The kept prefix only grows with t, so a limit is implied by any later one with a larger constant.
     later_max = np.maximum.accumulate(const[::-1])[::-1]
     times = [t for t in range(n) if t == n - 1 or const[t] > later_max[t + 1]]
-    kept_at = _kept_prefix(cp, model, variables, model.last_use + 1, times, "fwd_kept")
+    kept_at = _kept_prefix(cp, model, variables, model.last_use + 1, times, "fwd_kept", skip=model.fwd_fixed)
     for t in times:
         _add_limit(cp, kept_at[t] + int(const[t]), limit)
 
 
-def _kept_prefix(cp, model: MemoryModel, variables: _Vars, when: np.ndarray, times: list[int], name: str) -> dict:
-    """``t -> sum(size[s] * kept[s] for when[s] <= t)`` for each t in ``times``, as chained variables."""
+def _kept_prefix(cp, model: MemoryModel, variables: _Vars, when: np.ndarray, times: list[int], name: str,
+                 skip: np.ndarray | None = None) -> dict:
+    """``t -> sum(size[s] * kept[s] for when[s] <= t)`` for each t in ``times`` (storages with
+    ``skip[s]`` left out), as chained variables."""
     pending: dict[int, list] = {}
     for s, var in variables.kept.items():
-        pending.setdefault(int(when[s]), []).append((int(model.size[s]), var))
+        if skip is None or not skip[s]:
+            pending.setdefault(int(when[s]), []).append((int(model.size[s]), var))
     total = int(sum(int(model.size[s]) for s in variables.kept))
     out: dict[int, object] = {}
     running, ready = 0, sorted(pending)
@@ -205,19 +208,34 @@ def solve(model: MemoryModel, budget_bytes: int, *, time_limit_s: float = 30.0, 
           dump_path: str | None = None) -> Solution:
     """The least-recompute plan whose predicted peak fits ``budget_bytes``.
 
+    The Rotor-style DP's plan (fast, feasible, optimal on chains) is given to CP-SAT as a hint
+    and returned as FEASIBLE if CP-SAT finds no plan of its own within the time limit.
+
     Raises:
         NoSolution: infeasible (proven), or no plan found within the time limit.
     """
+    from planner.rotor import rotor  # the DP imports this module's result types
+
     began = time.perf_counter()
     cp, variables, _ = build(model, budget_bytes=budget_bytes)
     if dump_path:
         cp.export_to_file(dump_path)
-    solver = _solver(time_limit_s, workers)
+    try:
+        warm = rotor(model, budget_bytes, time_limit_s=time_limit_s)
+    except NoSolution:
+        warm = None
+    if warm is not None:
+        chosen = set(warm.plan)
+        for ab, var in variables.segment.items():
+            cp.add_hint(var, ab in chosen)
+    solver = _solver(max(1.0, time_limit_s - (time.perf_counter() - began)), workers)
     status = solver.solve(cp)
     elapsed = time.perf_counter() - began
     if status == cp_model.INFEASIBLE:
         raise NoSolution(True, "no plan fits the budget")
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        if warm is not None:
+            return replace(warm, status="FEASIBLE", solve_time_s=elapsed)
         raise NoSolution(False, f"CP-SAT found no plan within {time_limit_s:g} s (status "
                                 f"{solver.status_name(status)}); raise time_limit_s")
     plan = read_plan(solver, variables)

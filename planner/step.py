@@ -60,3 +60,15 @@ def sync(device: torch.device) -> None:
     """Waits for queued device work (CUDA), so wall-clock timings mean something."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def backward(loss: torch.Tensor) -> None:
+    """``loss.backward()`` as a training loop under autocast runs it: outside the autocast context
+    (PyTorch's recommendation), so autocast's cache of cast parameters is gone by then and each
+    cast lives only as long as autograd keeps it."""
+    if torch.is_autocast_enabled(loss.device.type) or torch.is_autocast_enabled("cpu"):
+        torch.clear_autocast_cache()
+        with torch.autocast(loss.device.type, enabled=False), torch.autocast("cpu", enabled=False):
+            loss.backward()
+    else:
+        loss.backward()

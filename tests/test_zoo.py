@@ -36,3 +36,23 @@ def test_zoo_model(name, budget, restore_buffers):
     plan = optimize(model, budget, inputs=inputs, loss_fn=loss_fn)
     assert plan.capture_method == FX and plan.segments
     assert_plan_is_exact(model, plan, inputs, loss_fn, restore_buffers)
+
+
+@pytest.mark.slow
+def test_autocast_bf16_profile_sees_the_saved_bf16_activations(restore_buffers):
+    """Planned inside torch.autocast: the profile counts the bf16 tensors autograd saves (about half
+    the float32 bytes), and the plan is exact and within budget when trained under the same autocast.
+    (Known gap, docs/memory-model.md: at tight budgets autocast plans can be under-predicted.)"""
+    from conftest import load_example
+    from planner import prepare
+
+    example = load_example("gpt")
+    model, inputs, loss_fn = example["model"], example["inputs"], example["loss_fn"]
+    full = prepare(model, inputs=inputs, loss_fn=loss_fn)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        half = prepare(model, inputs=inputs, loss_fn=loss_fn)
+        saved = [sum(p.storages[s].nbytes for n in p.nodes for s in n.saves if p.storages[s].producer >= 0)
+                 for p in (full.profile, half.profile)]
+        assert 0.4 < saved[1] / saved[0] < 0.75, saved
+        plan = optimize(model, "70%", inputs=inputs, loss_fn=loss_fn)
+        assert_plan_is_exact(model, plan, inputs, loss_fn, restore_buffers)
