@@ -76,10 +76,13 @@ class Captured:
     """Hash of the graph's structure: equal for two instances of one architecture."""
     notes: tuple[str, ...] = ()
     """One line per capture method that was tried first and failed, and why."""
+    opaque: frozenset[str] = frozenset()
+    """Modules kept as single calls because their code cannot be traced (never inlined)."""
 
 
 FX = "torch.fx.symbolic_trace"
 EXPORT = "torch.export (non-strict)"
+FX_BLOCKS = "torch.fx.symbolic_trace (blocks as opaque calls)"
 
 
 class ScopeTracer(fx.Tracer):
@@ -184,14 +187,37 @@ def capture(model: nn.Module, inputs: Inputs | None = None) -> Captured:
 
     try:
         gm = export_graph(model, inputs.args, inputs.kwargs)
-    except Exception as exc:  # noqa: BLE001 - report both failures in one error
+        return Captured(graph_module=gm, method=EXPORT, fingerprint=fingerprint(gm.graph), notes=(note,))
+    except Exception as exc:  # noqa: BLE001 - report every failure in one error
         where = user_frame(exc)
-        raise CaptureError(
-            f"{note.split('; make that line')[0]}; and {EXPORT} failed: {type(exc).__name__}: "
-            f"{(str(exc).strip().splitlines() or [''])[0]}" + (f" (at {where})" if where else "")
-            + "; make the model traceable on these inputs (no Python control flow on tensor values)"
-        ) from exc
-    return Captured(graph_module=gm, method=EXPORT, fingerprint=fingerprint(gm.graph), notes=(note,))
+        export_note = (f"{EXPORT} failed: {type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"
+                       + (f" (at {where})" if where else ""))
+    for opaque in _opaque_candidates(model):  # module-level: the blocks' own code stays untraced
+        try:
+            gm, _ = trace(model, opaque=opaque)
+        except CaptureError:
+            continue
+        return Captured(graph_module=gm, method=FX_BLOCKS, fingerprint=fingerprint(gm.graph),
+                        notes=(note, export_note), opaque=opaque)
+    raise CaptureError(
+        f"{note.split('; make that line')[0]}; and {export_note}; and tracing with its blocks as opaque "
+        "calls failed too: make the model's forward traceable on these inputs (no Python control flow on "
+        "tensor values)")
+
+
+def _opaque_candidates(model: nn.Module) -> list[frozenset[str]]:
+    """Module sets to keep opaque, finest first: the children of the largest container of numbered
+    submodules (``layers.0``...), then every direct child of the root."""
+    children: dict[str, list[str]] = {}
+    for name, _ in model.named_modules():
+        parent, _, last = name.rpartition(".")
+        if last.isdigit():
+            children.setdefault(parent, []).append(name)
+    out = []
+    if children:
+        out.append(frozenset(max(children.values(), key=len)))
+    out.append(frozenset(name for name, _ in model.named_children()))
+    return [c for c in out if c]
 
 
 def fingerprint(graph: fx.Graph) -> str:

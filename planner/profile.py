@@ -172,6 +172,7 @@ class _StepRunner(fx.Interpreter):
             output = self._run_pytree(inputs) if self._specs() else (
                 self.run(*inputs.args) if not inputs.kwargs else self._run_kwargs(inputs))
             loss = self._loss(output, loss_fn)
+            self.before_backward()
             backward(loss)
             _sync(self.device)
         finally:
@@ -249,6 +250,9 @@ class _StepRunner(fx.Interpreter):
     def on_backward(self, index: int, phase: str) -> None:
         """Called before (``pre``) and after (``post``) each autograd node of graph node ``index``."""
 
+    def before_backward(self) -> None:
+        """Called once the loss is computed, just before backward."""
+
 
 class _MemoryRecorder(_StepRunner):
     """One instrumented step: storages, saved tensors, mutations and per-node peaks."""
@@ -287,6 +291,13 @@ class _MemoryRecorder(_StepRunner):
         with self.tracker, torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t):
             super().step(inputs, loss_fn)
             self._close_window()
+
+    def before_backward(self) -> None:
+        # A tensor "saved" by an autograd node outside the loss's graph (a side branch such as
+        # `if h.abs().mean() > 1`) is freed with that branch: only what is alive now is kept.
+        alive = set(self._index_of.values())
+        for record in self.records:
+            record["saves"] &= alive
 
     def forward_trace(self) -> list[tuple[str, int]]:
         """The ops of the graph's forward (the loss excluded), with live bytes after each."""

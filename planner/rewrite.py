@@ -81,7 +81,8 @@ def rewrite(model: nn.Module, captured: Captured, segments: Sequence[SegmentSpec
         ranges.append((lo, hi))
     if captured.method == EXPORT:
         return _rewrite_exported(model, captured.graph_module, [flat[lo:hi] for lo, hi in ranges], segments)
-    opened = _opened_modules(flat, ranges)
+    opened = {path for path in _opened_modules(flat, ranges)
+              if not any(path == o or path.startswith(o + ".") for o in captured.opaque)}
     every = {name for name, _ in model.named_modules() if name}
     coarse_gm, root = trace(model, opaque=frozenset(every - opened))
     spans = _flat_spans(coarse_gm.graph, flat)

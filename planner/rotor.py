@@ -38,6 +38,7 @@ class _Local:
     saved_in_next: bool
     read_in_next: bool
     fwd_fixed: bool
+    savers: tuple[int, ...]
 
     @property
     def spans_next(self) -> bool:
@@ -61,11 +62,13 @@ def rotor(model: MemoryModel, budget_bytes: int, *, time_limit_s: float = 30.0, 
     locals_, fixed = _classify(model)
     n = model.n_nodes
     const_fwd = model.const_fwd + prefix_by(model.last_use + 1, fixed * ~model.fwd_fixed, n)
-    const_bwd = model.const_bwd + prefix_by(model.release, fixed, n)
+    kept_fixed = prefix_by(model.release, fixed, n)  # always-kept storages released by t
+    const_bwd = model.const_bwd + kept_fixed
+    const_bwd -= np.array([int(fixed[list(own)].sum()) if own else 0 for own in model.own_saved], dtype=np.int64)
     sizes = [s.size for s in locals_]
     quantum = max(math.gcd(*sizes) if sizes else 1, math.ceil(budget_bytes / max_slots))
     slots = budget_bytes // quantum + 1
-    dp = _ChainDP(model, locals_, const_fwd, const_bwd, budget_bytes, quantum, slots)
+    dp = _ChainDP(model, locals_, const_fwd, const_bwd, kept_fixed, budget_bytes, quantum, slots)
     plan = dp.run()
     if plan is None:
         raise NoSolution(True, "no plan fits the budget under the chain model")
@@ -91,14 +94,14 @@ def _classify(model: MemoryModel) -> tuple[list[_Local], np.ndarray]:
         locals_.append(_Local(size=int(model.size[s]), p=p, last_use=int(model.last_use[s]),
                               release=int(model.release[s]), saved_in_p=p in savers,
                               saved_in_next=p + 1 in savers, read_in_next=p + 1 in model.consumer_chunks[s],
-                              fwd_fixed=bool(model.fwd_fixed[s])))
+                              fwd_fixed=bool(model.fwd_fixed[s]), savers=model.savers[s]))
     return locals_, fixed
 
 
 class _ChainDP:
-    def __init__(self, model, locals_, const_fwd, const_bwd, budget, quantum, slots):
+    def __init__(self, model, locals_, const_fwd, const_bwd, kept_fixed, budget, quantum, slots):
         self.m, self.budget, self.q, self.slots = model, budget, quantum, slots
-        self.const_fwd, self.const_bwd = const_fwd, const_bwd
+        self.const_fwd, self.const_bwd, self.kept_fixed = const_fwd, const_bwd, kept_fixed
         self.by_chunk: dict[int, list[_Local]] = {}
         for s in locals_:
             self.by_chunk.setdefault(s.p, []).append(s)
@@ -117,6 +120,7 @@ class _ChainDP:
         lo, hi = m.regions.starts[a], m.regions.bounds(b - 1)[1]
         alive_f = np.zeros(hi - lo + 1, dtype=np.int64)
         alive_b = np.zeros(hi - lo + 1, dtype=np.int64)
+        own_b = np.zeros(hi - lo + 1, dtype=np.int64)  # kept bytes a node saves itself (constant at it)
         added = 0
         involved = [(s, s.kept(prev_ckpt, ckpt, ckpt)) for s in self.by_chunk.get(a - 1, ()) if s.spans_next]
         for k in range(a, b):
@@ -134,15 +138,18 @@ class _ChainDP:
                 alive_f[max(s.last_use + 1, lo) - lo] += s.size
             if s.release < hi:
                 alive_b[max(s.release, lo) - lo] += s.size
+                for u in s.savers:
+                    if lo <= u < hi:
+                        own_b[u - lo] += s.size
         alive_f, alive_b = np.cumsum(alive_f)[:-1], np.cumsum(alive_b)[:-1]
         worst = int((self.const_fwd[lo:hi] + alive_f).max())
-        bwd = self.const_bwd[lo:hi] + alive_b
+        bwd = self.const_bwd[lo:hi] + alive_b - own_b[:-1]
         if ckpt:
             bwd = bwd + self.recompute_from[a, lo:hi]
             last = rerun_chunk(m, a, b)
             if last is not None:
                 t = int(m.recompute_at[last])
-                rerun = (m.const_recompute[last] + (self.const_bwd[t] - m.const_bwd[t]) + alive_b[t - lo]
+                rerun = (m.const_recompute[last] + self.kept_fixed[t] + alive_b[t - lo]
                          + rerun_bytes(m, a, last, b))
                 worst = max(worst, int(rerun))
         has = m.has_bwd[lo:hi]

@@ -59,6 +59,11 @@ class MemoryModel:
     """True when some saver can never be checkpointed."""
     savers: tuple[tuple[int, ...], ...]
     """Nodes that save each storage for backward."""
+    own_saved: tuple[tuple[int, ...], ...]
+    """Per node t: the storages t saves. They are alive when t's backward starts under any plan
+    (kept, held as a segment input, or recomputed) and freed during it, so at t they are part of
+    the measured constant, not of the plan-dependent terms (this matters for coarse nodes such as
+    a whole block, whose backward frees its saved tensors one by one)."""
     saver_chunks: tuple[tuple[int, ...], ...]
     """Chunks of each storage's savers (empty when always kept or unsaved)."""
     consumer_chunks: tuple[tuple[int, ...], ...]
@@ -167,6 +172,8 @@ def build_model(profile: Profile, regions: Regions) -> MemoryModel:
     # backward of its first saver; subtract that to get the plan-independent part.
     kept_fwd = prefix_by(last_use[saved & ~fwd_fixed] + 1, size[saved & ~fwd_fixed], n)
     kept_bwd = prefix_by(first_saver[saved], size[saved], n)
+    own_saved = tuple(tuple(int(x) for x in sorted({x for x in nd.saves if saved[x] and size[x] > 0})) for nd in nodes)
+    own_bytes = np.array([int(size[list(own)].sum()) if own else 0 for own in own_saved], dtype=np.int64)
     recompute_at = np.full(regions.n_chunks, -1, dtype=np.int64)
     for k in range(regions.n_chunks):
         for t in range(*regions.bounds(k)):
@@ -183,7 +190,9 @@ def build_model(profile: Profile, regions: Regions) -> MemoryModel:
         fwd_fixed=fwd_fixed,
         savers=tuple(tuple(sorted(sv)) for sv in savers),
         always_kept=always, saver_chunks=saver_chunks, consumer_chunks=consumer_chunks,
-        const_fwd=fwd_peak - kept_fwd, const_bwd=np.where(has_bwd, bwd_peak - kept_bwd, 0), has_bwd=has_bwd,
+        own_saved=own_saved,
+        const_fwd=fwd_peak - kept_fwd, const_bwd=np.where(has_bwd, bwd_peak - kept_bwd + own_bytes, 0),
+        has_bwd=has_bwd,
         recompute_at=recompute_at, const_recompute=const_recompute, fwd_rise=rise,
         restore_bytes=np.array([nd.mutated_buffer_bytes for nd in nodes], dtype=np.int64),
         chunk_cost_us=chunk_cost, step_us=max(1, round(profile.step_ms * 1000)), param_bytes=profile.param_bytes,
@@ -232,8 +241,9 @@ def simulate(model: MemoryModel, plan: ChunkPlan) -> Timeline:
     weight = model.size * kept
     fwd = model.const_fwd + prefix_by(model.last_use + 1, weight * ~model.fwd_fixed, n)
     kept_bwd = prefix_by(model.release, weight, n)
+    own_kept = np.array([int(weight[list(own)].sum()) if own else 0 for own in model.own_saved], dtype=np.int64)
     recomputed = _recomputed(model, plan)
-    bwd = np.where(model.has_bwd, model.const_bwd + kept_bwd + recomputed, -1)
+    bwd = np.where(model.has_bwd, model.const_bwd + kept_bwd - own_kept + recomputed, -1)
     for first, stop in plan:  # the moment a segment is re-run: its last saving chunk, before its backward
         last = rerun_chunk(model, first, stop)
         if last is not None:
@@ -324,6 +334,8 @@ def _recomputed(model: MemoryModel, plan: ChunkPlan) -> np.ndarray:
         acc = np.zeros(hi - lo + 1, dtype=np.int64)
         np.add.at(acc, model.first_saver[inside] - lo, model.size[inside])
         out[lo:hi] = np.cumsum(acc)[:-1]
+        for t in range(lo, hi):  # what t itself saves is in the measured constant at t
+            out[t] -= sum(int(model.size[x]) for x in model.own_saved[t] if lo <= model.producer[x] < hi)
     return out
 
 
@@ -336,4 +348,8 @@ def recomputed_from(model: MemoryModel) -> np.ndarray:
     for j in range(model.n_chunks):
         mask = saved & (model.producer_chunk == j)
         per_chunk[j] = prefix_by(model.first_saver[mask], model.size[mask], n)
+    for t, own in enumerate(model.own_saved):  # what t itself saves is in the measured constant at t
+        for x in own:
+            if model.producer_chunk[x] >= 0:
+                per_chunk[model.producer_chunk[x], t] -= model.size[x]
     return np.cumsum(per_chunk[::-1], axis=0)[::-1][: model.n_chunks]

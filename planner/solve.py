@@ -155,15 +155,10 @@ def _add_backward_limits(cp, model: MemoryModel, variables: _Vars, limit) -> Non
     n = model.n_nodes
     fixed = model.size * model.always_kept
     const = model.const_bwd + prefix_by(model.release, fixed, n)
+    own_fixed = np.array([int(fixed[list(own)].sum()) if own else 0 for own in model.own_saved], dtype=np.int64)
     owner = model.regions.chunk_of() + [-1] * (n - model.regions.end)
     recomputed = recomputed_from(model)
-    # Within one chunk both the kept prefix and the recomputed bytes only grow with t, so a
-    # limit is implied by a later one of the same chunk with a larger constant.
-    times, best_later = [], {}
-    for t in range(n - 1, -1, -1):
-        if model.has_bwd[t] and const[t] > best_later.get(owner[t], -np.inf):
-            times.append(t)
-            best_later[owner[t]] = const[t]
+    times = [t for t in range(n) if model.has_bwd[t]]
     reruns = [(var, last) for (a, b), var in variables.segment.items()
               if (last := rerun_chunk(model, a, b)) is not None]
     kept_at = _kept_prefix(cp, model, variables, model.release,
@@ -172,7 +167,9 @@ def _add_backward_limits(cp, model: MemoryModel, variables: _Vars, limit) -> Non
         k = owner[t]
         bump = sum(int(recomputed[a, t]) * variables.covers[a, k]
                    for a in range(k + 1) if (a, k) in variables.covers and recomputed[a, t]) if k >= 0 else 0
-        _add_limit(cp, kept_at[t] + int(const[t]) + bump, limit)
+        # what t itself saves is in the measured constant at t, not in the kept prefix
+        own = sum(int(model.size[x]) * variables.kept[x] for x in model.own_saved[t] if x in variables.kept)
+        _add_limit(cp, kept_at[t] - own + int(const[t] - own_fixed[t]) + bump, limit)
     # Re-run of segment [a, b): just before the backward of its last saving node t.
     extra = const - model.const_bwd  # always-kept storages released by t
     for (a, b), var in variables.segment.items():

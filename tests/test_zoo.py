@@ -56,3 +56,25 @@ def test_autocast_bf16_profile_sees_the_saved_bf16_activations(restore_buffers):
         assert 0.4 < saved[1] / saved[0] < 0.75, saved
         plan = optimize(model, "70%", inputs=inputs, loss_fn=loss_fn)
         assert_plan_is_exact(model, plan, inputs, loss_fn, restore_buffers)
+
+
+@pytest.mark.parametrize("budget", ["50%", "smallest"])
+def test_untraceable_blocks_are_planned_as_opaque_calls(budget, restore_buffers):
+    """Neither fx nor torch.export can trace the blocks (value-dependent branch): the model is
+    captured with its blocks as single calls, and whole blocks are checkpointed."""
+    from planner.capture import FX_BLOCKS
+    from zoo import GatedTower
+
+    torch.manual_seed(0)
+    model, inputs = GatedTower(), (torch.randn(2048, 16),)
+    loss_fn = labels_loss(2048)
+    if budget == "smallest":
+        with pytest.raises(InfeasibleBudget) as info:
+            optimize(model, 1, inputs=inputs, loss_fn=loss_fn)
+        budget = info.value.min_peak_bytes
+    plan = optimize(model, budget, inputs=inputs, loss_fn=loss_fn)
+    assert plan.capture_method == FX_BLOCKS and len(plan.capture_notes) == 2
+    assert "torch.export" in plan.capture_notes[1]
+    assert plan.segments and all(path.startswith("layers.") or ":" in path or path in ("embed", "head")
+                                 for seg in plan.segments for path in seg.module_paths)
+    assert_plan_is_exact(model, plan, inputs, loss_fn, restore_buffers)

@@ -129,3 +129,34 @@ def images(batch: int, size: int = 32) -> tuple[torch.Tensor]:
 def labels_loss(batch: int, classes: int = 10):
     labels = torch.randint(0, classes, (batch,), generator=torch.Generator().manual_seed(1))
     return lambda logits: F.cross_entropy(logits, labels)
+
+
+class GatedBlock(nn.Module):
+    """A residual MLP block with data-dependent control flow: neither fx nor torch.export trace it."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(width)
+        self.fc1 = nn.Linear(width, 4 * width)
+        self.fc2 = nn.Linear(4 * width, width)
+        self.drop = nn.Dropout(0.1)
+
+    def forward(self, x):
+        h = self.fc2(F.gelu(self.fc1(self.ln(x))))
+        if h.abs().mean() > 10.0:  # a value-dependent branch, as in gating or overflow guards
+            h = h / h.abs().mean()
+        return x + self.drop(h)
+
+
+class GatedTower(nn.Module):
+    def __init__(self, width: int = 64, depth: int = 6) -> None:
+        super().__init__()
+        self.embed = nn.Linear(16, width)
+        self.layers = nn.ModuleList(GatedBlock(width) for _ in range(depth))
+        self.head = nn.Linear(width, 10)
+
+    def forward(self, x):
+        x = self.embed(x)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
