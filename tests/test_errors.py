@@ -49,9 +49,13 @@ class DataDependent(nn.Module):
         return -self.fc(x)
 
 
-def test_untraceable_model_names_the_line():
-    with pytest.raises(CaptureError, match=r"test_errors.py:\d+: if x.sum\(\) > 0"):
-        optimize(DataDependent(), "50%", inputs=(torch.randn(2, 8),))
+def test_untraceable_model_names_the_line_and_is_left_unchanged():
+    model = DataDependent()
+    before = _state(model)
+    with pytest.raises(CaptureError, match=r"test_errors.py:\d+: if x.sum\(\) > 0.*torch.export") as info:
+        optimize(model, "50%", inputs=(torch.randn(2, 8),))
+    assert "\n" not in str(info.value)
+    _assert_unchanged(model, before)
 
 
 class WrongShape(nn.Module):
