@@ -92,6 +92,8 @@ class Profile:
     step_bwd_ms: float
     """Backward time of a whole un-instrumented step, ms."""
     baseline_peak_bytes: int = field(default=0)
+    checkpoint_overhead_ms: float = field(default=0.0)
+    """Time one ``checkpoint`` call adds beyond re-running its ops (holders, RNG state), ms."""
     """Peak live bytes measured in the profiled un-checkpointed step."""
 
     @property

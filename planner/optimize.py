@@ -167,7 +167,7 @@ def _segments(prof: Profile, regions: Regions, memory: MemoryModel, plan: ChunkP
         out.append(Segment(
             nodes=tuple(n.name for n in nodes),
             module_paths=_covering_paths(prof, lo, hi),
-            recompute_ms=int(memory.chunk_cost_us[first:stop].sum()) / 1000,
+            recompute_ms=(int(memory.chunk_cost_us[first:stop].sum()) + memory.segment_cost_us) / 1000,
             freed_bytes=freed,
             restore_buffers=tuple(dict.fromkeys(b for n in nodes for b in n.mutated_buffers)),
         ))

@@ -173,7 +173,7 @@ class _ChainDP:
                     best = np.full(S, INF, dtype=np.int64)
                     arg = np.full((S, 2), -1, dtype=np.int64)
                     for b in ends:
-                        cost = int(m.chunk_cost_us[a:b].sum()) if ckpt else 0
+                        cost = int(m.chunk_cost_us[a:b].sum()) + m.segment_cost_us if ckpt else 0
                         for nxt in ((0, 1) if b < K else (0,)):
                             worst, added = self.piece(a, b, bool(ckpt), bool(prev), bool(nxt))
                             shift = -(-added // self.q)

@@ -83,6 +83,8 @@ class MemoryModel:
     """Per node: bytes its forward allocates on top of what was live (outputs, workspace)."""
     restore_bytes: np.ndarray
     """Per node: bytes of the buffers it mutates, copied while its segment is re-run."""
+    segment_cost_us: int
+    """Fixed cost of one checkpointed segment (the checkpoint call itself), microseconds."""
     chunk_cost_us: np.ndarray
     """Forward time of each chunk, microseconds (what recomputing it costs)."""
     step_us: int
@@ -195,7 +197,8 @@ def build_model(profile: Profile, regions: Regions) -> MemoryModel:
         has_bwd=has_bwd,
         recompute_at=recompute_at, const_recompute=const_recompute, fwd_rise=rise,
         restore_bytes=np.array([nd.mutated_buffer_bytes for nd in nodes], dtype=np.int64),
-        chunk_cost_us=chunk_cost, step_us=max(1, round(profile.step_ms * 1000)), param_bytes=profile.param_bytes,
+        chunk_cost_us=chunk_cost, segment_cost_us=round(profile.checkpoint_overhead_ms * 1000),
+        step_us=max(1, round(profile.step_ms * 1000)), param_bytes=profile.param_bytes,
     )
 
 
@@ -259,7 +262,7 @@ def simulate(model: MemoryModel, plan: ChunkPlan) -> Timeline:
         alive = kept & (model.release <= node)
         live_kept, bump = int(kept_bwd[node]), int(recomputed[node])
     largest = sorted(np.flatnonzero(alive & (model.size > 0)), key=lambda s: -model.size[s])[:3]
-    cost = sum(int(model.chunk_cost_us[first:stop].sum()) for first, stop in plan)
+    cost = sum(int(model.chunk_cost_us[first:stop].sum()) + model.segment_cost_us for first, stop in plan)
     return Timeline(
         plan=tuple(plan), fwd_bytes=fwd, bwd_bytes=bwd, peak_bytes=peak, peak_phase=phase, peak_node=node,
         recompute_us=cost,

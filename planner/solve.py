@@ -100,7 +100,8 @@ def build(model: MemoryModel, *, budget_bytes: int | None) -> tuple[cp_model.CpM
     _add_backward_limits(cp, model, variables, limit)
     if peak is None:
         # Objective: forward time of every checkpointed chunk (re-run once in backward).
-        cp.minimize(sum(int(model.chunk_cost_us[k]) * ckpt[k] for k in range(n_chunks)))
+        cp.minimize(sum(int(model.chunk_cost_us[k]) * ckpt[k] for k in range(n_chunks))
+                    + model.segment_cost_us * sum(segment.values()))
     else:
         cp.minimize(peak)
     return cp, variables, peak
