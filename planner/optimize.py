@@ -102,8 +102,14 @@ def plan_for(prepared: Prepared, budget: int | str, *, solver: str = "cpsat", ti
     budget_bytes = parse_budget(budget, baseline_peak_bytes=baseline.peak_bytes)
     stage("solve")
     solution = _solve(solver, memory, budget_bytes, baseline.peak_bytes, time_limit_s)
-    segments = _segments(prepared.profile, prepared.regions, memory, solution.plan)
     stage("rewrite")
+    return plan_from_solution(prepared, solution, budget_bytes)
+
+
+def plan_from_solution(prepared: Prepared, solution: Solution, budget_bytes: int) -> Plan:
+    """The Plan (rewritten module included) for any strategy's solution of a prepared model."""
+    memory, baseline = prepared.memory, prepared.baseline
+    segments = _segments(prepared.profile, prepared.regions, memory, solution.plan)
     rewritten = rewrite(prepared.model, prepared.captured,
                         [SegmentSpec(nodes=s.nodes, restore_buffers=s.restore_buffers) for s in segments])
     predicted = simulate(memory, solution.plan)
