@@ -62,7 +62,7 @@ def main() -> None:
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "examples.md"))
     args = parser.parse_args()
     lines = [
-        f"# Bundled examples: prediction vs measurement",
+        "# Bundled examples: prediction vs measurement",
         "",
         f"`python bench/examples_report.py --budgets {' '.join(args.budgets)} --runs {args.runs}` on "
         f"{platform.machine()} {torch.get_num_threads()} threads, torch {torch.__version__}, CPU. "

@@ -9,26 +9,23 @@ gradients, RNG state and train/eval mode are restored afterwards).
 
 from __future__ import annotations
 
-import statistics
-from dataclasses import replace
-import time
 import weakref
-from collections import defaultdict
-from typing import Any, Callable
+from dataclasses import replace
 
 import torch
 import torch.fx as fx
-import torch.fx._pytree as fx_pytree
 from torch import nn
 from torch.utils._pytree import tree_leaves
 from torch.utils._python_dispatch import _disable_current_modes
 
 from planner.capture import FX, SCOPE_KEY, Captured, Inputs, call_module_path, target_text
 from planner.costs import LOSS_NODE, NodeCost, Profile, StorageCost
-from planner.errors import ProfileError, user_frame
+from planner.errors import ProfileError
 from planner.memtrack import LiveStorages, storage_key
 from planner.profile_eager import eager_excess, eager_forward_trace
-from planner.step import LossFn, backward, default_loss, sync as _sync, untouched
+from planner.profile_runner import StepRunner
+from planner.profile_timing import Timer, checkpoint_overhead_ms, time_plain_steps
+from planner.step import LossFn, default_loss, sync, untouched
 
 def profile(
     captured: Captured,
@@ -69,10 +66,10 @@ def profile(
         if captured.method == FX:  # the planned module calls the user's modules outside segments
             excess = eager_excess(recorder.forward_trace(), eager_forward_trace(model, inputs, device),
                                   [rec["ops"] for rec in recorder.records])
-        timer = _Timer(captured.graph_module, device)
+        timer = Timer(captured.graph_module, device)
         for _ in range(timing_runs):
             timer.step(inputs, loss_fn)
-        step_fwd, step_bwd = _time_plain_steps(captured.graph_module, inputs, loss_fn, device, timing_runs)
+        step_fwd, step_bwd = time_plain_steps(captured.graph_module, inputs, loss_fn, device, timing_runs)
         overhead = checkpoint_overhead_ms(device)
     nodes = tuple(
         NodeCost(
@@ -118,145 +115,7 @@ def _device_of(model: nn.Module, inputs: Inputs) -> torch.device:
     return device
 
 
-def _node_error(node_text: str, where: str | None, exc: Exception, values: list[Any]) -> ProfileError:
-    shapes = ", ".join(
-        f"{str(v.dtype).removeprefix('torch.')}{list(v.shape)}" for v in values if isinstance(v, torch.Tensor)
-    )
-    return ProfileError(
-        f"{node_text} failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-        + (f" (at {where})" if where else "")
-        + (f"; its tensor inputs are {shapes}" if shapes else "")
-    )
-
-
-def _stack_line(node: fx.Node) -> str | None:
-    """Last ``file:line: code`` of the user's code that created ``node``."""
-    trace = node.stack_trace or ""
-    lines = [ln.strip() for ln in trace.strip().splitlines()]
-    for i in range(len(lines) - 1, -1, -1):
-        if lines[i].startswith("File "):
-            parts = lines[i].split(", ")
-            code = lines[i + 1] if i + 1 < len(lines) else ""
-            return f"{parts[0][6:-1]}:{parts[1].removeprefix('line ')}: {code}"
-    return None
-
-
-def _new_autograd_nodes(result: Any, seen: set) -> list:
-    """Autograd nodes reachable from ``result`` that no earlier graph node created."""
-    stack = [t.grad_fn for t in tree_leaves(result) if isinstance(t, torch.Tensor) and t.grad_fn is not None]
-    found = []
-    while stack:
-        fn = stack.pop()
-        if fn in seen:
-            continue
-        seen.add(fn)
-        found.append(fn)
-        stack.extend(nxt for nxt, _ in fn.next_functions
-                     if nxt is not None and type(nxt).__name__ != "AccumulateGrad")
-    return found
-
-
-class _StepRunner(fx.Interpreter):
-    """Runs graph + loss + backward, calling ``around_node`` for each node's forward
-    and ``on_backward(index, phase)`` around each node's autograd nodes."""
-
-    def __init__(self, gm: fx.GraphModule, device: torch.device) -> None:
-        super().__init__(gm)
-        self.device = device
-        self.index = {n: i for i, n in enumerate(n for n in gm.graph.nodes if n.op not in ("placeholder", "output"))}
-        self.loss_index = len(self.index)
-        self._seen: set = set()
-        self._handles: list = []
-
-    def step(self, inputs: Inputs, loss_fn: LossFn) -> None:
-        self._seen = set()
-        try:
-            output = self._run_pytree(inputs) if self._specs() else (
-                self.run(*inputs.args) if not inputs.kwargs else self._run_kwargs(inputs))
-            loss = self._loss(output, loss_fn)
-            self.before_backward()
-            backward(loss)
-            _sync(self.device)
-        finally:
-            for handle in self._handles:
-                handle.remove()
-            self._handles = []
-
-    def _specs(self):
-        in_spec, out_spec = getattr(self.module, "_in_spec", None), getattr(self.module, "_out_spec", None)
-        return (in_spec, out_spec) if in_spec is not None and out_spec is not None else None
-
-    def _run_pytree(self, inputs: Inputs) -> Any:
-        """Graphs from torch.export take flattened inputs (the Interpreter rebuilds the outputs)."""
-        in_spec, _ = self._specs()
-        return self.run(*fx_pytree.tree_flatten_spec((inputs.args, inputs.kwargs), in_spec))
-
-    def _run_kwargs(self, inputs: Inputs) -> Any:
-        placeholders = [n for n in self.module.graph.nodes if n.op == "placeholder"]
-        args = list(inputs.args)
-        for node in placeholders[len(args):]:
-            if node.target in inputs.kwargs:
-                args.append(inputs.kwargs[node.target])
-            elif node.args:
-                args.append(node.args[0])
-            else:
-                raise ProfileError(f"input {node.target!r} of the model is missing from inputs=")
-        unknown = set(inputs.kwargs) - {n.target for n in placeholders}
-        if unknown:
-            raise ProfileError(f"inputs= names {sorted(unknown)} that the model's forward does not take")
-        return self.run(*args)
-
-    def _loss(self, output: Any, loss_fn: LossFn) -> torch.Tensor:
-        def compute():
-            try:
-                loss = loss_fn(output)
-            except ProfileError:
-                raise
-            except Exception as exc:  # noqa: BLE001 - report the user's loss failure clearly
-                where = user_frame(exc)
-                raise _node_error("loss_fn(output)", where, exc, list(tree_leaves(output))) from exc
-            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-                raise ProfileError(f"loss_fn must return a scalar tensor, got {type(loss).__name__}"
-                                   + (f" of shape {list(loss.shape)}" if isinstance(loss, torch.Tensor) else ""))
-            if not loss.requires_grad:
-                raise ProfileError("the loss does not require grad: no parameter of the model reaches it; "
-                                   "check that the model's output depends on trainable parameters")
-            return loss
-        return self.around_node(self.loss_index, None, compute, list(tree_leaves(output)))
-
-    def run_node(self, n: fx.Node) -> Any:
-        if n.op in ("placeholder", "output"):
-            return super().run_node(n)
-        args, kwargs = self.fetch_args_kwargs_from_env(n)
-        values = list(tree_leaves((args, kwargs)))
-
-        def compute():
-            try:
-                return getattr(self, n.op)(n.target, args, kwargs)
-            except ProfileError:
-                raise
-            except Exception as exc:  # noqa: BLE001 - name the node and the user's line
-                raise _node_error(f"node {n.name} ({n.format_node()})", _stack_line(n), exc, values) from exc
-        return self.around_node(self.index[n], n, compute, values)
-
-    def around_node(self, index: int, node: fx.Node | None, compute: Callable[[], Any], values: list) -> Any:
-        result = compute()
-        self._hook_backward(index, result)
-        return result
-
-    def _hook_backward(self, index: int, result: Any) -> None:
-        for fn in _new_autograd_nodes(result, self._seen):
-            self._handles.append(fn.register_prehook(lambda grads, i=index: self.on_backward(i, "pre")))
-            self._handles.append(fn.register_hook(lambda gi, go, i=index: self.on_backward(i, "post")))
-
-    def on_backward(self, index: int, phase: str) -> None:
-        """Called before (``pre``) and after (``post``) each autograd node of graph node ``index``."""
-
-    def before_backward(self) -> None:
-        """Called once the loss is computed, just before backward."""
-
-
-class _MemoryRecorder(_StepRunner):
+class _MemoryRecorder(StepRunner):
     """One instrumented step: storages, saved tensors, mutations and per-node peaks."""
 
     def __init__(self, gm: fx.GraphModule, model: nn.Module, device: torch.device) -> None:
@@ -372,7 +231,7 @@ class _MemoryRecorder(_StepRunner):
         finally:
             self._producer = -1
             self._current = None
-        _sync(self.device)
+        sync(self.device)
         record["fwd_peak"] = self.tracker.window_peak_bytes
         record["ops"] = (first_op, len(self.tracker.trace))
         record["outputs"] = set(range(first_new, len(self.storages)))
@@ -397,91 +256,6 @@ class _MemoryRecorder(_StepRunner):
 
     def _close_window(self) -> None:
         if self._open is not None:
-            _sync(self.device)
+            sync(self.device)
             self.bwd_peak[self._open] = max(self.bwd_peak.get(self._open, 0), self.tracker.window_peak_bytes)
         self._open = None
-
-
-class _Timer(_StepRunner):
-    """Timed steps: per-node forward and backward wall time."""
-
-    def __init__(self, gm: fx.GraphModule, device: torch.device) -> None:
-        super().__init__(gm, device)
-        self._fwd: dict[int, list[float]] = defaultdict(list)
-        self._bwd: dict[int, list[float]] = defaultdict(list)
-        self._bwd_step: dict[int, float] = defaultdict(float)
-        self._bwd_start: dict[int, float] = {}
-
-    def step(self, inputs: Inputs, loss_fn: LossFn) -> None:
-        self._bwd_step = defaultdict(float)
-        super().step(inputs, loss_fn)
-        for index, total in self._bwd_step.items():
-            self._bwd[index].append(total)
-
-    def around_node(self, index, node, compute, values):
-        _sync(self.device)
-        start = time.perf_counter()
-        result = compute()
-        _sync(self.device)
-        self._fwd[index].append((time.perf_counter() - start) * 1e3)
-        self._hook_backward(index, result)
-        return result
-
-    def on_backward(self, index, phase):
-        _sync(self.device)
-        now = time.perf_counter()
-        if phase == "pre":
-            self._bwd_start[index] = now
-        else:
-            self._bwd_step[index] += (now - self._bwd_start.pop(index, now)) * 1e3
-
-    def fwd_ms(self, index: int) -> float:
-        return statistics.median(self._fwd[index]) if self._fwd[index] else 0.0
-
-    def bwd_ms(self, index: int) -> float:
-        return statistics.median(self._bwd[index]) if self._bwd[index] else 0.0
-
-
-def _time_plain_steps(gm: fx.GraphModule, inputs: Inputs, loss_fn: LossFn, device: torch.device,
-                      runs: int) -> tuple[float, float]:
-    """Median forward and backward time (ms) of un-instrumented steps of the graph."""
-    fwd, bwd = [], []
-    for _ in range(max(1, runs)):
-        _sync(device)
-        start = time.perf_counter()
-        loss = loss_fn(gm(*inputs.args, **inputs.kwargs))
-        _sync(device)
-        mid = time.perf_counter()
-        backward(loss)
-        _sync(device)
-        fwd.append((mid - start) * 1e3)
-        bwd.append((time.perf_counter() - mid) * 1e3)
-    for p in gm.parameters():
-        p.grad = None
-    return statistics.median(fwd), statistics.median(bwd)
-
-
-def checkpoint_overhead_ms(device: torch.device, runs: int = 41) -> float:
-    """What one non-reentrant ``checkpoint`` call costs beyond re-running its ops: the median
-    difference between a checkpointed and a plain tiny step (about 0.1 ms on a 2-core CPU)."""
-    from torch.utils.checkpoint import checkpoint
-
-    weight = torch.ones(8, 8, device=device, requires_grad=True)
-    x = torch.ones(4, 8, device=device)
-
-    def fn(t: torch.Tensor) -> torch.Tensor:
-        return (t @ weight).relu()
-
-    samples: dict[bool, list[float]] = {False: [], True: []}
-    for i in range(2 * runs):
-        wrapped = bool(i % 2)
-        _sync(device)
-        start = time.perf_counter()
-        out = checkpoint(fn, x, use_reentrant=False) if wrapped else fn(x)
-        out.sum().backward()
-        _sync(device)
-        samples[wrapped].append((time.perf_counter() - start) * 1e3)
-    weight.grad = None
-    # a checkpointed step also re-runs fn once: subtract that forward (about a third of a step)
-    plain = statistics.median(samples[False])
-    return max(0.0, statistics.median(samples[True]) - plain - plain / 3)

@@ -7,14 +7,13 @@ The model encodes the formulas of ``planner.simulate`` over chunks (see
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass, replace
 
 import numpy as np
 from ortools.sat.python import cp_model
 
-from planner.simulate import (NEVER, ChunkPlan, MemoryModel, prefix_by, recomputed_from, rerun_bytes, rerun_chunk,
+from planner.simulate import (ChunkPlan, MemoryModel, prefix_by, recomputed_from, rerun_bytes, rerun_chunk,
                               simulate)
 
 
