@@ -83,6 +83,7 @@ class Captured:
 FX = "torch.fx.symbolic_trace"
 EXPORT = "torch.export (non-strict)"
 FX_BLOCKS = "torch.fx.symbolic_trace (blocks as opaque calls)"
+FX_UNITS = "torch.fx.symbolic_trace (FSDP units as calls)"
 
 
 class ScopeTracer(fx.Tracer):
@@ -168,14 +169,18 @@ def trace(model: nn.Module, *, opaque: frozenset[str] = frozenset()) -> tuple[fx
     return fx.GraphModule(root, graph, class_name=type(model).__name__), root
 
 
-def capture(model: nn.Module, inputs: Inputs | None = None) -> Captured:
+def capture(model: nn.Module, inputs: Inputs | None = None, *, units: frozenset[str] = frozenset()) -> Captured:
     """Traces ``model`` into a flat graph, with ``torch.fx.symbolic_trace`` (user modules inlined,
     torch.nn layers kept as calls) or, when that fails and example inputs are given, with
-    ``torch.export`` on those inputs.
+    ``torch.export`` on those inputs. ``units`` (FSDP units) are kept as calls, fx only: FSDP2
+    gathers a unit's parameters in hooks of its forward, which must run.
 
     Raises:
         CaptureError: no method could capture the model; names each failure.
     """
+    if units:
+        gm, _ = trace(model, opaque=units)
+        return Captured(graph_module=gm, method=FX_UNITS, fingerprint=fingerprint(gm.graph), opaque=units)
     try:
         gm, _ = trace(model)
         return Captured(graph_module=gm, method=FX, fingerprint=fingerprint(gm.graph))

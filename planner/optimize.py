@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Mapping
+from typing import Callable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -11,6 +11,7 @@ from torch import nn
 from planner.budget import parse_budget
 from planner.capture import Captured, as_inputs, capture
 from planner.costs import Profile
+from planner.distributed import Distributed, memory_offset, setup, split_at_units
 from planner.errors import InfeasibleBudget, PlannerError
 from planner.plan import MemoryTimeline, Plan, Segment
 from planner.profile import profile
@@ -33,6 +34,8 @@ class Prepared:
     memory: MemoryModel
     baseline: Timeline
     """Predicted memory without checkpointing."""
+    distributed: Distributed | None = None
+    """One rank of a data-parallel job (``world_size``, ``parallel``...), or None for one device."""
 
 
 def optimize(
@@ -44,6 +47,10 @@ def optimize(
     time_limit_s: float = 30.0,
     solver: str = "cpsat",
     progress: Callable[[str], None] | None = None,
+    world_size: int = 1,
+    parallel: str | None = None,
+    units: Sequence[str] | None = None,
+    optimizer: str | int | None = None,
 ) -> Plan:
     """Plans activation checkpointing so one training step of ``model`` fits ``budget``.
 
@@ -60,6 +67,14 @@ def optimize(
             (``cpsat``, the default, is optimal under the cost model).
         progress: called with the name of each stage as it starts (``capture``, ``profile``,
             ``solve``, ``rewrite``), for progress displays.
+        world_size: plan for one rank of a job on this many ranks (docs/distributed.md).
+        parallel: ``fsdp`` (default when world_size > 1: parameters, gradients and optimizer
+            state sharded 1/N, plus the all-gathered units in flight) or ``ddp`` (full replicas
+            plus gradient buckets).
+        units: FSDP units (module paths or globs like ``blocks.*``; default the repeated blocks),
+            captured as calls so FSDP2's hooks run; segments consist of whole units.
+        optimizer: count its state in the budget: ``adamw``, ``adam``, ``sgd``, ``sgd-momentum``,
+            or the bytes of the whole model's state (sharded 1/N under FSDP).
 
     Returns:
         The least-recompute ``Plan`` whose predicted peak fits the budget.
@@ -75,23 +90,28 @@ def optimize(
     """
     parse_budget(budget, baseline_peak_bytes=1)  # reject a malformed budget before any work
     get_solver(solver)  # reject an unknown solver before any work
-    prepared = prepare(model, inputs=inputs, loss_fn=loss_fn, progress=progress)
+    prepared = prepare(model, inputs=inputs, loss_fn=loss_fn, progress=progress, world_size=world_size,
+                       parallel=parallel, units=units, optimizer=optimizer)
     return plan_for(prepared, budget, solver=solver, time_limit_s=time_limit_s, progress=progress)
 
 
 def prepare(model: nn.Module, *, inputs: tuple | Mapping | torch.Tensor | None = None,
-            loss_fn: LossFn | None = None, progress: Callable[[str], None] | None = None) -> Prepared:
+            loss_fn: LossFn | None = None, progress: Callable[[str], None] | None = None,
+            world_size: int = 1, parallel: str | None = None, units: Sequence[str] | None = None,
+            optimizer: str | int | None = None) -> Prepared:
     """Captures and profiles ``model`` once (arguments as for ``optimize``)."""
     stage = progress or (lambda name: None)
+    dist = setup(model, world_size=world_size, parallel=parallel, units=units, optimizer=optimizer)
     example = as_inputs(model, inputs)
     stage("capture")
-    captured = capture(model, example)                          # fx (or export) graph + module scopes
+    captured = capture(model, example, units=dist.opaque if dist else frozenset())  # graph + module scopes
     stage("profile")
     measured = profile(captured, model, example, loss_fn=loss_fn)  # one real step, node by node
     regions = find_regions(measured)                            # where segments may start and end
-    memory = build_model(measured, regions)                     # the cost model the solver optimises
+    memory = build_model(measured, regions,                     # the cost model the solver optimises
+                         offset=dist and memory_offset(measured, dist))  # one rank's share of the job
     return Prepared(model=model, captured=captured, profile=measured, regions=regions, memory=memory,
-                    baseline=simulate(memory, ()))
+                    baseline=simulate(memory, ()), distributed=dist)
 
 
 def plan_for(prepared: Prepared, budget: int | str, *, solver: str = "cpsat", time_limit_s: float = 30.0,
@@ -102,6 +122,8 @@ def plan_for(prepared: Prepared, budget: int | str, *, solver: str = "cpsat", ti
     budget_bytes = parse_budget(budget, baseline_peak_bytes=baseline.peak_bytes)
     stage("solve")
     solution = _solve(solver, memory, budget_bytes, baseline.peak_bytes, time_limit_s)
+    if prepared.distributed is not None:  # FSDP: one unit per segment, so no unit is gathered twice
+        solution = split_at_units(memory, solution, budget_bytes, prepared.distributed, prepared.profile)
     stage("rewrite")
     return plan_from_solution(prepared, solution, budget_bytes)
 

@@ -128,8 +128,11 @@ class Timeline:
     """Largest activations kept alive at the peak: (producing node, bytes, why it stays)."""
 
 
-def build_model(profile: Profile, regions: Regions) -> MemoryModel:
-    """Precomputes the arrays of the memory model for ``profile`` cut into ``regions``."""
+def build_model(profile: Profile, regions: Regions, *, offset=None) -> MemoryModel:
+    """Precomputes the arrays of the memory model for ``profile`` cut into ``regions``.
+
+    ``offset`` (``planner.distributed.MemoryOffset``): plan-independent bytes added per node to
+    the forward and backward constants, and the resident parameter bytes (one rank of a job)."""
     nodes = profile.nodes
     n = len(nodes)
     chunk_of = regions.chunk_of() + [-1] * (n - regions.end)
@@ -183,6 +186,9 @@ def build_model(profile: Profile, regions: Regions) -> MemoryModel:
                 recompute_at[k] = t
     bwd_start = np.array([nd.bwd_start_bytes or 0 for nd in nodes], dtype=np.int64)
     const_recompute = np.array([bwd_start[t] - kept_bwd[t] if t >= 0 else 0 for t in recompute_at], dtype=np.int64)
+    if offset is not None:  # one rank of a data-parallel job: sharded or replicated state
+        fwd_peak, bwd_peak = fwd_peak + offset.fwd_bytes, bwd_peak + offset.bwd_bytes
+        const_recompute = const_recompute + np.where(recompute_at >= 0, offset.bwd_bytes[recompute_at], 0)
     rise = np.array([nd.fwd_peak_bytes - nd.fwd_start_bytes for nd in nodes], dtype=np.int64)
     fwd_us = np.array([round(nd.fwd_ms * 1000) for nd in nodes], dtype=np.int64)
     chunk_cost = np.array([fwd_us[slice(*regions.bounds(k))].sum() for k in range(regions.n_chunks)], dtype=np.int64)
@@ -198,7 +204,8 @@ def build_model(profile: Profile, regions: Regions) -> MemoryModel:
         recompute_at=recompute_at, const_recompute=const_recompute, fwd_rise=rise,
         restore_bytes=np.array([nd.mutated_buffer_bytes for nd in nodes], dtype=np.int64),
         chunk_cost_us=chunk_cost, segment_cost_us=round(profile.checkpoint_overhead_ms * 1000),
-        step_us=max(1, round(profile.step_ms * 1000)), param_bytes=profile.param_bytes,
+        step_us=max(1, round(profile.step_ms * 1000)),
+        param_bytes=profile.param_bytes if offset is None else offset.param_bytes,
     )
 
 
