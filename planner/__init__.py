@@ -13,9 +13,15 @@ from planner.errors import CaptureError, InfeasibleBudget, PlannerError, Profile
 from planner.explore import Tradeoff, sweep
 from planner.optimize import Prepared, optimize, plan_for, prepare
 from planner.plan import Plan, Segment, load_plan
+from planner.costs import Profile
+from planner.devices import device_names
+from planner.errors import ProfileFileError, ProfileMismatch
+from planner.profile_api import profile  # the function; the stage's module stays importable as planner.profile
+from planner.profile_io import load_profile
 
 __all__ = [
     "optimize", "prepare", "plan_for", "Prepared", "load_plan", "Plan", "Segment", "InfeasibleBudget", "PlannerError", "CaptureError",
     "ProfileError", "parse_budget", "sweep", "Tradeoff",
+    "profile", "Profile", "load_profile", "ProfileMismatch", "ProfileFileError", "device_names",
 ]
 __version__ = "0.1.0"

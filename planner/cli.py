@@ -33,6 +33,8 @@ from planner.errors import InfeasibleBudget, PlannerError
 from planner.measure import measure_peak, step_times_ms
 from planner.optimize import optimize
 from planner.plan import Plan
+from planner.profile_api import Profile, profile
+from planner.profile_io import load_profile
 from planner.solvers import SOLVERS
 
 EXIT_OK, EXIT_INTERNAL, EXIT_USAGE, EXIT_INFEASIBLE, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
@@ -88,6 +90,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--loss", metavar="NAME", help="name of the loss function (default: loss_fn, if defined)")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout instead of the report")
     p.add_argument("--save", metavar="PLAN.json", help="write the plan as JSON (read it with planner.load_plan)")
+    p.add_argument("--profile", metavar="PROFILE.json",
+                   help="plan from a saved profile instead of profiling (it must match the model and inputs)")
+    p.add_argument("--save-profile", metavar="PROFILE.json",
+                   help="write this run's profile as JSON, to plan later with --profile (docs/profiles.md)")
     p.add_argument("--emit", metavar="OUT.py", help="write the Python source of the rewritten module")
     p.add_argument("--verify", action="store_true",
                    help="run a real training step with and without the plan and report measured peak and time")
@@ -230,8 +236,10 @@ def _to_device(found: ModelFile, device: torch.device) -> ModelFile:
 
 def _plan(args: argparse.Namespace, err: Console) -> tuple[ModelFile, Plan, cli_report.Verification | None]:
     """Loads the file, plans it, and verifies the plan when asked, with progress on stderr."""
-    for flag, target in (("--save", args.save), ("--emit", args.emit)):
+    for flag, target in (("--save", args.save), ("--emit", args.emit), ("--save-profile", args.save_profile)):
         _check_output(flag, target, args.model_file)
+    if args.profile and args.save_profile:
+        raise UserError("--profile and --save-profile together would only copy the profile; give one of them")
     show = not args.quiet and sys.stderr.isatty()
     with cli_report.StageProgress(err, enabled=show, solver=args.solver, time_limit_s=args.time_limit) as stage:
         stage("load")
@@ -239,8 +247,9 @@ def _plan(args: argparse.Namespace, err: Console) -> tuple[ModelFile, Plan, cli_
         if args.device is not None:
             found = _to_device(found, args.device)
         try:
+            saved = _profile_file(args, found)
             plan = optimize(found.model, args.budget, inputs=found.inputs, loss_fn=found.loss_fn,
-                            time_limit_s=args.time_limit, solver=args.solver, progress=stage)
+                            time_limit_s=args.time_limit, solver=args.solver, progress=stage, profile=saved)
         except (ValueError, TypeError) as exc:  # malformed budget or inputs, unknown solver
             raise UserError(str(exc)) from exc
         verification = None
@@ -248,6 +257,20 @@ def _plan(args: argparse.Namespace, err: Console) -> tuple[ModelFile, Plan, cli_
             stage("verify")
             verification = _verify(found, plan)
     return found, plan, verification
+
+
+def _profile_file(args: argparse.Namespace, found: ModelFile) -> Profile | None:
+    """The profile read from ``--profile``, or made and written to ``--save-profile``, or None."""
+    if args.profile:
+        return load_profile(args.profile)
+    if not args.save_profile:
+        return None
+    made = profile(found.model, inputs=found.inputs, loss_fn=found.loss_fn)
+    try:
+        made.save(args.save_profile)
+    except OSError as exc:
+        raise UserError(f"cannot write {exc.filename}: {exc.strerror}") from exc
+    return made
 
 
 def _verify(found: ModelFile, plan: Plan) -> cli_report.Verification:

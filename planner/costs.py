@@ -92,9 +92,16 @@ class Profile:
     step_bwd_ms: float
     """Backward time of a whole un-instrumented step, ms."""
     baseline_peak_bytes: int = field(default=0)
+    """Peak live bytes of the profiled un-checkpointed step."""
     checkpoint_overhead_ms: float = field(default=0.0)
     """Time one ``checkpoint`` call adds beyond re-running its ops (holders, RNG state), ms."""
-    """Peak live bytes measured in the profiled un-checkpointed step."""
+    fingerprint: str = ""
+    """Structure hash of the captured graph (``Captured.fingerprint``) the nodes belong to."""
+    capture_method: str = ""
+    """How that graph was captured (``torch.fx.symbolic_trace``, ``torch.export (non-strict)``...)."""
+    estimated_for: str = ""
+    """Name of the device spec whose roofline gave the times, with memory from meta tensors;
+    ``""`` when the step was measured on ``device``."""
 
     @property
     def step_ms(self) -> float:
@@ -104,3 +111,9 @@ class Profile:
     def node_index(self) -> dict[str, int]:
         """Map from node name to position."""
         return {n.name: i for i, n in enumerate(self.nodes)}
+
+    def save(self, path: str) -> None:
+        """Writes the profile as JSON (schema in docs/profiles.md); read it back with ``load_profile``."""
+        from planner.profile_io import save_profile
+
+        save_profile(self, path)

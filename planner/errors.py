@@ -18,6 +18,14 @@ class ProfileError(PlannerError):
     """The model failed while running one of its nodes on the example inputs."""
 
 
+class ProfileMismatch(PlannerError, ValueError):
+    """A saved profile was given for a model or inputs it was not made from (says what differs)."""
+
+
+class ProfileFileError(PlannerError, ValueError):
+    """A profile or device-spec file cannot be read: missing, not JSON, or of an unknown schema."""
+
+
 class InfeasibleBudget(PlannerError):
     """No checkpointing plan fits the budget.
 

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from planner.budget import format_bytes, parse_budget
+from planner.costs import Profile
 from planner.errors import InfeasibleBudget
 from planner.optimize import Prepared, plan_for, prepare
 from planner.plan import Plan
@@ -150,7 +151,7 @@ def sweep(
     *,
     inputs: tuple | Mapping | torch.Tensor | None = None,
     loss_fn: LossFn | None = None,
-    profile: Prepared | None = None,
+    profile: Prepared | Profile | None = None,
     solver: str = "cpsat",
     time_limit_s: float = 30.0,
     progress: Callable[[str], None] | None = None,
@@ -167,10 +168,10 @@ def sweep(
     Args:
         model: the model to train (not modified).
         budgets: budgets in any form ``optimize`` takes (bytes, ``"4GB"``, ``"4GiB"``, ``"60%"``).
-        inputs: arguments for ``model``, as for ``optimize``; not with ``profile``.
-        loss_fn: ``output -> scalar``, as for ``optimize``; not with ``profile``.
-        profile: a ``Prepared`` from ``planner.prepare(model, ...)`` to skip capture and profile.
-            (Saved profile files are not supported yet.)
+        inputs: arguments for ``model``, as for ``optimize``; not with a ``Prepared`` profile.
+        loss_fn: ``output -> scalar``, as for ``optimize``; not with a ``Prepared`` profile.
+        profile: a ``Prepared`` from ``planner.prepare(model, ...)`` to skip capture and profile,
+            or a ``Profile`` (``planner.profile``, ``planner.load_profile``) to skip profiling only.
         solver: strategy from ``planner.solvers.SOLVERS``; ``cpsat`` is optimal.
         time_limit_s: solver time limit per budget, s.
         progress: called with each stage's name (``capture``, ``profile``, ``solve``, ``rewrite``).
@@ -180,7 +181,7 @@ def sweep(
         with ``feasible=False``.
 
     Raises:
-        TypeError: ``profile`` is not a ``Prepared``. ValueError: no budgets, a malformed
+        TypeError: ``profile`` is neither a ``Prepared`` nor a ``Profile``. ValueError: no budgets, a malformed
         budget, an unknown solver, ``inputs``/``loss_fn`` given with ``profile``, or a
         ``profile`` of another model.
 
@@ -214,11 +215,11 @@ def sweep(
 
 def _prepared(model: nn.Module, profile: Any, *, inputs: Any, loss_fn: LossFn | None,
               progress: Callable[[str], None] | None) -> Prepared:
-    if profile is None:
-        return prepare(model, inputs=inputs, loss_fn=loss_fn, progress=progress)
+    if profile is None or isinstance(profile, Profile):  # a saved profile: captured again, checked, not re-run
+        return prepare(model, inputs=inputs, loss_fn=loss_fn, progress=progress, profile=profile)
     if not isinstance(profile, Prepared):
-        raise TypeError(f"profile= takes a Prepared from planner.prepare(model, inputs=..., loss_fn=...), "
-                        f"not {type(profile).__name__}; saved profile files are not supported yet")
+        raise TypeError(f"profile= takes a Prepared from planner.prepare(model, inputs=..., loss_fn=...) or a "
+                        f"Profile (planner.profile, planner.load_profile), not {type(profile).__name__}")
     if profile.model is not model:
         raise ValueError("profile= was prepared for another model instance; pass the same model to sweep")
     if inputs is not None or loss_fn is not None:

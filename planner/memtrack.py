@@ -47,7 +47,7 @@ class LiveStorages(TorchDispatchMode):
 
     def track(self, tensor: torch.Tensor) -> bool:
         """Start counting the storage behind ``tensor``; False if already counted."""
-        if tensor.device.type != self.device.type or tensor.is_meta:
+        if tensor.device.type != self.device.type or (tensor.is_meta and self.device.type != "meta"):
             return False
         storage = tensor.untyped_storage()
         key = storage._cdata

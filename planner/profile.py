@@ -10,7 +10,9 @@ gradients, RNG state and train/eval mode are restored afterwards).
 from __future__ import annotations
 
 import weakref
-from dataclasses import replace
+from collections import defaultdict
+from dataclasses import dataclass, replace
+from typing import Any, Callable
 
 import torch
 import torch.fx as fx
@@ -27,6 +29,18 @@ from planner.profile_runner import StepRunner
 from planner.profile_timing import Timer, checkpoint_overhead_ms, time_plain_steps
 from planner.step import LossFn, default_loss, sync, untouched
 
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StepTimes:
+    """Per-node and whole-step times of one step, measured or estimated (ms)."""
+
+    fwd_ms: list[float]
+    bwd_ms: list[float]
+    step_fwd_ms: float
+    step_bwd_ms: float
+    checkpoint_overhead_ms: float
+
+
 def profile(
     captured: Captured,
     model: nn.Module,
@@ -35,7 +49,7 @@ def profile(
     loss_fn: LossFn | None = None,
     timing_runs: int = 3,
 ) -> Profile:
-    """Profiles one training step of ``captured`` (a trace of ``model``).
+    """Profiles one training step of ``captured`` (a trace of ``model``) where the model is.
 
     Args:
         captured: the traced model.
@@ -53,29 +67,49 @@ def profile(
     """
     loss_fn = loss_fn or default_loss
     device = _device_of(model, inputs)
-    params = [p for p in model.parameters()]
-    if not any(p.requires_grad for p in params):
-        raise ProfileError(
-            f"{type(model).__name__} has no parameter that requires grad: there is no training step "
-            "to plan; call requires_grad_() on the parameters you train"
-        )
+    check_trainable(model)
     with untouched(model):
-        recorder = _MemoryRecorder(captured.graph_module, model, device)
+        recorder = MemoryRecorder(captured.graph_module, model, device)
         recorder.step(inputs, loss_fn)
-        excess = None
-        if captured.method == FX:  # the planned module calls the user's modules outside segments
-            excess = eager_excess(recorder.forward_trace(), eager_forward_trace(model, inputs, device),
-                                  [rec["ops"] for rec in recorder.records])
+        excess = eager_excess_of(recorder, captured, model, inputs)
         timer = Timer(captured.graph_module, device)
         for _ in range(timing_runs):
             timer.step(inputs, loss_fn)
         step_fwd, step_bwd = time_plain_steps(captured.graph_module, inputs, loss_fn, device, timing_runs)
-        overhead = checkpoint_overhead_ms(device)
+        times = StepTimes(fwd_ms=[timer.fwd_ms(i) for i in range(len(recorder.records))],
+                          bwd_ms=[timer.bwd_ms(i) for i in range(len(recorder.records))],
+                          step_fwd_ms=step_fwd, step_bwd_ms=step_bwd,
+                          checkpoint_overhead_ms=checkpoint_overhead_ms(device))
+    return assemble(recorder, captured, model, inputs, times=times, excess=excess, device=str(device))
+
+
+def check_trainable(model: nn.Module) -> None:
+    """Raises ProfileError when no parameter of ``model`` requires grad."""
+    if not any(p.requires_grad for p in model.parameters()):
+        raise ProfileError(
+            f"{type(model).__name__} has no parameter that requires grad: there is no training step "
+            "to plan; call requires_grad_() on the parameters you train"
+        )
+
+
+def eager_excess_of(recorder: "MemoryRecorder", captured: Captured, model: nn.Module,
+                    inputs: Inputs) -> list[int] | None:
+    """Per node, what the model's own forward keeps alive beyond the traced graph (fx captures only:
+    the planned module calls the user's modules outside segments)."""
+    if captured.method != FX:
+        return None
+    return eager_excess(recorder.forward_trace(), eager_forward_trace(model, inputs, recorder.device),
+                        [rec["ops"] for rec in recorder.records])
+
+
+def assemble(recorder: "MemoryRecorder", captured: Captured, model: nn.Module, inputs: Inputs, *,
+             times: StepTimes, excess: list[int] | None, device: str, estimated_for: str = "") -> Profile:
+    """The ``Profile`` of a recorded step with its times (measured or estimated)."""
     nodes = tuple(
         NodeCost(
             name=rec["name"], kind=rec["kind"], target=rec["target"], scope=rec["scope"],
             module_path=call_module_path(rec["scope"]),
-            fwd_ms=timer.fwd_ms(i), bwd_ms=timer.bwd_ms(i),
+            fwd_ms=times.fwd_ms[i], bwd_ms=times.bwd_ms[i],
             fwd_start_bytes=rec["fwd_start"], fwd_peak_bytes=rec["fwd_peak"],
             bwd_start_bytes=recorder.bwd_start.get(i), bwd_peak_bytes=recorder.bwd_peak.get(i),
             inputs=tuple(sorted(rec["inputs"])), outputs=tuple(sorted(rec["outputs"])),
@@ -90,15 +124,18 @@ def profile(
         nodes=nodes,
         storages=tuple(replace(st, autocast_cached=True) if i in recorder._cached else st
                        for i, st in enumerate(recorder.storages)),
-        device=str(device),
+        device=device,
         torch_version=torch.__version__,
         input_shapes=inputs.describe(),
         param_bytes=recorder.param_bytes,
-        grad_bytes=sum(p.numel() * p.element_size() for p in params if p.requires_grad),
-        step_fwd_ms=step_fwd,
-        step_bwd_ms=step_bwd,
-        checkpoint_overhead_ms=overhead,
+        grad_bytes=sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad),
+        step_fwd_ms=times.step_fwd_ms,
+        step_bwd_ms=times.step_bwd_ms,
+        checkpoint_overhead_ms=times.checkpoint_overhead_ms,
         baseline_peak_bytes=recorder.tracker.peak_bytes,
+        fingerprint=captured.fingerprint,
+        capture_method=captured.method,
+        estimated_for=estimated_for,
     )
 
 
@@ -115,12 +152,21 @@ def _device_of(model: nn.Module, inputs: Inputs) -> torch.device:
     return device
 
 
-class _MemoryRecorder(StepRunner):
+_BATCH_NORMS = (torch.ops.aten.native_batch_norm.default, torch.ops.aten._native_batch_norm_legit.default)
+"""Ops that update running statistics (args 3 and 4) when training (arg 5) without saying so in their schema."""
+
+
+class MemoryRecorder(StepRunner):
     """One instrumented step: storages, saved tensors, mutations and per-node peaks."""
 
-    def __init__(self, gm: fx.GraphModule, model: nn.Module, device: torch.device) -> None:
+    def __init__(self, gm: fx.GraphModule, model: nn.Module, device: torch.device,
+                 op_ms: Callable[[Any, tuple, Any], float] | None = None) -> None:
         super().__init__(gm, device)
         self.model = model
+        self.op_ms = op_ms
+        """Optional ``(func, args, out) -> ms`` estimate of each op (the roofline on meta tensors)."""
+        self.est_fwd_ms: defaultdict[int, float] = defaultdict(float)
+        self.est_bwd_ms: defaultdict[int, float] = defaultdict(float)
         self.tracker = LiveStorages(device)
         self.storages: list[StorageCost] = []
         self.records: list[dict] = []
@@ -174,15 +220,30 @@ class _MemoryRecorder(StepRunner):
         """Copies of the buffers a node could modify: those passed to it and those of the module it
         calls. Op schemas do not always say (``native_batch_norm`` updates running stats unannotated)."""
         names = {self._buffer_of[storage_key(v)] for v in values
-                 if isinstance(v, torch.Tensor) and not v.is_meta and storage_key(v) in self._buffer_of}
+                 if self._here(v) and storage_key(v) in self._buffer_of}
         if node is not None and node.op == "call_module":
             names |= {self._buffer_of[storage_key(b)] for b in self.module.get_submodule(node.target).buffers()
                       if storage_key(b) in self._buffer_of}
         with _disable_current_modes():  # profiling's own copies are not the model's memory
             return [(name, self.model.get_buffer(name).detach().clone()) for name in sorted(names)]
 
+    def _here(self, value: Any) -> bool:
+        """A tensor on the profiled device (meta tensors count only when that is the meta device)."""
+        return (isinstance(value, torch.Tensor) and value.device.type == self.device.type
+                and (self.device.type == "meta" or not value.is_meta))
+
     def _op(self, func, args, out) -> None:
-        """Notes casts of parameters that autocast keeps in its cache."""
+        """Notes casts of parameters that autocast keeps in its cache, BatchNorm's running-stat
+        updates (unannotated in its schema), and each op's estimated time when estimating."""
+        if func in _BATCH_NORMS and len(args) > 5 and args[5] is True:
+            for stat in args[3:5]:
+                if isinstance(stat, torch.Tensor):
+                    self._written(stat)
+        if self.op_ms is not None:
+            if self._current is not None:
+                self.est_fwd_ms[len(self.records) - 1] += self.op_ms(func, args, out)
+            elif self._open is not None:
+                self.est_bwd_ms[self._open] += self.op_ms(func, args, out)
         if (func is torch.ops.aten._to_copy.default and isinstance(out, torch.Tensor) and args
                 and isinstance(args[0], torch.Tensor) and torch.is_autocast_cache_enabled()
                 and storage_key(args[0]) in self._param_keys):
@@ -191,7 +252,7 @@ class _MemoryRecorder(StepRunner):
                 self._cached.add(index)
 
     def _written(self, tensor: torch.Tensor) -> None:
-        if self._current is not None and tensor.device.type == self.device.type and not tensor.is_meta:
+        if self._current is not None and self._here(tensor):
             self._writes.add(storage_key(tensor))
 
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -203,7 +264,7 @@ class _MemoryRecorder(StepRunner):
     def _storages(self, values: list) -> set[int]:
         found = set()
         for v in values:
-            if isinstance(v, torch.Tensor) and v.device.type == self.device.type and not v.is_meta:
+            if self._here(v):
                 index = self._index_of.get(storage_key(v))
                 if index is not None:
                     found.add(index)
@@ -237,7 +298,8 @@ class _MemoryRecorder(StepRunner):
         record["outputs"] = set(range(first_new, len(self.storages)))
         record["mutates"] = {self._index_of[k] for k in self._writes if k in self._index_of} - record["outputs"]
         with _disable_current_modes():
-            changed = {name for name, before in touchable if not torch.equal(self.model.get_buffer(name), before)}
+            changed = {name for name, before in touchable  # meta tensors have no values to compare
+                       if not before.is_meta and not torch.equal(self.model.get_buffer(name), before)}
         record["buffers"] = sorted(changed | {self._buffer_of[k] for k in self._writes if k in self._buffer_of})
         if node is None:  # the loss node also "uses" the graph's outputs until it has run
             record["inputs"] |= self._storages(values)

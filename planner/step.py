@@ -66,7 +66,8 @@ def backward(loss: torch.Tensor) -> None:
     """``loss.backward()`` as a training loop under autocast runs it: outside the autocast context
     (PyTorch's recommendation), so autocast's cache of cast parameters is gone by then and each
     cast lives only as long as autograd keeps it."""
-    if torch.is_autocast_enabled(loss.device.type) or torch.is_autocast_enabled("cpu"):
+    device = loss.device.type
+    if (device != "meta" and torch.is_autocast_enabled(device)) or torch.is_autocast_enabled("cpu"):
         torch.clear_autocast_cache()
         with torch.autocast(loss.device.type, enabled=False), torch.autocast("cpu", enabled=False):
             loss.backward()

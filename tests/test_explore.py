@@ -150,7 +150,7 @@ def test_sweep_without_profile_prepares_the_model():
 
 @pytest.mark.parametrize("profile", ["profile.json", {"nodes": []}], ids=["path", "dict"])
 def test_profile_must_be_prepared(prepared, profile):
-    with pytest.raises(TypeError, match="Prepared.*saved profile files are not supported yet"):
+    with pytest.raises(TypeError, match="Prepared.*or a Profile"):
         sweep(prepared.model, ["60%"], profile=profile)
 
 

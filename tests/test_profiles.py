@@ -1,0 +1,185 @@
+"""Saved profiles, device specs and meta-tensor estimates (issue 6).
+
+Profile once, save, plan later from the file (same plans, checked against the model);
+estimate a step for a device that is not here from meta tensors and a roofline, and check
+those memory estimates against what a real CPU step measures.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import resource
+
+import pytest
+import torch
+from torch import nn
+
+import planner
+from conftest import assert_plan_is_exact, load_example
+from models import tower, tower_inputs
+from planner import ProfileFileError, ProfileMismatch, load_profile, optimize, sweep
+from planner.capture import as_inputs
+from planner.devices import device_names, load_device
+from planner.estimate import Roofline
+from planner.measure import measure_peak
+from planner.step import default_loss
+
+
+@pytest.fixture(scope="module")
+def measured():
+    """A measured profile of the test tower (BatchNorm and dropout) and the model it came from."""
+    model = tower(seed=5)
+    return model, planner.profile(model, inputs=tower_inputs())
+
+
+def _segments(plan):
+    return [s.nodes for s in plan.segments]
+
+
+def test_saved_profile_reads_back_equal_and_documents_its_run(measured, tmp_path):
+    model, prof = measured
+    prof.save(tmp_path / "p.json")
+    assert load_profile(tmp_path / "p.json") == prof
+    data = json.loads((tmp_path / "p.json").read_text())
+    assert (data["schema"], data["version"]) == ("ckplan.profile", 1)
+    assert data["fingerprint"] == prof.fingerprint and len(prof.fingerprint) == 16
+    assert data["input_shapes"] == ["arg0: float32[512, 64]"]
+    assert data["device"] == "cpu" and data["torch_version"] == torch.__version__ and data["estimated_for"] == ""
+    assert len(data["nodes"]) == len(prof.nodes) and data["nodes"][0]["name"] == prof.nodes[0].name
+
+
+def test_planning_from_a_saved_profile_does_not_profile_and_is_deterministic(measured, tmp_path, monkeypatch,
+                                                                              restore_buffers):
+    model, prof = measured
+    restore_buffers(model)
+    prof.save(tmp_path / "p.json")
+    fresh = optimize(model, "60%", inputs=tower_inputs(), profile=prof)
+
+    def no_profiling(*args, **kwargs):
+        raise AssertionError("profiled again")
+    monkeypatch.setattr("planner.profile_api.measure", no_profiling)
+    monkeypatch.setattr("planner.profile_api.estimate", no_profiling)
+    first = optimize(model, "60%", inputs=tower_inputs(), profile=load_profile(tmp_path / "p.json"))
+    second = optimize(model, "60%", inputs=tower_inputs(), profile=load_profile(tmp_path / "p.json"))
+    assert first.segments and _segments(first) == _segments(second) == _segments(fresh)
+    assert first.predicted_peak_bytes == second.predicted_peak_bytes == fresh.predicted_peak_bytes
+    monkeypatch.undo()
+    assert_plan_is_exact(model, first, tower_inputs(), default_loss, restore_buffers)  # real module, exact grads
+
+
+def test_sweep_takes_a_saved_profile(measured):
+    model, prof = measured
+    result = sweep(model, ["100%", "60%"], inputs=tower_inputs(), profile=prof)
+    assert result.prepared.profile is prof and result.rows[1].n_segments > 0
+
+
+def test_profile_of_another_architecture_is_refused_naming_the_fingerprint(measured):
+    _, prof = measured
+    other = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
+    with pytest.raises(ProfileMismatch, match="graph fingerprint .* another architecture") as info:
+        optimize(other, "60%", inputs=tower_inputs(), profile=prof)
+    assert isinstance(info.value, ValueError) and "\n" not in str(info.value)
+
+
+def test_profile_of_other_inputs_is_refused_naming_the_input(measured):
+    model, prof = measured
+    with pytest.raises(ProfileMismatch, match=r"inputs arg0: float32\[512, 64\] vs arg0: float32\[256, 64\]"):
+        optimize(model, "60%", inputs=(torch.randn(256, 64),), profile=prof)
+    with pytest.raises(ProfileMismatch, match=r"float32\[512, 64\] vs arg0: float64\[512, 64\]"):
+        optimize(model, "60%", inputs=(torch.randn(512, 64, dtype=torch.float64),), profile=prof)
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda text: text[: len(text) // 2], "is not valid JSON"),
+    (lambda text: text.replace('"version": 1', '"version": 99'), "schema version 99; this ckplan reads version 1"),
+    (lambda text: text.replace('"ckplan.profile"', '"ckplan.plan"'), "is not a ckplan profile"),
+    (lambda text: text.replace('"param_bytes"', '"param_byte"'), "lacks the field 'param_bytes'"),
+    (lambda text: re.sub(r'"saves":\[(\d)', r'"saves":[999999,\1', text, count=1), "storage 999999, but the profile"),
+], ids=["truncated", "version", "schema", "field", "index"])
+def test_a_damaged_profile_file_is_one_clear_line(measured, tmp_path, damage, message):
+    _, prof = measured
+    path = tmp_path / "p.json"
+    prof.save(path)
+    path.write_text(damage(path.read_text()))
+    with pytest.raises(ProfileFileError, match=message) as info:
+        load_profile(path)
+    assert str(path) in str(info.value) and "\n" not in str(info.value)
+    with pytest.raises(ProfileFileError, match="cannot read profile"):
+        load_profile(tmp_path / "missing.json")
+
+
+def test_bundled_device_specs_cite_their_source():
+    assert {"h100", "h200", "a100-80gb", "a100-40gb", "l4", "rtx4090", "generic-cpu"} <= set(device_names())
+    for name in device_names():
+        spec = load_device(name)
+        assert spec.name == name and spec.memory_bytes > 2**30 and spec.bytes_per_s > 1e9
+        assert spec.flops_per_s("float32") > 1e10 and spec.flops_per_s("bfloat16") >= spec.flops_per_s("float32")
+        assert ("datasheet" in spec.source or "whitepaper" in spec.source) if spec.kind == "gpu" else spec.source
+    assert load_device("h100").flops_per_s("bfloat16") == pytest.approx(989.4e12)
+
+
+def test_unknown_device_and_bad_spec_file_say_what_to_use(tmp_path):
+    with pytest.raises(ValueError, match="unknown device 'tpu9'.*h100"):
+        optimize(tower(), "60%", inputs=tower_inputs(), device="tpu9")
+    with pytest.raises(ValueError, match="model is on cpu.*move the model"):
+        planner.profile(tower(), inputs=tower_inputs(), device="cuda")
+    (tmp_path / "mine.json").write_text('{"schema": "ckplan.device", "version": 1, "name": "x"}')
+    with pytest.raises(ProfileFileError, match="lacks the field 'description'"):
+        load_device(tmp_path / "mine.json")
+    with pytest.raises(ValueError, match="profile= or device=, not both"):
+        optimize(tower(), "60%", inputs=tower_inputs(), device="h100",
+                 profile=planner.profile(tower(), inputs=tower_inputs(), device="h100"))
+
+
+def test_roofline_is_compute_bound_for_matmuls_and_memory_bound_for_the_rest():
+    spec = load_device("h100")
+    roof, overhead_ms = Roofline(spec), spec.op_overhead_us / 1e3
+    a = torch.empty(4096, 4096, device="meta")
+    mm = torch.ops.aten.mm.default
+    assert roof.op_ms(mm, (a, a), a) == pytest.approx(overhead_ms + 2 * 4096**3 / 67e12 * 1e3)
+    add = torch.ops.aten.add.Tensor
+    assert roof.op_ms(add, (a, a), a) == pytest.approx(overhead_ms + 3 * 4096**2 * 4 / 3350e9 * 1e3)
+    assert roof.op_ms(torch.ops.aten.t.default, (a,), a.t()) == pytest.approx(overhead_ms)  # a view moves nothing
+    half = a.to(torch.bfloat16)
+    assert roof.op_ms(mm, (half, half), half) == pytest.approx(overhead_ms + 2 * 4096**3 / 989.4e12 * 1e3)
+
+
+@pytest.mark.parametrize("name", ["seed_cnn", "resnet"])
+def test_meta_estimates_match_measured_cpu_memory(name, restore_buffers):
+    """Memory from meta tensors agrees with a real CPU step within 5%, un-checkpointed and planned."""
+    example = load_example(name)
+    model, inputs, loss_fn = example["model"], example["inputs"], example["loss_fn"]
+    restore_buffers(model)
+    before = [p.detach().clone() for p in model.parameters()]
+    prof = planner.profile(model, inputs=inputs, loss_fn=loss_fn, device="generic-cpu")
+    assert prof.estimated_for == "generic-cpu" and prof.step_ms > 0
+    assert all(p.device.type == "cpu" and torch.equal(p, b) for p, b in zip(model.parameters(), before))
+    measured_peak = measure_peak(model, as_inputs(model, inputs), loss_fn)
+    assert abs(prof.baseline_peak_bytes - measured_peak) <= 0.05 * measured_peak
+    try:
+        plan = optimize(model, "70%", inputs=inputs, loss_fn=loss_fn, profile=prof)
+    except planner.InfeasibleBudget as exc:  # seed_cnn: its smallest plan is above 70%
+        plan = optimize(model, exc.min_peak_bytes, inputs=inputs, loss_fn=loss_fn, profile=prof)
+    assert plan.segments
+    planned_peak = measure_peak(plan.module, as_inputs(model, inputs), loss_fn)
+    assert abs(plan.predicted_peak_bytes - planned_peak) <= 0.05 * planned_peak
+    assert_plan_is_exact(model, plan, inputs, loss_fn, restore_buffers)  # BatchNorm restores found on meta too
+
+
+def test_a_meta_model_plans_for_a_gpu_without_allocating():
+    """A step of about 40 GB on the meta device: planning must never materialise any of it."""
+    with torch.device("meta"):
+        model = nn.Sequential(*[nn.Sequential(nn.Linear(8192, 8192), nn.GELU()) for _ in range(8)])
+        x = torch.randn(65536, 8192)
+    rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    with pytest.raises(ValueError, match="meta device.*device="):
+        optimize(model, "50%", inputs=(x,))
+    plan = optimize(model, "60%", inputs=(x,), device="h100")
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - rss_before < 2**30
+    activation = 65536 * 8192 * 4
+    assert plan.baseline_peak_bytes > 16 * activation  # every layer's matmul and GELU outputs are counted
+    assert plan.segments and plan.predicted_peak_bytes <= plan.budget_bytes and plan.device == "h100"
+    assert all(p.is_meta for p in model.parameters())
+    # roofline: 3 matmuls of 2*65536*8192^2 FLOPs per layer (forward, two in backward) at 67 TFLOP/s
+    assert plan.step_ms == pytest.approx(8 * 3 * 2 * 65536 * 8192**2 / 67e12 * 1e3, rel=0.25)
