@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 import planner
-from conftest import assert_plan_is_exact, load_example
+from conftest import EXAMPLES, assert_plan_is_exact, load_example
 from models import tower, tower_inputs
 from planner import ProfileFileError, ProfileMismatch, load_profile, optimize, sweep
 from planner.capture import as_inputs
@@ -183,3 +183,56 @@ def test_a_meta_model_plans_for_a_gpu_without_allocating():
     assert all(p.is_meta for p in model.parameters())
     # roofline: 3 matmuls of 2*65536*8192^2 FLOPs per layer (forward, two in backward) at 67 TFLOP/s
     assert plan.step_ms == pytest.approx(8 * 3 * 2 * 65536 * 8192**2 / 67e12 * 1e3, rel=0.25)
+
+
+def test_cli_saves_a_profile_and_plans_from_it(tmp_path, capsys):
+    from planner.cli import main
+
+    seed, path = str(EXAMPLES / "seed_cnn.py"), str(tmp_path / "seed.json")
+    assert main([seed, "--budget", "100%", "--json", "--save-profile", path]) == 0
+    made = json.loads(capsys.readouterr().out)
+    assert load_profile(path).baseline_peak_bytes > 0
+    assert main([seed, "--budget", "100%", "--json", "--profile", path]) == 0
+    again = json.loads(capsys.readouterr().out)
+    assert again["baseline_peak_bytes"] == made["baseline_peak_bytes"] and again["segments"] == made["segments"]
+    for args, message in [
+        (["--profile", str(tmp_path / "none.json")], "cannot read profile"),
+        (["--profile", path, "--save-profile", str(tmp_path / "b.json")], "give one of them"),
+    ]:
+        assert main([seed, *args]) == 2
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err
+    assert main([str(EXAMPLES / "gpt.py"), "--profile", path]) == 2  # captured, refused, never profiled
+    assert "does not match this model" in capsys.readouterr().err
+
+
+class _Attention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(64, 192)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).view(8, 512, 3, 4, 16).permute(2, 0, 3, 1, 4)
+        return nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def test_attention_on_meta_is_estimated_as_the_fused_kernel():
+    """On meta SDPA would materialise batch x heads x 512 x 512 scores; CPUs and GPUs run a fused kernel."""
+    prof = planner.profile(_Attention(), inputs=(torch.randn(8, 512, 64),), device="h100")
+    scores = 8 * 4 * 512 * 512 * 4
+    assert max(s.nbytes for s in prof.storages) < scores / 8
+    measured = planner.profile(_Attention(), inputs=(torch.randn(8, 512, 64),))
+    assert prof.baseline_peak_bytes == pytest.approx(measured.baseline_peak_bytes, rel=0.05)
+
+
+@pytest.mark.slow
+def test_hugging_face_decoder_on_meta_plans_for_h100():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Qwen2Config(vocab_size=1000, hidden_size=128, intermediate_size=344, num_hidden_layers=4,
+                                      num_attention_heads=4, num_key_value_heads=2, use_cache=False)
+    with torch.device("meta"):
+        model = transformers.Qwen2ForCausalLM(config)
+        ids = torch.randint(0, 1000, (4, 256))
+    plan = optimize(model, "50%", inputs={"input_ids": ids, "labels": ids, "use_cache": False}, device="h100")
+    assert plan.capture_method.startswith("torch.export") and plan.segments
+    assert plan.predicted_peak_bytes <= plan.budget_bytes and plan.step_ms > 0
