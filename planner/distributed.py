@@ -6,8 +6,7 @@ per-node offset (added to the simulator's constants): under FSDP2 parameters, gr
 optimizer state are sharded 1/N, plus the all-gathered parameters of the units in flight and
 the reduce-scattered gradients in flight; under DDP the replicas stay whole and the gradient
 buckets are added. ``docs/distributed.md`` derives it. ``split_at_units`` cuts segments so each
-re-runs at most one FSDP unit, inside that unit's own backward, where FSDP2 does not gather it
-again. Rank agreement and helpers that need ``torch.distributed`` live in ``distributed_rank.py``.
+re-runs at most one FSDP unit: a unit re-run before its own backward stays gathered until then. Rank agreement and helpers that need ``torch.distributed`` live in ``distributed_rank.py``.
 """
 
 from __future__ import annotations
@@ -21,8 +20,9 @@ import numpy as np
 from torch import nn
 
 from planner.costs import Profile
-from planner.simulate import MemoryModel, simulate
-from planner.solve import Solution
+from planner.errors import InfeasibleBudget
+from planner.simulate import ChunkPlan, MemoryModel, simulate
+from planner.solve import Solution, min_peak
 
 PARALLEL = ("fsdp", "ddp")
 """Data-parallel engines a plan can budget for."""
@@ -216,50 +216,57 @@ def _in_flight(gathered: dict[str, int], unit: str, neighbour: str | None) -> in
 
 
 def split_at_units(memory: MemoryModel, solution: Solution, budget_bytes: int,
-                   dist: Distributed, profile: Profile) -> Solution:
-    """Cuts segments after each FSDP unit they contain, where the cut plan still fits the budget.
+                   dist: Distributed, profile: Profile, *, time_limit_s: float = 30.0) -> Solution:
+    """Cuts every segment after each FSDP unit it contains, so a segment re-runs at most one unit.
 
-    A segment re-runs when its backward first unpacks a saved tensor. FSDP2 skips the all-gather
-    of a unit re-run inside its own backward (already gathered by its pre-backward hook), but
-    gathers again every other unit the re-run passes through. One unit per segment, with no
-    saving op after it, adds no all-gather. Segments are cut greedily, each kept only if the
-    plan still fits.
+    A segment re-runs when its backward first unpacks a saved tensor. FSDP2 (torch >= 2.4) does
+    not reshard a unit re-run during backward, so a unit re-run before its own backward stays
+    gathered from the re-run until its post-backward: the all-gather moves earlier (the count does
+    not change), and memory holds one more unit. The memory model counts one such unit (the
+    neighbour term of ``_in_flight``), which is exactly what one unit per segment can need.
+
+    Raises:
+        InfeasibleBudget: neither the cut plan nor the cut smallest-peak plan fits the budget.
     """
     if not dist.units or not solution.plan:
         return solution
     unit_nodes = [u != ROOT for u in unit_of_nodes(profile, dist.units)]
-    plan = list(solution.plan)
-    regions = memory.regions
-    for i in range(len(plan)):
-        first, stop = plan[i]
-        pieces, start = [], first
+    plan = _cut(memory, solution.plan, unit_nodes)
+    predicted = simulate(memory, plan)
+    if predicted.peak_bytes <= budget_bytes:
+        if plan == solution.plan:
+            return solution
+        return replace(solution, plan=plan, recompute_us=predicted.recompute_us)
+    smallest = simulate(memory, _cut(memory, min_peak(memory, time_limit_s=time_limit_s), unit_nodes))
+    if smallest.peak_bytes <= budget_bytes:
+        return replace(solution, plan=smallest.plan, status="FEASIBLE", recompute_us=smallest.recompute_us)
+    best = min(predicted, smallest, key=lambda t: t.peak_bytes)
+    raise InfeasibleBudget(budget_bytes, best.peak_bytes, best.breakdown)
+
+
+def _cut(memory: MemoryModel, plan: ChunkPlan, unit_nodes: Sequence[bool]) -> ChunkPlan:
+    out = []
+    for first, stop in plan:
+        start = first
         for k in range(first, stop - 1):
-            lo, hi = regions.bounds(k)
+            lo, hi = memory.regions.bounds(k)
             if any(unit_nodes[lo:hi]):
-                pieces.append((start, k + 1))
+                out.append((start, k + 1))
                 start = k + 1
-        pieces.append((start, stop))
-        if len(pieces) == 1:
-            continue
-        trial = plan[:i] + pieces + plan[i + 1:]
-        if simulate(memory, tuple(trial)).peak_bytes <= budget_bytes:
-            plan = trial
-    if len(plan) == len(solution.plan):
-        return solution
-    predicted = simulate(memory, tuple(plan))
-    return replace(solution, plan=tuple(plan), recompute_us=predicted.recompute_us)
+        out.append((start, stop))
+    return tuple(out)
 
 
-def extra_all_gathers(segments: Sequence, units: Sequence[str]) -> int:
-    """All-gathers per step that a plan adds under FSDP2 with ``reshard_after_forward=True``:
-    in each segment, every unit but the last, and the last too when ops follow it in the segment
-    (the re-run then starts before that unit's pre-backward gathers it). Conservative: an op after
-    the last unit that saves nothing does not trigger the re-run."""
+def early_gathers(segments: Sequence, units: Sequence[str]) -> int:
+    """Units a plan's re-runs gather before their own backward, per step (FSDP2): in each segment
+    every unit but the last, and the last too when ops follow it in the segment. Each stays
+    gathered until its post-backward; the number of all-gathers does not change. Conservative:
+    an op after the last unit that saves nothing does not start the re-run early."""
     wanted = set(units)
-    extra = 0
+    early = 0
     for seg in segments:
         paths = list(seg.module_paths)
         inside = [i for i, p in enumerate(paths) if p in wanted]
         if inside:
-            extra += len(inside) - 1 + (1 if inside[-1] < len(paths) - 1 else 0)
-    return extra
+            early += len(inside) - 1 + (1 if inside[-1] < len(paths) - 1 else 0)
+    return early

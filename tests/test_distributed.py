@@ -1,0 +1,264 @@
+"""Plans for one rank of an FSDP2 or DDP job: the per-rank memory model, and 2-rank gloo training runs.
+
+The multi-process tests spawn 2 ranks on 127.0.0.1 and fail (instead of hanging) after a timeout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+import torch.nn.functional as F
+
+from planner import InfeasibleBudget, load_plan, plan_for, prepare
+from planner.distributed import early_gathers, memory_offset, resolve_units, setup, split_at_units
+from planner.distributed_rank import (apply_plan, count_collectives, fully_shard_units, plan_on_rank0,
+                                      rank_peak_bytes, resident_bytes, same_on_all_ranks)
+from planner.plan import Segment
+from planner.solve import Solution
+
+WIDTH, DEPTH, ROWS = 64, 4, 1024
+UNITS = [f"blocks.{i}" for i in range(DEPTH)]
+
+
+class Block(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(width, 4 * width)
+        self.fc2 = nn.Linear(4 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(F.gelu(self.fc1(x)))
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(WIDTH) for _ in range(DEPTH))
+        self.head = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def make_model() -> Net:
+    torch.manual_seed(0)
+    return Net()
+
+
+def rank_inputs(rank: int) -> torch.Tensor:
+    return torch.randn(ROWS, WIDTH, generator=torch.Generator().manual_seed(rank))
+
+
+def loss_fn(out: torch.Tensor) -> torch.Tensor:
+    return out.square().mean()
+
+
+# ---- the per-rank memory model, on one process ------------------------------------------------
+
+@pytest.fixture(scope="module")
+def fsdp_prepared():
+    return prepare(make_model(), inputs=(rank_inputs(0),), loss_fn=loss_fn, world_size=2, optimizer="adamw")
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"world_size": 0}, "world_size must be an integer >= 1"),
+    ({"world_size": 1.5}, "world_size must be an integer >= 1"),
+    ({"world_size": 2, "parallel": "zero3"}, "unknown parallel='zero3'"),
+    ({"world_size": 2, "units": ["blocks.9"]}, "unit 'blocks.9' matches no submodule of Net"),
+    ({"world_size": 2, "units": ["blocks.*", "blocks.1.fc1"]}, "unit 'blocks.1.fc1' is inside unit 'blocks.1'"),
+    ({"world_size": 2, "parallel": "ddp", "units": ["blocks.*"]}, "units= names FSDP units"),
+    ({"world_size": 2, "optimizer": "lion"}, "unknown optimizer='lion'"),
+    ({"optimizer": -1}, "unknown optimizer=-1"),
+])
+def test_bad_arguments_say_what_to_do(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        setup(make_model(), **kwargs)
+
+
+def test_units_default_to_the_repeated_blocks_and_accept_globs():
+    model = make_model()
+    assert resolve_units(model, None) == tuple(UNITS)
+    assert resolve_units(model, ["blocks.*"]) == tuple(UNITS)
+    assert resolve_units(model, "blocks.[02]") == ("blocks.0", "blocks.2")
+    assert setup(model) is None  # one device, no optimizer: the plain model
+
+
+def test_fsdp_offset_matches_the_hand_computed_model(fsdp_prepared):
+    """Net: 4 blocks of 132352 parameter bytes and a head (root unit) of 16640; 2 ranks; AdamW."""
+    block, head, n = 132352, 16640, 2
+    total = DEPTH * block + head
+    resident = total // n + 2 * total // n - total          # shards + AdamW state (sharded) - full params
+    offset = memory_offset(fsdp_prepared.profile, fsdp_prepared.distributed)
+    names = [node.name for node in fsdp_prepared.profile.nodes]
+    assert names == ["blocks_0", "blocks_1", "blocks_2", "blocks_3", "head", "loss"]
+    # forward: root + current unit + max(its all-gather buffer, the next unit prefetched)
+    assert offset.fwd_bytes.tolist() == [resident + head + 2 * block] * 4 + [resident + head] * 2
+    # backward at blocks.1: blocks.3 reduced to a shard, blocks.2's reduce-scatter in flight (+1/N)
+    assert offset.bwd_bytes[1] == resident + head + 2 * block - block // n + block // n
+    assert offset.bwd_bytes[0] == resident + head + 2 * block - 2 * block // n + block // n
+    assert offset.bwd_bytes[3] == resident + head + 2 * block
+    assert offset.param_bytes == fsdp_prepared.profile.param_bytes - total + total // n
+
+
+def test_ddp_offset_is_replicas_plus_buckets_plus_optimizer(fsdp_prepared):
+    model = make_model()
+    ddp = setup(model, world_size=2, parallel="ddp", optimizer="adamw")
+    offset = memory_offset(fsdp_prepared.profile, ddp)
+    grads = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert set(offset.fwd_bytes.tolist()) == set(offset.bwd_bytes.tolist()) == {2 * grads + grads}
+
+
+def test_segments_are_cut_to_one_unit_each(fsdp_prepared):
+    memory = fsdp_prepared.memory
+    joint = Solution(plan=((0, 3),), status="OPTIMAL", recompute_us=0, bound_us=0, solve_time_s=0.0)
+    cut = split_at_units(memory, joint, 10**12, fsdp_prepared.distributed, fsdp_prepared.profile)
+    assert cut.plan == ((0, 1), (1, 2), (2, 3))
+    with pytest.raises(InfeasibleBudget):
+        split_at_units(memory, joint, 1000, fsdp_prepared.distributed, fsdp_prepared.profile)
+
+
+def test_fsdp_plan_calls_whole_units(fsdp_prepared, tmp_path):
+    plan = plan_for(fsdp_prepared, "60%")
+    assert plan.segments and plan.predicted_peak_bytes <= plan.budget_bytes
+    for seg in plan.segments:  # each segment re-runs whole unit calls, at most one
+        assert sum(p in UNITS for p in seg.module_paths) <= 1
+    assert "fc1" not in plan.source  # blocks are called (FSDP2's hooks fire), never inlined
+    assert early_gathers(plan.segments, UNITS) == 0
+    plan.save(tmp_path / "plan.json")
+    rebuilt = apply_plan(load_plan(tmp_path / "plan.json"), make_model())
+    assert type(rebuilt).__name__ == type(plan.module).__name__
+    with pytest.raises(ValueError, match="pass the units= the plan was made with"):
+        apply_plan(plan, make_model(), units=["blocks.0", "blocks.1"])
+
+
+def test_early_gathers_counts_units_re_run_before_their_backward():
+    def seg(*paths):
+        return Segment(nodes=(), module_paths=paths, recompute_ms=0.0)
+    assert early_gathers([seg("blocks.0"), seg(":relu", "blocks.1")], UNITS) == 0
+    assert early_gathers([seg("blocks.0", "blocks.1", "blocks.2")], UNITS) == 2
+    assert early_gathers([seg("blocks.3", "head")], UNITS) == 1
+
+
+# ---- 2 ranks, gloo, loopback ------------------------------------------------------------------
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(worker, out_dir: Path, *, world_size: int = 2, timeout_s: float = 150.0) -> list[dict]:
+    """Runs ``worker(rank, world_size, port, out_dir)`` on spawned ranks; each writes rank<r>.json."""
+    ctx = mp.start_processes(worker, args=(world_size, _free_port(), str(out_dir)), nprocs=world_size,
+                             join=False, start_method="spawn")
+    deadline = time.monotonic() + timeout_s
+    while not ctx.join(timeout=5):
+        if time.monotonic() > deadline:
+            for process in ctx.processes:
+                process.kill()
+            pytest.fail(f"the {world_size} ranks did not finish within {timeout_s:.0f} s (a hang)")
+    return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(world_size)]
+
+
+def _init(rank: int, world_size: int, port: int) -> None:
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+
+
+def _train(module: nn.Module, wrapped: nn.Module, x: torch.Tensor, extra_resident: int = 0) -> dict:
+    """3 AdamW steps: losses, collectives per step, and the peak of step 2 (optimizer state exists)."""
+    opt = torch.optim.AdamW(wrapped.parameters(), lr=1e-2)
+    losses, gathers, peak = [], [], None
+    for step in range(3):
+        out: list[torch.Tensor] = []
+
+        def one_step() -> None:
+            out.append(loss_fn(wrapped(x)))
+            out[-1].backward()
+
+        with count_collectives() as counts:
+            if step == 1:
+                peak = rank_peak_bytes(one_step, resident_bytes(module, opt, x) + extra_resident)
+            else:
+                one_step()
+        opt.step()
+        opt.zero_grad()
+        losses.append(out[-1].item())
+        gathers.append(counts["all_gather_single"])
+    return {"losses": losses, "all_gathers": gathers, "peak": peak}
+
+
+def _plan_record(plan) -> dict:
+    return {"segments": [list(s.nodes) for s in plan.segments], "budget": plan.budget_bytes,
+            "predicted": plan.predicted_peak_bytes, "baseline": plan.baseline_peak_bytes,
+            "same_plan": same_on_all_ranks([s.nodes for s in plan.segments])}
+
+
+def fsdp_worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
+    _init(rank, world_size, port)
+    x = rank_inputs(rank)
+    result = {"unplanned": _train(*(2 * [fully_shard_units(make_model())]), x)}
+    plan = plan_on_rank0(make_model(), "60%", inputs=(x,), loss_fn=loss_fn, optimizer="adamw")
+    result.update(_plan_record(plan), planned=_train(plan.module, fully_shard_units(plan.module), x))
+    joint = replace(plan, segments=(Segment(nodes=("blocks_0", "blocks_1", "blocks_2"), module_paths=(),
+                                            recompute_ms=0.0),))
+    result["joint"] = _train(*(2 * [fully_shard_units(apply_plan(joint, make_model()))]), x)
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+def ddp_worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    _init(rank, world_size, port)
+    x = rank_inputs(rank)
+    buckets = sum(p.numel() * p.element_size() for p in make_model().parameters())  # allocated at DDP(...)
+    result = {"unplanned": _train((model := make_model()), DDP(model), x, buckets)}
+    plan = plan_on_rank0(make_model(), "60%", inputs=(x,), loss_fn=loss_fn, parallel="ddp", optimizer="adamw")
+    result.update(_plan_record(plan), planned=_train(plan.module, DDP(plan.module), x, buckets))
+    try:
+        plan_on_rank0(make_model(), "1KB", inputs=(x,), loss_fn=loss_fn, parallel="ddp")
+    except InfeasibleBudget as exc:  # raised on every rank, not only where it was planned
+        result["infeasible"] = exc.min_peak_bytes
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+def _check_ranks(results: list[dict]) -> None:
+    for r in results:
+        assert r["same_plan"] and r["segments"] == results[0]["segments"] and r["segments"]
+        torch.testing.assert_close(r["planned"]["losses"], r["unplanned"]["losses"], rtol=1e-5, atol=1e-7)
+        assert r["planned"]["peak"] <= r["budget"]          # measured on this rank, step 2
+        assert abs(r["predicted"] - r["planned"]["peak"]) <= 0.10 * r["planned"]["peak"]
+        assert abs(r["baseline"] - r["unplanned"]["peak"]) <= 0.10 * r["unplanned"]["peak"]
+    assert results[0]["unplanned"]["losses"] != results[1]["unplanned"]["losses"]  # ranks saw different data
+
+
+def test_fsdp2_planned_module_trains_like_the_unplanned_one(tmp_path):
+    results = run_ranks(fsdp_worker, tmp_path)
+    _check_ranks(results)
+    for r in results:
+        # 5 units gathered in forward, 4 again in backward (the root stays gathered): the plan and a
+        # 3-unit segment add none (FSDP2 keeps a unit re-run in backward gathered until its backward)
+        assert r["unplanned"]["all_gathers"] == r["planned"]["all_gathers"] == [2 * DEPTH + 1] * 3
+        assert r["joint"]["all_gathers"] == [2 * DEPTH + 1] * 3
+        torch.testing.assert_close(r["joint"]["losses"], r["unplanned"]["losses"], rtol=1e-5, atol=1e-7)
+
+
+def test_ddp_planned_module_trains_like_the_unplanned_one(tmp_path):
+    results = run_ranks(ddp_worker, tmp_path)
+    _check_ranks(results)
+    assert results[0]["infeasible"] == results[1]["infeasible"] > 1000
