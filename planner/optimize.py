@@ -14,7 +14,7 @@ from planner.costs import Profile
 from planner.distributed import Distributed, memory_offset, setup, split_at_units
 from planner.errors import InfeasibleBudget, PlannerError
 from planner.plan import MemoryTimeline, Plan, Segment
-from planner.profile import profile
+from planner.profile_api import capture_inputs, profile_for
 from planner.regions import Regions, find_regions
 from planner.rewrite import SegmentSpec, rewrite
 from planner.simulate import ChunkPlan, MemoryModel, Timeline, build_model, freed_bytes, simulate
@@ -47,6 +47,8 @@ def optimize(
     time_limit_s: float = 30.0,
     solver: str = "cpsat",
     progress: Callable[[str], None] | None = None,
+    profile: Profile | None = None,
+    device: str | torch.device | None = None,
     world_size: int = 1,
     parallel: str | None = None,
     units: Sequence[str] | None = None,
@@ -67,6 +69,10 @@ def optimize(
             (``cpsat``, the default, is optimal under the cost model).
         progress: called with the name of each stage as it starts (``capture``, ``profile``,
             ``solve``, ``rewrite``), for progress displays.
+        profile: a saved ``Profile`` (``planner.load_profile``) to plan from instead of profiling;
+            the model is still captured, and must match it (``ProfileMismatch`` names what differs).
+        device: plan for this device without it: a spec name (``"h100"``, ``planner.device_names()``)
+            or spec file; memory from meta tensors, times from a roofline (docs/profiles.md).
         world_size: plan for one rank of a job on this many ranks (docs/distributed.md).
         parallel: ``fsdp`` (default when world_size > 1: parameters, gradients and optimizer
             state sharded 1/N, plus the all-gathered units in flight) or ``ddp`` (full replicas
@@ -90,13 +96,14 @@ def optimize(
     """
     parse_budget(budget, baseline_peak_bytes=1)  # reject a malformed budget before any work
     get_solver(solver)  # reject an unknown solver before any work
-    prepared = prepare(model, inputs=inputs, loss_fn=loss_fn, progress=progress, world_size=world_size,
-                       parallel=parallel, units=units, optimizer=optimizer)
+    prepared = prepare(model, inputs=inputs, loss_fn=loss_fn, progress=progress, profile=profile, device=device,
+                       world_size=world_size, parallel=parallel, units=units, optimizer=optimizer)
     return plan_for(prepared, budget, solver=solver, time_limit_s=time_limit_s, progress=progress)
 
 
 def prepare(model: nn.Module, *, inputs: tuple | Mapping | torch.Tensor | None = None,
             loss_fn: LossFn | None = None, progress: Callable[[str], None] | None = None,
+            profile: Profile | None = None, device: str | torch.device | None = None,
             world_size: int = 1, parallel: str | None = None, units: Sequence[str] | None = None,
             optimizer: str | int | None = None) -> Prepared:
     """Captures and profiles ``model`` once (arguments as for ``optimize``)."""
@@ -104,9 +111,11 @@ def prepare(model: nn.Module, *, inputs: tuple | Mapping | torch.Tensor | None =
     dist = setup(model, world_size=world_size, parallel=parallel, units=units, optimizer=optimizer)
     example = as_inputs(model, inputs)
     stage("capture")
-    captured = capture(model, example, units=dist.opaque if dist else frozenset())  # graph + module scopes
+    captured = capture(model, capture_inputs(model, example),   # graph + module scopes (meta inputs
+                       units=dist.opaque if dist else frozenset())  # for a meta model)
     stage("profile")
-    measured = profile(captured, model, example, loss_fn=loss_fn)  # one real step, node by node
+    measured = profile_for(captured, model, example, loss_fn=loss_fn,  # one real step node by node,
+                           device=device, saved=profile)        # or a saved or estimated profile
     regions = find_regions(measured)                            # where segments may start and end
     memory = build_model(measured, regions,                     # the cost model the solver optimises
                          offset=dist and memory_offset(measured, dist))  # one rank's share of the job
