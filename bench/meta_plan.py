@@ -53,7 +53,7 @@ def main() -> None:
     p.add_argument("--device", default="h100")
     p.add_argument("--budget", default="60GB")
     p.add_argument("--time-limit", type=float, default=60.0, help="solver time limit, s")
-    p.add_argument("--out", default=str(ROOT / "bench/results/meta_plan.md"), help="markdown file, or - for none")
+    p.add_argument("--out", default=str(ROOT / "bench/results/meta_plan.md"), help="markdown file; - for none")
     args = p.parse_args()
 
     stamps: dict[str, float] = {}
@@ -87,7 +87,8 @@ def main() -> None:
         f"- model: Qwen2ForCausalLM, {args.layers} layers, hidden 2048, intermediate 5504, 16 heads, vocab 32000, "
         f"{params / 1e9:.2f}B parameters in {args.dtype}, built under `torch.device(\"meta\")` (no weights)",
         f"- inputs: batch {args.batch} x sequence {args.seq} (meta), loss = the model's own `output.loss`",
-        f"- planned for `device=\"{args.device}\"` with budget `{args.budget}`, solver time limit {args.time_limit:g} s",
+        f"- planned for `device=\"{args.device}\"` with budget `{args.budget}`, "
+        f"solver time limit {args.time_limit:g} s",
         f"- graph: {len(prof.nodes)} nodes ({prepared.captured.method}), {len(prof.storages)} storages, "
         f"{len(prepared.regions.starts)} chunks",
         "",
@@ -97,9 +98,10 @@ def main() -> None:
         f"| peak RSS | **{peak_rss:.2f} GiB** (target < 4 GiB) |",
         *(f"| {name} | {dt:.1f} s |" for name, dt in timings),
         f"| un-checkpointed peak (predicted) | {format_bytes(plan.baseline_peak_bytes)} |",
-        f"| planned peak (predicted) | {format_bytes(plan.predicted_peak_bytes)} ≤ {format_bytes(plan.budget_bytes)} |",
-        f"| predicted step on {args.device} (roofline) | {plan.step_ms:.0f} ms, +{100 * plan.predicted_overhead:.1f}% "
-        f"recompute |",
+        f"| planned peak (predicted) | {format_bytes(plan.predicted_peak_bytes)} "
+        f"≤ {format_bytes(plan.budget_bytes)} |",
+        f"| predicted step on {args.device} (roofline) | {plan.step_ms:.0f} ms, "
+        f"+{100 * plan.predicted_overhead:.1f}% recompute |",
         f"| segments | {len(plan.segments)}, solver {plan.solver_status} in {plan.solve_time_s:.1f} s |",
         "",
     ]
