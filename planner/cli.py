@@ -85,6 +85,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="solver time limit; past it the best plan found is used (default: 30)")
     p.add_argument("--device", type=_device, help=f"{DEVICE_FORMS}: move the model and inputs there first "
                                                   "(default: where the file puts them)")
+    p.add_argument("--world-size", type=_ranks, default=1, metavar="N",
+                   help="plan for one rank of a job on N ranks (docs/distributed.md; default: 1)")
+    p.add_argument("--parallel", choices=["fsdp", "ddp"],
+                   help="data-parallel engine the budget is per rank of (default: fsdp when --world-size > 1)")
     p.add_argument("--model", default="model", metavar="NAME", help="name of the model in the file (default: model)")
     p.add_argument("--inputs", default="inputs", metavar="NAME", help="name of the inputs (default: inputs)")
     p.add_argument("--loss", metavar="NAME", help="name of the loss function (default: loss_fn, if defined)")
@@ -112,6 +116,12 @@ def _budget(text: str) -> int | str:
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
     return value
+
+
+def _ranks(text: str) -> int:
+    if not re.fullmatch(r"\s*\d+\s*", text) or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"--world-size must be an integer >= 1 (the number of ranks), got {text!r}")
+    return int(text)
 
 
 def _seconds(text: str) -> float:
@@ -240,6 +250,9 @@ def _plan(args: argparse.Namespace, err: Console) -> tuple[ModelFile, Plan, cli_
         _check_output(flag, target, args.model_file)
     if args.profile and args.save_profile:
         raise UserError("--profile and --save-profile together would only copy the profile; give one of them")
+    if args.verify and (args.world_size > 1 or args.parallel):
+        raise UserError("--verify measures one process, but --world-size/--parallel plan one rank of a job: measure "
+                        "inside the job with planner.distributed_rank.rank_peak_bytes (docs/distributed.md)")
     show = not args.quiet and sys.stderr.isatty()
     with cli_report.StageProgress(err, enabled=show, solver=args.solver, time_limit_s=args.time_limit) as stage:
         stage("load")
@@ -249,7 +262,8 @@ def _plan(args: argparse.Namespace, err: Console) -> tuple[ModelFile, Plan, cli_
         try:
             saved = _profile_file(args, found)
             plan = optimize(found.model, args.budget, inputs=found.inputs, loss_fn=found.loss_fn,
-                            time_limit_s=args.time_limit, solver=args.solver, progress=stage, profile=saved)
+                            time_limit_s=args.time_limit, solver=args.solver, progress=stage, profile=saved,
+                            world_size=args.world_size, parallel=args.parallel)
         except (ValueError, TypeError) as exc:  # malformed budget or inputs, unknown solver
             raise UserError(str(exc)) from exc
         verification = None

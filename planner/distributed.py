@@ -270,3 +270,17 @@ def early_gathers(segments: Sequence, units: Sequence[str]) -> int:
         if inside:
             early += len(inside) - 1 + (1 if inside[-1] < len(paths) - 1 else 0)
     return early
+
+
+_RANK_HELPERS = ("plan_on_rank0", "apply_plan", "fully_shard_units", "count_collectives", "rank_peak_bytes",
+                 "resident_bytes", "same_on_all_ranks")
+
+
+def __getattr__(name: str):
+    """``from planner.distributed import plan_on_rank0`` (and the other rank helpers of
+    ``distributed_rank.py``, which import torch.distributed only when asked for)."""
+    if name in _RANK_HELPERS:
+        from planner import distributed_rank
+
+        return getattr(distributed_rank, name)
+    raise AttributeError(f"module 'planner.distributed' has no attribute {name!r}")

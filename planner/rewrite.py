@@ -12,6 +12,7 @@ In eval mode or under ``torch.no_grad()`` the user's own forward runs unchanged.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import linecache
 import operator
@@ -22,12 +23,20 @@ from typing import Iterator, Sequence
 import torch
 import torch.fx as fx
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from planner.capture import EXPORT, SCOPE_KEY, Captured, shallow_clone, trace
 
 SEGMENT_PREFIX = "_ckplan_segment_"
 CONTEXT_PREFIX = "_ckplan_context_"
+
+
+def _recompute_all(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+COMPILED_CONTEXT = functools.partial(create_selective_checkpoint_contexts, _recompute_all)
+"""A segment's ``context_fn`` under torch.compile: what a plain checkpoint gets there (recompute all)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -243,15 +252,20 @@ def _generate(base: type, name: str, main: fx.Graph, pieces: list[fx.Graph],
               segments: Sequence[SegmentSpec], *, guard: str) -> tuple[str, dict]:
     """Python source of the planned class ``name`` and the globals it needs."""
     namespace: dict = {"_ckplan_base": base, "torch": torch, "contextlib": contextlib,
-                       "_ckplan_restore_buffers": restore_buffers}
+                       "_ckplan_restore_buffers": restore_buffers, "_ckplan_compiled_context": COMPILED_CONTEXT}
     body = [_method(main, "forward", namespace, guard=guard)]
     for g, piece in enumerate(pieces):
         body.append(_method(piece, f"{SEGMENT_PREFIX}{g}", namespace))
         if segments[g].restore_buffers:
             body.append(
+                f"@property\n"
                 f"def {CONTEXT_PREFIX}{g}(self):\n"
-                f"    # recomputing this segment must not update these buffers a second time\n"
-                f"    return contextlib.nullcontext(), _ckplan_restore_buffers(self, {segments[g].restore_buffers!r})\n"
+                f"    # recomputing this segment must not update these buffers a second time; torch.compile\n"
+                f"    # applies buffer updates once whatever it recomputes, and accepts plain functions only\n"
+                f"    if torch.compiler.is_compiling():\n"
+                f"        return _ckplan_compiled_context\n"
+                f"    return lambda: (contextlib.nullcontext(),\n"
+                f"                    _ckplan_restore_buffers(self, {segments[g].restore_buffers!r}))\n"
             )
     doc = (f'"""{name.removeprefix("Checkpointed")} running a ckplan activation-checkpointing plan '
            f'({len(pieces)} segment{"s" if len(pieces) != 1 else ""})."""\n')
