@@ -31,7 +31,7 @@ def rows(engine: str, results: list[dict]) -> list[str]:
             out.append(f"| {engine} | {rank} | {name} | {', '.join(f'{x:.6f}' for x in run['losses'])} | "
                        f"{run['all_gathers'] if engine == 'fsdp' else '-'} | "
                        f"{format_bytes(predicted) if predicted else '-'} | {format_bytes(run['peak'])} | "
-                       f"{format_bytes(r['budget']) if name != 'unplanned' else '-'} |")
+                       f"{format_bytes(r['budget']) if name == 'planned' else '-'} |")
     return out
 
 
