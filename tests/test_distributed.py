@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 import os
 import socket
+import subprocess
+import sys
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -149,6 +151,25 @@ def test_early_gathers_counts_units_re_run_before_their_backward():
     assert early_gathers([seg("blocks.0"), seg(":relu", "blocks.1")], UNITS) == 0
     assert early_gathers([seg("blocks.0", "blocks.1", "blocks.2")], UNITS) == 2
     assert early_gathers([seg("blocks.3", "head")], UNITS) == 1
+
+
+def test_cli_plans_one_rank(tmp_path):
+    model_file = tmp_path / "model.py"
+    model_file.write_text(f"import sys\nsys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+                          "from test_distributed import make_model as model, rank_inputs, loss_fn\n"
+                          "inputs = (rank_inputs(0),)\n")
+
+    def ckplan(*args):
+        return subprocess.run([sys.executable, "-m", "planner", str(model_file), *args], capture_output=True,
+                              text=True, timeout=120)
+
+    done = ckplan("--budget", "60%", "--world-size", "2", "--json")
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert report["capture_method"] == "torch.fx.symbolic_trace (FSDP units as calls)"
+    assert [s["module_paths"] for s in report["segments"]] == [["blocks.0"], ["blocks.1"], ["blocks.2"]]
+    bad = ckplan("--world-size", "0")
+    assert bad.returncode == 2 and "--world-size must be an integer >= 1" in bad.stderr
 
 
 # ---- 2 ranks, gloo, loopback ------------------------------------------------------------------
