@@ -59,17 +59,7 @@ def rotor(model: MemoryModel, budget_bytes: int, *, time_limit_s: float = 30.0, 
     began = time.perf_counter()
     if budget_bytes < 0:
         raise NoSolution(True, "a negative budget fits no plan")
-    locals_, fixed = _classify(model)
-    n = model.n_nodes
-    const_fwd = model.const_fwd + prefix_by(model.last_use + 1, fixed * ~model.fwd_fixed, n)
-    kept_fixed = prefix_by(model.release, fixed, n)  # always-kept storages released by t
-    const_bwd = model.const_bwd + kept_fixed
-    const_bwd -= np.array([int(fixed[list(own)].sum()) if own else 0 for own in model.own_saved], dtype=np.int64)
-    sizes = [s.size for s in locals_]
-    quantum = max(math.gcd(*sizes) if sizes else 1, math.ceil(budget_bytes / max_slots))
-    slots = budget_bytes // quantum + 1
-    dp = _ChainDP(model, locals_, const_fwd, const_bwd, kept_fixed, budget_bytes, quantum, slots)
-    plan = dp.run()
+    plan = _chain_dp(model, budget_bytes, max_slots, optimistic=False)
     if plan is None:
         raise NoSolution(True, "no plan fits the budget under the chain model")
     timeline = simulate(model, plan)
@@ -79,8 +69,40 @@ def rotor(model: MemoryModel, budget_bytes: int, *, time_limit_s: float = 30.0, 
                     solve_time_s=time.perf_counter() - began)
 
 
-def _classify(model: MemoryModel) -> tuple[list[_Local], np.ndarray]:
-    """Local storages, and the bytes of every storage treated as always kept."""
+def relaxed(model: MemoryModel, budget_bytes: int, *, max_slots: int = 4000) -> tuple[ChunkPlan, int] | None:
+    """The optimum of a relaxation of the cost model, and its recompute time (a lower bound).
+
+    Storages that span more than two chunks count as never kept, and kept bytes are rounded
+    down, so every plan that fits the real model fits the relaxation: its optimum is a lower
+    bound on every plan's recompute time, and when its plan also fits the real model
+    (``simulate``), that plan is optimal. None: no plan fits even the relaxation (so none fits).
+    """
+    if budget_bytes < 0:
+        return None
+    plan = _chain_dp(model, budget_bytes, max_slots, optimistic=True)
+    if plan is None:
+        return None
+    return plan, int(sum(int(model.chunk_cost_us[a:b].sum()) + model.segment_cost_us for a, b in plan))
+
+
+def _chain_dp(model: MemoryModel, budget_bytes: int, max_slots: int, *, optimistic: bool) -> ChunkPlan | None:
+    locals_, fixed = _classify(model, optimistic)
+    n = model.n_nodes
+    const_fwd = model.const_fwd + prefix_by(model.last_use + 1, fixed * ~model.fwd_fixed, n)
+    kept_fixed = prefix_by(model.release, fixed, n)  # always-kept storages released by t
+    const_bwd = model.const_bwd + kept_fixed
+    const_bwd -= np.array([int(fixed[list(own)].sum()) if own else 0 for own in model.own_saved], dtype=np.int64)
+    sizes = [s.size for s in locals_]
+    quantum = max(math.gcd(*sizes) if sizes else 1, math.ceil(budget_bytes / max_slots))
+    slots = budget_bytes // quantum + 1
+    dp = _ChainDP(model, locals_, const_fwd, const_bwd, kept_fixed, budget_bytes, quantum, slots,
+                  round_down=optimistic)
+    return dp.run()
+
+
+def _classify(model: MemoryModel, optimistic: bool) -> tuple[list[_Local], np.ndarray]:
+    """Local storages, and the bytes of every storage treated as always kept (non-local storages
+    are always kept, or with ``optimistic`` never kept)."""
     fixed = model.size * model.always_kept
     owner = model.regions.chunk_of()
     locals_ = []
@@ -88,7 +110,7 @@ def _classify(model: MemoryModel) -> tuple[list[_Local], np.ndarray]:
         p = int(model.producer_chunk[s])
         chunks = {p, *model.saver_chunks[s], *model.consumer_chunks[s]}
         if max(chunks) > p + 1 or model.size[s] == 0:
-            fixed[s] = model.size[s]
+            fixed[s] = 0 if optimistic else model.size[s]
             continue
         savers = {owner[u] for u in model.savers[s] if u < len(owner)}
         locals_.append(_Local(size=int(model.size[s]), p=p, last_use=int(model.last_use[s]),
@@ -99,8 +121,9 @@ def _classify(model: MemoryModel) -> tuple[list[_Local], np.ndarray]:
 
 
 class _ChainDP:
-    def __init__(self, model, locals_, const_fwd, const_bwd, kept_fixed, budget, quantum, slots):
+    def __init__(self, model, locals_, const_fwd, const_bwd, kept_fixed, budget, quantum, slots, *, round_down):
         self.m, self.budget, self.q, self.slots = model, budget, quantum, slots
+        self.round_down = round_down
         self.const_fwd, self.const_bwd, self.kept_fixed = const_fwd, const_bwd, kept_fixed
         self.by_chunk: dict[int, list[_Local]] = {}
         for s in locals_:
@@ -157,6 +180,10 @@ class _ChainDP:
             worst = max(worst, int(bwd[has].max()))
         return worst, added
 
+    def slots_of(self, nbytes: int) -> int:
+        """Kept bytes in slots: rounded up (plans stay within budget) or down (a relaxation)."""
+        return nbytes // self.q if self.round_down else -(-nbytes // self.q)
+
     def run(self) -> ChunkPlan | None:
         m, K, S = self.m, self.m.n_chunks, self.slots
         tail = max(int(self.const_fwd[m.regions.end:].max(initial=0)),
@@ -176,7 +203,7 @@ class _ChainDP:
                         cost = int(m.chunk_cost_us[a:b].sum()) + m.segment_cost_us if ckpt else 0
                         for nxt in ((0, 1) if b < K else (0,)):
                             worst, added = self.piece(a, b, bool(ckpt), bool(prev), bool(nxt))
-                            shift = -(-added // self.q)
+                            shift = self.slots_of(added)
                             nxt_value = np.full(S, INF, dtype=np.int64)
                             if shift < S:
                                 nxt_value[: S - shift] = value[b, ckpt, nxt, shift:]
@@ -199,6 +226,6 @@ class _ChainDP:
             _, added = self.piece(a, b, bool(ckpt), bool(prev), bool(nxt))
             if ckpt:
                 plan.append((a, b))
-            slot += -(-added // self.q)
+            slot += self.slots_of(added)
             a, prev, ckpt = b, ckpt, nxt
         return tuple(plan)

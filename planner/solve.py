@@ -98,12 +98,17 @@ def build(model: MemoryModel, *, budget_bytes: int | None) -> tuple[cp_model.CpM
     _add_forward_limits(cp, model, variables, limit)
     _add_backward_limits(cp, model, variables, limit)
     if peak is None:
-        # Objective: forward time of every checkpointed chunk (re-run once in backward).
-        cp.minimize(sum(int(model.chunk_cost_us[k]) * ckpt[k] for k in range(n_chunks))
-                    + model.segment_cost_us * sum(segment.values()))
+        cp.minimize(_objective(model, variables))
     else:
         cp.minimize(peak)
     return cp, variables, peak
+
+
+def _objective(model: MemoryModel, variables: _Vars):
+    """Recompute time: forward time of every checkpointed chunk (re-run once in backward), plus
+    the fixed cost of each checkpoint call."""
+    return (sum(int(model.chunk_cost_us[k]) * var for k, var in enumerate(variables.ckpt))
+            + model.segment_cost_us * sum(variables.segment.values()))
 
 
 def _upper_bound(model: MemoryModel) -> int:
@@ -205,34 +210,61 @@ def solve(model: MemoryModel, budget_bytes: int, *, time_limit_s: float = 30.0, 
           dump_path: str | None = None) -> Solution:
     """The least-recompute plan whose predicted peak fits ``budget_bytes``.
 
-    The Rotor-style DP's plan (fast, feasible, optimal on chains) is given to CP-SAT as a hint
-    and returned as FEASIBLE if CP-SAT finds no plan of its own within the time limit.
+    Two dynamic programs run first: a relaxation whose optimum bounds every plan from below
+    (and is the answer when its plan fits the real model), and the Rotor-style DP, whose plan
+    fits. When they meet, that plan is proven optimal without CP-SAT; otherwise CP-SAT searches
+    from the DP's plan, which is returned as FEASIBLE if CP-SAT finds nothing better in time.
 
     Raises:
         NoSolution: infeasible (proven), or no plan found within the time limit.
     """
-    from planner.rotor import rotor  # the DP imports this module's result types
+    from planner.rotor import relaxed, rotor  # the DPs import this module's result types
 
     began = time.perf_counter()
-    cp, variables, _ = build(model, budget_bytes=budget_bytes)
-    if dump_path:
-        cp.export_to_file(dump_path)
+    lower = relaxed(model, budget_bytes)
+    if lower is None:
+        raise NoSolution(True, "no plan fits the budget (not even a relaxation of the cost model)")
+    lower_plan, bound = lower
+    if simulate(model, lower_plan).peak_bytes <= budget_bytes:
+        return Solution(plan=lower_plan, status="OPTIMAL", recompute_us=bound, bound_us=bound,
+                        solve_time_s=time.perf_counter() - began)
     try:
         warm = rotor(model, budget_bytes, time_limit_s=time_limit_s)
     except NoSolution:
         warm = None
-    if warm is not None:
-        chosen = set(warm.plan)
+    if warm is not None and warm.recompute_us <= bound:
+        return replace(warm, status="OPTIMAL", bound_us=bound, solve_time_s=time.perf_counter() - began)
+    left = max(1.0, time_limit_s - (time.perf_counter() - began))
+    try:
+        found = search(model, budget_bytes, hint=warm.plan if warm else None, time_limit_s=left, workers=workers,
+                       dump_path=dump_path)
+    except NoSolution as exc:
+        if exc.infeasible or warm is None:
+            raise
+        found = replace(warm, status="FEASIBLE")
+    return replace(found, bound_us=max(bound, found.bound_us), solve_time_s=time.perf_counter() - began)
+
+
+def search(model: MemoryModel, budget_bytes: int, *, hint: ChunkPlan | None = None, time_limit_s: float = 30.0,
+           workers: int | None = None, dump_path: str | None = None) -> Solution:
+    """CP-SAT alone: the least-recompute plan, from an optional hint (no dynamic programs).
+
+    Raises:
+        NoSolution: infeasible (proven), or no plan found within the time limit.
+    """
+    began = time.perf_counter()
+    cp, variables, _ = build(model, budget_bytes=budget_bytes)
+    if dump_path:
+        cp.export_to_file(dump_path)
+    if hint is not None:
+        chosen = set(hint)
         for ab, var in variables.segment.items():
             cp.add_hint(var, ab in chosen)
-    solver = _solver(max(1.0, time_limit_s - (time.perf_counter() - began)), workers)
+    solver = _solver(time_limit_s, workers)
     status = solver.solve(cp)
-    elapsed = time.perf_counter() - began
     if status == cp_model.INFEASIBLE:
         raise NoSolution(True, "no plan fits the budget")
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        if warm is not None:
-            return replace(warm, status="FEASIBLE", solve_time_s=elapsed)
         raise NoSolution(False, f"CP-SAT found no plan within {time_limit_s:g} s (status "
                                 f"{solver.status_name(status)}); raise time_limit_s")
     plan = read_plan(solver, variables)
@@ -241,7 +273,7 @@ def solve(model: MemoryModel, budget_bytes: int, *, time_limit_s: float = 30.0, 
         raise AssertionError(f"solver plan {plan} simulates to {timeline.peak_bytes} > budget {budget_bytes}")
     return Solution(plan=plan, status="OPTIMAL" if status == cp_model.OPTIMAL else "FEASIBLE",
                     recompute_us=timeline.recompute_us, bound_us=int(solver.best_objective_bound),
-                    solve_time_s=elapsed)
+                    solve_time_s=time.perf_counter() - began)
 
 
 def min_peak(model: MemoryModel, *, time_limit_s: float = 30.0, workers: int | None = None) -> ChunkPlan:

@@ -5,22 +5,41 @@ import random
 import pytest
 
 from planner.simulate import simulate
-from planner.solve import NoSolution, encoded_peak, min_peak, solve
+from planner.rotor import relaxed
+from planner.solve import NoSolution, encoded_peak, min_peak, search, solve
 from planner.synthetic import all_plans, brute_force, memory_model, min_peak_brute, random_profile
 
 CASES = [(n, seed, skips) for n, seed in [(6, 0), (8, 1), (9, 2), (10, 3), (10, 4)] for skips in (False, True)]
 
 
+@pytest.mark.parametrize("engine", [solve, search], ids=["solve", "cpsat-alone"])
 @pytest.mark.parametrize(("n", "seed", "skips"), CASES)
-def test_binding_budget_matches_brute_force(n, seed, skips):
+def test_binding_budget_matches_brute_force(n, seed, skips, engine):
     model = memory_model(random_profile(n, seed, skip_connections=skips))
     lowest, highest = min_peak_brute(model), simulate(model, ()).peak_bytes
     for budget in (lowest, (lowest + highest) // 2, highest - 1):
         expected = brute_force(model, budget)
-        solution = solve(model, budget, time_limit_s=20)
+        solution = engine(model, budget, time_limit_s=20)
         assert solution.status == "OPTIMAL"
+        assert solution.bound_us == expected
         assert solution.recompute_us == expected, f"budget {budget}: plan {solution.plan}"
         assert simulate(model, solution.plan).peak_bytes <= budget
+
+
+@pytest.mark.parametrize(("n", "seed", "skips"), CASES)
+def test_relaxation_bounds_every_plan_from_below(n, seed, skips):
+    """The relaxed DP's optimum is never above the true optimum, and equals it when its plan fits."""
+    model = memory_model(random_profile(n, seed, skip_connections=skips))
+    lowest, highest = min_peak_brute(model), simulate(model, ()).peak_bytes
+    for budget in range(lowest - 1, highest, max(1, (highest - lowest) // 7)):
+        expected, result = brute_force(model, budget), relaxed(model, budget)
+        if result is None:
+            assert expected is None, f"budget {budget}: relaxation infeasible but a plan fits"
+            continue
+        plan, bound = result
+        assert expected is None or bound <= expected
+        if simulate(model, plan).peak_bytes <= budget:
+            assert bound == expected
 
 
 @pytest.mark.parametrize(("n", "seed", "skips"), CASES[:4])
@@ -34,9 +53,10 @@ def test_slack_budget_needs_no_checkpointing(n, seed, skips):
 def test_infeasible_budget_is_proven_and_min_peak_is_exact(n, seed, skips):
     model = memory_model(random_profile(n, seed, skip_connections=skips))
     lowest = min_peak_brute(model)
-    with pytest.raises(NoSolution) as info:
-        solve(model, lowest - 1, time_limit_s=20)
-    assert info.value.infeasible
+    for engine in (solve, search):
+        with pytest.raises(NoSolution) as info:
+            engine(model, lowest - 1, time_limit_s=20)
+        assert info.value.infeasible
     assert simulate(model, min_peak(model)).peak_bytes == lowest
 
 
