@@ -53,17 +53,17 @@ def _train(module, example: dict) -> dict:
     return {"losses": losses, "all_gathers": gathers, "peak": peak}
 
 
-def gpt_worker(rank: int, world_size: int, port: int, out_dir: str, budget: str) -> None:
+def gpt_worker(rank: int, world_size: int, port: int, out_dir: str, budget: str, units: list | None) -> None:
     _init(rank, world_size, port)
     load = lambda: runpy.run_path(str(ROOT / "examples" / "gpt.py"))  # noqa: E731 - a fresh seeded model
     example = load()
-    result = {"unplanned": _train(fully_shard_units(example["model"]), example)}
+    result = {"unplanned": _train(fully_shard_units(example["model"], units), example)}
     example = load()
     plan = plan_on_rank0(example["model"], budget, inputs=example["inputs"], loss_fn=example["loss_fn"],
-                         optimizer="adamw")
+                         optimizer="adamw", units=units)
     result.update(segments=[list(s.module_paths) for s in plan.segments], budget=plan.budget_bytes,
                   predicted=plan.predicted_peak_bytes, baseline=plan.baseline_peak_bytes,
-                  planned=_train(fully_shard_units(plan.module), example))
+                  planned=_train(fully_shard_units(plan.module, units), example))
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
     dist.destroy_process_group()
 
@@ -71,7 +71,9 @@ def gpt_worker(rank: int, world_size: int, port: int, out_dir: str, budget: str)
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--budget", default="60%")
-    budget = parser.parse_args().budget
+    parser.add_argument("--units", nargs="+", help="FSDP units (default: the blocks), e.g. 'blocks.*.attn' 'blocks.*.mlp'")
+    args = parser.parse_args()
+    budget, units = args.budget, args.units
     import torch.multiprocessing as mp
     import test_distributed
 
@@ -79,15 +81,17 @@ def main() -> None:
         original = mp.start_processes
 
         def with_budget(fn, args, **kwargs):
-            return original(fn, args=(*args, budget), **kwargs)
+            return original(fn, args=(*args, budget, units), **kwargs)
 
         test_distributed.mp.start_processes = with_budget
         try:
             results = run_ranks(gpt_worker, Path(tmp), timeout_s=900)
         finally:
             test_distributed.mp.start_processes = original
+    flag = f" --units {' '.join(units)}" if units else ""
     lines = ["", f"## GPT example (examples/gpt.py), FSDP2 on 2 ranks, AdamW, budget {budget}", "",
-             "`python bench/distributed_gpt.py`. Units: `blocks.*`; the root holds the tied embedding/head.", "",
+             f"`python bench/distributed_gpt.py --budget {budget}{flag}`. Units: `{units or 'blocks.*'}`; the root "
+             "holds the rest (the tied embedding/head).", "",
              "| rank | module | losses | all-gathers per step | predicted peak | measured peak | budget |",
              "|---|---|---|---|---|---|---|"]
     for rank, r in enumerate(results):

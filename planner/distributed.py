@@ -14,7 +14,7 @@ from __future__ import annotations
 import fnmatch
 import math
 from dataclasses import dataclass, replace
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 from torch import nn
@@ -215,42 +215,60 @@ def _in_flight(gathered: dict[str, int], unit: str, neighbour: str | None) -> in
     return gathered[ROOT] + own + max(own, gathered[neighbour] if neighbour else 0)
 
 
-def split_at_units(memory: MemoryModel, solution: Solution, budget_bytes: int,
-                   dist: Distributed, profile: Profile, *, time_limit_s: float = 30.0) -> Solution:
-    """Cuts every segment after each FSDP unit it contains, so a segment re-runs at most one unit.
+def split_at_units(memory: MemoryModel, solution: Solution, budget_bytes: int, dist: Distributed,
+                   profile: Profile, *, resolve: Callable[[int], Solution] | None = None,
+                   time_limit_s: float = 30.0, attempts: int = 4) -> Solution:
+    """Cuts segments between the FSDP units they contain, so a segment re-runs at most one unit.
 
     A segment re-runs when its backward first unpacks a saved tensor. FSDP2 (torch >= 2.4) does
     not reshard a unit re-run during backward, so a unit re-run before its own backward stays
     gathered from the re-run until its post-backward: the all-gather moves earlier (the count does
     not change), and memory holds one more unit. The memory model counts one such unit (the
-    neighbour term of ``_in_flight``), which is exactly what one unit per segment can need.
+    neighbour term of ``_in_flight``), which is what one unit per segment can need.
+
+    Cutting keeps the cut points' tensors, so the cut plan may exceed the budget: then the plan is
+    solved again (``resolve(budget)``) for a budget lowered by the excess, up to ``attempts`` times,
+    and last the cut smallest-peak plan is tried.
 
     Raises:
-        InfeasibleBudget: neither the cut plan nor the cut smallest-peak plan fits the budget.
+        InfeasibleBudget: no cut plan found fits the budget.
     """
     if not dist.units or not solution.plan:
         return solution
     unit_nodes = [u != ROOT for u in unit_of_nodes(profile, dist.units)]
-    plan = _cut(memory, solution.plan, unit_nodes)
-    predicted = simulate(memory, plan)
-    if predicted.peak_bytes <= budget_bytes:
-        if plan == solution.plan:
-            return solution
-        return replace(solution, plan=plan, recompute_us=predicted.recompute_us)
+    target, tried = budget_bytes, []
+    for _ in range(attempts):
+        predicted = simulate(memory, _cut(memory, solution.plan, unit_nodes))
+        tried.append(predicted)
+        if predicted.peak_bytes <= budget_bytes:
+            if predicted.plan == solution.plan:
+                return solution
+            status = solution.status if target == budget_bytes else "FEASIBLE"  # optimal for a lower budget only
+            return replace(solution, plan=predicted.plan, status=status, recompute_us=predicted.recompute_us)
+        target -= predicted.peak_bytes - budget_bytes
+        try:
+            solution = resolve(target) if resolve is not None and target > 0 else None
+        except InfeasibleBudget:
+            solution = None
+        if solution is None or not solution.plan:
+            break
     smallest = simulate(memory, _cut(memory, min_peak(memory, time_limit_s=time_limit_s), unit_nodes))
     if smallest.peak_bytes <= budget_bytes:
-        return replace(solution, plan=smallest.plan, status="FEASIBLE", recompute_us=smallest.recompute_us)
-    best = min(predicted, smallest, key=lambda t: t.peak_bytes)
+        return Solution(plan=smallest.plan, status="FEASIBLE", recompute_us=smallest.recompute_us, bound_us=0,
+                        solve_time_s=0.0)
+    best = min([*tried, smallest], key=lambda t: t.peak_bytes)
     raise InfeasibleBudget(budget_bytes, best.peak_bytes, best.breakdown)
 
 
 def _cut(memory: MemoryModel, plan: ChunkPlan, unit_nodes: Sequence[bool]) -> ChunkPlan:
+    """Each segment cut after every chunk holding a unit that another unit follows in the segment
+    (ops between two units go with the second; ops after the last unit stay with it)."""
+    has_unit = [any(unit_nodes[slice(*memory.regions.bounds(k))]) for k in range(memory.n_chunks)]
     out = []
     for first, stop in plan:
         start = first
         for k in range(first, stop - 1):
-            lo, hi = memory.regions.bounds(k)
-            if any(unit_nodes[lo:hi]):
+            if has_unit[k] and any(has_unit[k + 1:stop]):
                 out.append((start, k + 1))
                 start = k + 1
         out.append((start, stop))

@@ -131,9 +131,10 @@ def plan_for(prepared: Prepared, budget: int | str, *, solver: str = "cpsat", ti
     budget_bytes = parse_budget(budget, baseline_peak_bytes=baseline.peak_bytes)
     stage("solve")
     solution = _solve(solver, memory, budget_bytes, baseline.peak_bytes, time_limit_s)
-    if prepared.distributed is not None:  # FSDP: one unit per segment, so no unit is gathered twice
+    if prepared.distributed is not None:  # FSDP: at most one unit per segment (docs/distributed.md)
         solution = split_at_units(memory, solution, budget_bytes, prepared.distributed, prepared.profile,
-                                  time_limit_s=time_limit_s)
+                                  time_limit_s=time_limit_s,
+                                  resolve=lambda b: _solve(solver, memory, b, baseline.peak_bytes, time_limit_s))
     stage("rewrite")
     return plan_from_solution(prepared, solution, budget_bytes)
 
