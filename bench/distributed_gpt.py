@@ -71,7 +71,8 @@ def gpt_worker(rank: int, world_size: int, port: int, out_dir: str, budget: str,
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--budget", default="60%")
-    parser.add_argument("--units", nargs="+", help="FSDP units (default: the blocks), e.g. 'blocks.*.attn' 'blocks.*.mlp'")
+    parser.add_argument("--units", nargs="+",
+                        help="FSDP units (default: the blocks), e.g. 'blocks.*.attn' 'blocks.*.mlp'")
     args = parser.parse_args()
     budget, units = args.budget, args.units
     import torch.multiprocessing as mp

@@ -6,7 +6,8 @@ per-node offset (added to the simulator's constants): under FSDP2 parameters, gr
 optimizer state are sharded 1/N, plus the all-gathered parameters of the units in flight and
 the reduce-scattered gradients in flight; under DDP the replicas stay whole and the gradient
 buckets are added. ``docs/distributed.md`` derives it. ``split_at_units`` cuts segments so each
-re-runs at most one FSDP unit: a unit re-run before its own backward stays gathered until then. Rank agreement and helpers that need ``torch.distributed`` live in ``distributed_rank.py``.
+re-runs at most one FSDP unit: a unit re-run before its own backward stays gathered until then.
+What runs inside the job (rank agreement, sharding, counting) is in ``distributed_rank.py``.
 """
 
 from __future__ import annotations
