@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import pickle
 from collections import Counter
 from dataclasses import replace
@@ -138,11 +139,16 @@ class _MallInfo2(ctypes.Structure):
                  "keepcost")]
 
 
+@functools.cache
+def _mallinfo2() -> Callable[[], _MallInfo2]:
+    fn = ctypes.CDLL("libc.so.6").mallinfo2
+    fn.restype = _MallInfo2
+    return fn
+
+
 def heap_in_use() -> int:
-    """Bytes glibc's allocator has handed out (all arenas, mmapped chunks included)."""
-    libc = ctypes.CDLL("libc.so.6")
-    libc.mallinfo2.restype = _MallInfo2
-    info = libc.mallinfo2()
+    """Bytes glibc's allocator has handed out (all arenas, mmapped chunks included); glibc >= 2.33."""
+    info = _mallinfo2()()
     return int(info.uordblks + info.hblkhd)
 
 

@@ -145,6 +145,11 @@ def test_fsdp_plan_calls_whole_units(fsdp_prepared, tmp_path):
         apply_plan(plan, make_model(), units=["blocks.0", "blocks.1"])
 
 
+def test_plan_on_rank0_needs_a_process_group():
+    with pytest.raises(RuntimeError, match="call dist.init_process_group"):
+        plan_on_rank0(make_model(), "60%", inputs=(rank_inputs(0),))
+
+
 def test_early_gathers_counts_units_re_run_before_their_backward():
     def seg(*paths):
         return Segment(nodes=(), module_paths=paths, recompute_ms=0.0)
