@@ -120,6 +120,8 @@ def test_ddp_offset_is_replicas_plus_buckets_plus_optimizer(fsdp_prepared):
     offset = memory_offset(fsdp_prepared.profile, ddp)
     grads = sum(p.numel() * p.element_size() for p in model.parameters())
     assert set(offset.fwd_bytes.tolist()) == set(offset.bwd_bytes.tolist()) == {2 * grads + grads}
+    single = memory_offset(fsdp_prepared.profile, setup(model, optimizer=12345))  # one device: the state only
+    assert set(single.fwd_bytes.tolist()) == set(single.bwd_bytes.tolist()) == {12345}
 
 
 def test_segments_are_cut_to_one_unit_each(fsdp_prepared):
