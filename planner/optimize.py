@@ -8,7 +8,7 @@ from typing import Callable, Mapping, Sequence
 import torch
 from torch import nn
 
-from planner.budget import parse_budget
+from planner.budget import format_bytes, parse_budget
 from planner.capture import Captured, as_inputs, capture
 from planner.costs import Profile
 from planner.distributed import Distributed, memory_offset, setup, split_at_units
@@ -17,8 +17,9 @@ from planner.plan import MemoryTimeline, Plan, Segment
 from planner.profile_api import capture_inputs, profile_for
 from planner.regions import Regions, find_regions
 from planner.rewrite import SegmentSpec, rewrite
+from planner.saves import SaveOptions
 from planner.simulate import ChunkPlan, MemoryModel, Timeline, build_model, freed_bytes, simulate
-from planner.solve import NoSolution, Solution, min_peak
+from planner.solve import NoSolution, Solution, min_peak_saves
 from planner.solvers import get_solver
 from planner.step import LossFn
 
@@ -53,6 +54,9 @@ def optimize(
     parallel: str | None = None,
     units: Sequence[str] | None = None,
     optimizer: str | int | None = None,
+    selective: bool = True,
+    must_save: Sequence[str] = (),
+    must_recompute: Sequence[str] = (),
 ) -> Plan:
     """Plans activation checkpointing so one training step of ``model`` fits ``budget``.
 
@@ -81,13 +85,17 @@ def optimize(
             captured as calls so FSDP2's hooks run; segments consist of whole units.
         optimizer: count its state in the budget: ``adamw``, ``adam``, ``sgd``, ``sgd-momentum``,
             or the bytes of the whole model's state (sharded 1/N under FSDP).
+        selective: let checkpointed segments keep chosen op outputs and re-run the rest (torch's
+            selective checkpointing, docs/selective.md); False re-runs whole segments.
+        must_save: module paths or op names (glob patterns) never re-run in backward.
+        must_recompute: module paths or op names (glob patterns) re-run in backward, never kept.
 
     Returns:
         The least-recompute ``Plan`` whose predicted peak fits the budget.
 
     Raises:
-        InfeasibleBudget: no plan fits; carries the smallest reachable peak.
-        ValueError: malformed budget or unknown solver. TypeError: no inputs.
+        InfeasibleBudget: no plan fits (under the overrides); carries the smallest reachable peak.
+        ValueError: malformed budget, unknown solver, a pattern matching nothing. TypeError: no inputs.
         CaptureError, ProfileError: the model could not be traced or run.
 
     Example:
@@ -98,7 +106,8 @@ def optimize(
     get_solver(solver)  # reject an unknown solver before any work
     prepared = prepare(model, inputs=inputs, loss_fn=loss_fn, progress=progress, profile=profile, device=device,
                        world_size=world_size, parallel=parallel, units=units, optimizer=optimizer)
-    return plan_for(prepared, budget, solver=solver, time_limit_s=time_limit_s, progress=progress)
+    return plan_for(prepared, budget, solver=solver, time_limit_s=time_limit_s, progress=progress,
+                    selective=selective, must_save=must_save, must_recompute=must_recompute)
 
 
 def prepare(model: nn.Module, *, inputs: tuple | Mapping | torch.Tensor | None = None,
@@ -124,13 +133,21 @@ def prepare(model: nn.Module, *, inputs: tuple | Mapping | torch.Tensor | None =
 
 
 def plan_for(prepared: Prepared, budget: int | str, *, solver: str = "cpsat", time_limit_s: float = 30.0,
-             progress: Callable[[str], None] | None = None) -> Plan:
+             progress: Callable[[str], None] | None = None, selective: bool = True,
+             must_save: Sequence[str] = (), must_recompute: Sequence[str] = ()) -> Plan:
     """Solves and rewrites a prepared model for one budget (arguments as for ``optimize``)."""
+    from planner.selective import save_options
+
     stage = progress or (lambda name: None)
     memory, baseline = prepared.memory, prepared.baseline
     budget_bytes = parse_budget(budget, baseline_peak_bytes=baseline.peak_bytes)
+    options = save_options(prepared.captured.graph_module, prepared.profile, memory, must_save=must_save,
+                           must_recompute=must_recompute,  # FSDP plans cut whole units: no saves there
+                           selective=selective and solver == "cpsat" and prepared.distributed is None)
+    if (options.must_save or options.must_recompute) and solver != "cpsat":
+        raise ValueError(f"must_save/must_recompute need the cpsat solver, not {solver!r}")
     stage("solve")
-    solution = _solve(solver, memory, budget_bytes, baseline.peak_bytes, time_limit_s)
+    solution = _solve(solver, memory, budget_bytes, baseline.peak_bytes, time_limit_s, options)
     if prepared.distributed is not None:  # FSDP: at most one unit per segment (docs/distributed.md)
         solution = split_at_units(memory, solution, budget_bytes, prepared.distributed, prepared.profile,
                                   time_limit_s=time_limit_s,
@@ -142,10 +159,11 @@ def plan_for(prepared: Prepared, budget: int | str, *, solver: str = "cpsat", ti
 def plan_from_solution(prepared: Prepared, solution: Solution, budget_bytes: int) -> Plan:
     """The Plan (rewritten module included) for any strategy's solution of a prepared model."""
     memory, baseline = prepared.memory, prepared.baseline
-    segments = _segments(prepared.profile, prepared.regions, memory, solution.plan)
+    segments = _segments(prepared.profile, prepared.regions, memory, solution.plan, solution.saves)
     rewritten = rewrite(prepared.model, prepared.captured,
-                        [SegmentSpec(nodes=s.nodes, restore_buffers=s.restore_buffers) for s in segments])
-    predicted = simulate(memory, solution.plan)
+                        [SegmentSpec(nodes=s.nodes, restore_buffers=s.restore_buffers, saved_nodes=s.saved_nodes)
+                         for s in segments])
+    predicted = simulate(memory, solution.plan, solution.saves)
     return Plan(
         module=rewritten.module,
         budget_bytes=budget_bytes,
@@ -175,19 +193,25 @@ def plan_from_solution(prepared: Prepared, solution: Solution, budget_bytes: int
 
 
 def _solve(solver: str, memory: MemoryModel, budget_bytes: int, baseline_peak: int,
-           time_limit_s: float) -> Solution:
+           time_limit_s: float, options: SaveOptions | None = None) -> Solution:
     """The plan for a budget: empty when it already fits, else the strategy's, checked against the budget."""
-    if budget_bytes >= baseline_peak:
+    overrides = options is not None and bool(options.must_save or options.must_recompute)
+    if budget_bytes >= baseline_peak and not (overrides and options.must_recompute):
         return Solution(plan=(), status="OPTIMAL", recompute_us=0, bound_us=0, solve_time_s=0.0)
     try:
-        solution = get_solver(solver)(memory, budget_bytes, time_limit_s=time_limit_s)
+        if options is not None and not options.trivial:
+            solution = get_solver(solver)(memory, budget_bytes, time_limit_s=time_limit_s, options=options)
+        else:
+            solution = get_solver(solver)(memory, budget_bytes, time_limit_s=time_limit_s)
     except NoSolution as exc:
         if not exc.infeasible:
             raise PlannerError(str(exc)) from exc
         solution = None
-    if solution is not None and simulate(memory, solution.plan).peak_bytes <= budget_bytes:
+    if solution is not None and simulate(memory, solution.plan, solution.saves).peak_bytes <= budget_bytes:
         return solution
-    best = simulate(memory, min_peak(memory, time_limit_s=time_limit_s))
+    if overrides:
+        _infeasible_overrides(memory, budget_bytes, options, time_limit_s)
+    best = simulate(memory, *min_peak_saves(memory, time_limit_s=time_limit_s))
     if best.peak_bytes <= budget_bytes:  # a fixed or conservative strategy missed what cpsat can do
         peak = "no plan" if solution is None else f"a plan peaking at {simulate(memory, solution.plan).peak_bytes} B"
         raise PlannerError(f"solver {solver!r} finds {peak} for a budget of {budget_bytes} B, which plans down to "
@@ -198,17 +222,41 @@ def _solve(solver: str, memory: MemoryModel, budget_bytes: int, baseline_peak: i
     raise InfeasibleBudget(budget_bytes, best.peak_bytes, breakdown)
 
 
-def _segments(prof: Profile, regions: Regions, memory: MemoryModel, plan: ChunkPlan) -> tuple[Segment, ...]:
+def _infeasible_overrides(memory: MemoryModel, budget_bytes: int, options: SaveOptions, time_limit_s: float):
+    """Raises InfeasibleBudget saying the user's overrides are what makes the budget infeasible."""
+    overrides = SaveOptions(must_save=options.must_save, must_recompute=options.must_recompute)
+    try:
+        best = simulate(memory, *min_peak_saves(memory, time_limit_s=time_limit_s, options=overrides))
+    except NoSolution:
+        raise _because(InfeasibleBudget(budget_bytes, budget_bytes + 1, {}), "must_save/must_recompute contradict "
+                       "each other (a node must be re-run in a chunk where another must not be)") from None
+    free = simulate(memory, *min_peak_saves(memory, time_limit_s=time_limit_s)).peak_bytes
+    if free <= budget_bytes:
+        raise _because(InfeasibleBudget(budget_bytes, best.peak_bytes, dict(best.breakdown)),
+                       f"must_save/must_recompute make the budget infeasible (without them plans reach "
+                       f"{format_bytes(free)})")
+
+
+def _because(exc: InfeasibleBudget, reason: str) -> InfeasibleBudget:
+    exc.args = (f"{reason}: {exc.args[0]}",)
+    return exc
+
+
+def _segments(prof: Profile, regions: Regions, memory: MemoryModel, plan: ChunkPlan,
+              saves: frozenset = frozenset()) -> tuple[Segment, ...]:
     out = []
     for (first, stop), freed in zip(plan, freed_bytes(memory, plan)):
         lo, hi = regions.starts[first], regions.bounds(stop - 1)[1]
         nodes = prof.nodes[lo:hi]
+        mine = sorted(o for o in saves if lo <= o < hi)
         out.append(Segment(
             nodes=tuple(n.name for n in nodes),
             module_paths=_covering_paths(prof, lo, hi),
-            recompute_ms=(int(memory.chunk_cost_us[first:stop].sum()) + memory.segment_cost_us) / 1000,
+            recompute_ms=(int(memory.chunk_cost_us[first:stop].sum()) + memory.segment_cost_us
+                          - sum(int(memory.node_cost_us[o]) for o in mine)) / 1000,
             freed_bytes=freed,
             restore_buffers=tuple(dict.fromkeys(b for n in nodes for b in n.mutated_buffers)),
+            saved_nodes=tuple(prof.nodes[o].name for o in mine),
         ))
     return tuple(out)
 

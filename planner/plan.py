@@ -35,6 +35,8 @@ class Segment:
     """Activation bytes it stops keeping until backward, net of the inputs it keeps."""
     restore_buffers: tuple[str, ...] = ()
     """Buffers restored after recomputation (BatchNorm running statistics)."""
+    saved_nodes: tuple[str, ...] = ()
+    """Nodes whose outputs are kept, not re-run (selective checkpointing inside the segment)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -110,7 +112,8 @@ class Plan:
                 f"{type(model).__name__} traces to {captured.fingerprint}: apply it to the same architecture "
                 "and configuration, or plan again"
             )
-        specs = [SegmentSpec(nodes=s.nodes, restore_buffers=s.restore_buffers) for s in self.segments]
+        specs = [SegmentSpec(nodes=s.nodes, restore_buffers=s.restore_buffers, saved_nodes=s.saved_nodes)
+                 for s in self.segments]
         return rewrite(model, captured, specs).module
 
     def summary(self) -> str:
@@ -125,9 +128,10 @@ class Plan:
         lines += [f"  ({note.splitlines()[0][:160]})" for note in self.capture_notes]
         if self.segments:
             width = max(len(_describe(s)) for s in self.segments)
-            lines.append(f"  {'#':>3}  {'segment':<{width}}  {'nodes':>5}  {'recompute':>10}")
+            lines.append(f"  {'#':>3}  {'segment':<{width}}  {'nodes':>5}  {'saved':>5}  {'recompute':>10}")
             for i, seg in enumerate(self.segments):
-                lines.append(f"  {i:>3}  {_describe(seg):<{width}}  {len(seg.nodes):>5}  {seg.recompute_ms:>7.2f} ms")
+                lines.append(f"  {i:>3}  {_describe(seg):<{width}}  {len(seg.nodes):>5}  {len(seg.saved_nodes):>5}  "
+                             f"{seg.recompute_ms:>7.2f} ms")
         else:
             lines.append("  nothing checkpointed: the model already fits the budget")
         return "\n".join(lines)
@@ -188,7 +192,8 @@ def load_plan(path: str | Path) -> Plan:
     fields = {k: v for k, v in data.items() if k not in ("format", "version", "segments", "largest_kept", "timeline")}
     segments = tuple(
         Segment(nodes=tuple(s["nodes"]), module_paths=tuple(s["module_paths"]), recompute_ms=s["recompute_ms"],
-                freed_bytes=s.get("freed_bytes", 0), restore_buffers=tuple(s.get("restore_buffers", ())))
+                freed_bytes=s.get("freed_bytes", 0), restore_buffers=tuple(s.get("restore_buffers", ())),
+                saved_nodes=tuple(s.get("saved_nodes", ())))
         for s in data["segments"]
     )
     largest = tuple(tuple(item) for item in data.get("largest_kept", ()))

@@ -26,6 +26,7 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from planner.capture import EXPORT, SCOPE_KEY, Captured, shallow_clone, trace
+from planner.sac import sac_contexts, sac_mark
 
 SEGMENT_PREFIX = "_ckplan_segment_"
 CONTEXT_PREFIX = "_ckplan_context_"
@@ -47,6 +48,8 @@ class SegmentSpec:
     """Names of its nodes in the flat graph, contiguous and in order."""
     restore_buffers: tuple[str, ...] = ()
     """Buffers its forward mutates (BatchNorm statistics): restored after recomputation."""
+    saved_nodes: tuple[str, ...] = ()
+    """Nodes whose outputs selective checkpointing keeps instead of re-running (``planner.sac``)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -89,7 +92,9 @@ def rewrite(model: nn.Module, captured: Captured, segments: Sequence[SegmentSpec
             raise ValueError(f"segment {seg.nodes[0]}..{seg.nodes[-1]} is not a contiguous run of the graph")
         ranges.append((lo, hi))
     if captured.method == EXPORT:
-        return _rewrite_exported(model, captured.graph_module, [flat[lo:hi] for lo, hi in ranges], segments)
+        groups = [flat[lo:hi] for lo, hi in ranges]
+        saved = [{n for n in group if n.name in seg.saved_nodes} for group, seg in zip(groups, segments)]
+        return _rewrite_exported(model, captured.graph_module, groups, segments, saved)
     opened = {path for path in _opened_modules(flat, ranges)
               if not any(path == o or path.startswith(o + ".") for o in captured.opaque)}
     every = {name for name, _ in model.named_modules() if name}
@@ -100,19 +105,31 @@ def rewrite(model: nn.Module, captured: Captured, segments: Sequence[SegmentSpec
         covered = sum(spans[n][1] - spans[n][0] for n in group)
         if covered != b - a:
             raise AssertionError(f"segment nodes {a}:{b} do not align with the re-traced graph")
-    main, pieces = _split(coarse_gm.graph, groups, [bool(s.restore_buffers) for s in segments])
+    saved = [_saved_in(group, spans, flat, seg) for group, seg in zip(groups, segments)]
+    main, pieces = _split(coarse_gm.graph, groups, [bool(s.restore_buffers or s.saved_nodes) for s in segments],
+                          saved)
     source, namespace = _generate(type(model), f"Checkpointed{type(model).__name__}", main, pieces, segments,
                                   guard=_eval_guard(type(model), main))
     root.__class__ = _compile(source, namespace, f"Checkpointed{type(model).__name__}")
     return Rewritten(module=root, source=source)
 
 
+def _saved_in(group: list[fx.Node], spans: dict, flat: list[fx.Node], seg: SegmentSpec) -> set[fx.Node]:
+    """The re-traced nodes of a segment that stand for its saved flat nodes (one each)."""
+    found = {n for n in group if spans[n][1] - spans[n][0] == 1 and flat[spans[n][0]].name in seg.saved_nodes}
+    if len(found) != len(seg.saved_nodes):
+        names = {flat[spans[n][0]].name for n in found}
+        raise AssertionError(f"saved nodes {sorted(set(seg.saved_nodes) - names)} are not single nodes of "
+                             "the re-traced segment")
+    return found
+
+
 def _rewrite_exported(model: nn.Module, gm: fx.GraphModule, groups: list[list[fx.Node]],
-                      segments: Sequence[SegmentSpec]) -> Rewritten:
+                      segments: Sequence[SegmentSpec], saved: list[set[fx.Node]]) -> Rewritten:
     """The planned module of an exported graph: a clone of ``ExportedProgram.module()`` (same
     parameter objects and state_dict keys as the model) whose forward runs the ATen graph with
     the segments checkpointed; outside training it calls the user's model itself."""
-    main, pieces = _split(gm.graph, groups, [bool(s.restore_buffers) for s in segments])
+    main, pieces = _split(gm.graph, groups, [bool(s.restore_buffers or s.saved_nodes) for s in segments], saved)
     main._codegen = gm.graph._codegen  # flatten inputs / unflatten outputs like the exported module
     name = f"Checkpointed{type(model).__name__}"
     source, namespace = _generate(type(gm), name, main, pieces, segments, guard=_eager_guard(gm))
@@ -194,8 +211,10 @@ def _flat_spans(coarse: fx.Graph, flat: list[fx.Node]) -> dict[fx.Node, tuple[in
     return spans
 
 
-def _split(graph: fx.Graph, groups: list[list[fx.Node]], with_context: list[bool]) -> tuple[fx.Graph, list[fx.Graph]]:
-    """Moves each group into its own graph; the main graph calls it through ``checkpoint``."""
+def _split(graph: fx.Graph, groups: list[list[fx.Node]], with_context: list[bool],
+           saved: list[set[fx.Node]] | None = None) -> tuple[fx.Graph, list[fx.Graph]]:
+    """Moves each group into its own graph; the main graph calls it through ``checkpoint``.
+    ``saved[g]``: nodes of group g bracketed by ``sac_mark`` calls (selective checkpointing)."""
     group_of = {node: g for g, nodes in enumerate(groups) for node in nodes}
     main = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
@@ -210,7 +229,7 @@ def _split(graph: fx.Graph, groups: list[list[fx.Node]], with_context: list[bool
         members = set(groups[g])
         inputs = _external_inputs(groups[g], members)
         outputs = [n for n in groups[g] if any(u not in members for u in n.users)]
-        pieces.append(_segment_graph(groups[g], inputs, outputs))
+        pieces.append(_segment_graph(groups[g], inputs, outputs, saved[g] if saved else set()))
         kwargs: dict = {"use_reentrant": False}
         if with_context[g]:
             kwargs["context_fn"] = main.get_attr(f"{CONTEXT_PREFIX}{g}")
@@ -233,7 +252,8 @@ def _external_inputs(nodes: list[fx.Node], members: set[fx.Node]) -> list[fx.Nod
     return list(seen)
 
 
-def _segment_graph(nodes: list[fx.Node], inputs: list[fx.Node], outputs: list[fx.Node]) -> fx.Graph:
+def _segment_graph(nodes: list[fx.Node], inputs: list[fx.Node], outputs: list[fx.Node],
+                   saved: set[fx.Node] = frozenset()) -> fx.Graph:
     graph = fx.Graph()
     env = {i: graph.placeholder(i.name) for i in inputs}
 
@@ -243,7 +263,13 @@ def _segment_graph(nodes: list[fx.Node], inputs: list[fx.Node], outputs: list[fx
         return env[arg]
 
     for node in nodes:
+        if node in saved:
+            for arg in node.all_input_nodes:  # parameters and constants read before the bracket opens
+                lookup(arg)
+            graph.call_function(sac_mark, (True,))
         env[node] = graph.node_copy(node, lookup)
+        if node in saved:
+            graph.call_function(sac_mark, (False,))
     graph.output(tuple(env[o] for o in outputs))
     return graph
 
@@ -252,11 +278,22 @@ def _generate(base: type, name: str, main: fx.Graph, pieces: list[fx.Graph],
               segments: Sequence[SegmentSpec], *, guard: str) -> tuple[str, dict]:
     """Python source of the planned class ``name`` and the globals it needs."""
     namespace: dict = {"_ckplan_base": base, "torch": torch, "contextlib": contextlib,
-                       "_ckplan_restore_buffers": restore_buffers, "_ckplan_compiled_context": COMPILED_CONTEXT}
+                       "_ckplan_restore_buffers": restore_buffers, "_ckplan_compiled_context": COMPILED_CONTEXT,
+                       "_ckplan_sac_contexts": sac_contexts}
     body = [_method(main, "forward", namespace, guard=guard)]
     for g, piece in enumerate(pieces):
         body.append(_method(piece, f"{SEGMENT_PREFIX}{g}", namespace))
-        if segments[g].restore_buffers:
+        if segments[g].saved_nodes:
+            body.append(
+                f"@property\n"
+                f"def {CONTEXT_PREFIX}{g}(self):\n"
+                f"    # selective checkpointing: keep the outputs of {len(segments[g].saved_nodes)} node(s), re-run the rest\n"
+                f"    if torch.compiler.is_compiling():\n"
+                f"        return _ckplan_compiled_context\n"
+                f"    return lambda: _ckplan_sac_contexts(self, {segments[g].restore_buffers!r}, "
+                f"_ckplan_restore_buffers)\n"
+            )
+        elif segments[g].restore_buffers:
             body.append(
                 f"@property\n"
                 f"def {CONTEXT_PREFIX}{g}(self):\n"

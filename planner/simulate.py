@@ -27,6 +27,7 @@ import numpy as np
 
 from planner.costs import Profile
 from planner.regions import Regions
+from planner.saves import Saves, bump_relief, check_saves, kept_by_saves, rerun_parts, saved_cost_us
 
 NEVER = np.iinfo(np.int64).max // 4
 """Release index of a storage nobody saves."""
@@ -91,6 +92,8 @@ class MemoryModel:
     """Time of one un-checkpointed step, microseconds."""
     param_bytes: int
     """Parameters and buffers, bytes."""
+    node_cost_us: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    """Forward time of each node, microseconds (what a save spares a re-run)."""
 
     @property
     def n_nodes(self) -> int:
@@ -126,6 +129,8 @@ class Timeline:
     """What the peak is made of, bytes per component."""
     largest_kept: tuple[tuple[str, int, str], ...] = ()
     """Largest activations kept alive at the peak: (producing node, bytes, why it stays)."""
+    saves: Saves = frozenset()
+    """Nodes inside segments whose outputs selective checkpointing keeps (not re-run)."""
 
 
 def build_model(profile: Profile, regions: Regions, *, offset=None) -> MemoryModel:
@@ -203,7 +208,7 @@ def build_model(profile: Profile, regions: Regions, *, offset=None) -> MemoryMod
         has_bwd=has_bwd,
         recompute_at=recompute_at, const_recompute=const_recompute, fwd_rise=rise,
         restore_bytes=np.array([nd.mutated_buffer_bytes for nd in nodes], dtype=np.int64),
-        chunk_cost_us=chunk_cost, segment_cost_us=round(profile.checkpoint_overhead_ms * 1000),
+        chunk_cost_us=chunk_cost, segment_cost_us=round(profile.checkpoint_overhead_ms * 1000), node_cost_us=fwd_us,
         step_us=max(1, round(profile.step_ms * 1000)),
         param_bytes=profile.param_bytes if offset is None else offset.param_bytes,
     )
@@ -243,22 +248,25 @@ def kept_storages(model: MemoryModel, plan: ChunkPlan) -> np.ndarray:
     return kept
 
 
-def simulate(model: MemoryModel, plan: ChunkPlan) -> Timeline:
-    """Predicted memory of every node of one training step under ``plan``."""
+def simulate(model: MemoryModel, plan: ChunkPlan, saves: Saves = frozenset()) -> Timeline:
+    """Predicted memory of every node of one training step under ``plan``, whose segments keep
+    the outputs of the ``saves`` nodes (selective checkpointing, ``planner.saves``)."""
     check_plan(model, plan)
+    saves = frozenset(int(o) for o in saves)
+    check_saves(model, plan, saves)
     n = model.n_nodes
-    kept = kept_storages(model, plan)
+    kept = kept_storages(model, plan) | kept_by_saves(model, saves)
     weight = model.size * kept
     fwd = model.const_fwd + prefix_by(model.last_use + 1, weight * ~model.fwd_fixed, n)
     kept_bwd = prefix_by(model.release, weight, n)
     own_kept = np.array([int(weight[list(own)].sum()) if own else 0 for own in model.own_saved], dtype=np.int64)
-    recomputed = _recomputed(model, plan)
+    recomputed = _recomputed(model, plan) - bump_relief(model, plan, saves)
     bwd = np.where(model.has_bwd, model.const_bwd + kept_bwd - own_kept + recomputed, -1)
     for first, stop in plan:  # the moment a segment is re-run: its last saving chunk, before its backward
         last = rerun_chunk(model, first, stop)
         if last is not None:
             t = model.recompute_at[last]
-            bwd[t] = max(bwd[t], model.const_recompute[last] + kept_bwd[t] + rerun_bytes(model, first, last, stop))
+            bwd[t] = max(bwd[t], model.const_recompute[last] + kept_bwd[t] + rerun_bytes(model, first, last, stop, saves))
     fwd_peak, bwd_peak = int(fwd.max(initial=0)), int(bwd.max(initial=0))
     if fwd_peak >= bwd_peak:
         phase, node, peak = "forward", int(fwd.argmax()), fwd_peak
@@ -270,6 +278,7 @@ def simulate(model: MemoryModel, plan: ChunkPlan) -> Timeline:
         live_kept, bump = int(kept_bwd[node]), int(recomputed[node])
     largest = sorted(np.flatnonzero(alive & (model.size > 0)), key=lambda s: -model.size[s])[:3]
     cost = sum(int(model.chunk_cost_us[first:stop].sum()) + model.segment_cost_us for first, stop in plan)
+    cost -= saved_cost_us(model, saves)
     return Timeline(
         plan=tuple(plan), fwd_bytes=fwd, bwd_bytes=bwd, peak_bytes=peak, peak_phase=phase, peak_node=node,
         recompute_us=cost,
@@ -279,12 +288,15 @@ def simulate(model: MemoryModel, plan: ChunkPlan) -> Timeline:
             "recomputed activations": bump,
             "gradients, inputs and workspace": peak - model.param_bytes - live_kept - bump,
         },
-        largest_kept=tuple((model.node_names[model.producer[s]], int(model.size[s]), _why_kept(model, plan, s))
-                           for s in largest),
+        largest_kept=tuple((model.node_names[model.producer[s]], int(model.size[s]),
+                            _why_kept(model, plan, s, saves)) for s in largest),
+        saves=saves,
     )
 
 
-def _why_kept(model: MemoryModel, plan: ChunkPlan, s: int) -> str:
+def _why_kept(model: MemoryModel, plan: ChunkPlan, s: int, saves: Saves = frozenset()) -> str:
+    if int(model.producer[s]) in saves:
+        return "saved inside its checkpointed segment (selective checkpointing)"
     owner = model.regions.chunk_of()
     inside = {k for first, stop in plan for k in range(first, stop)}
     for u in model.savers[s]:
@@ -315,24 +327,20 @@ def rerun_chunk(model: MemoryModel, first: int, stop: int) -> int | None:
     return max((k for k in range(first, stop) if model.recompute_at[k] >= 0), default=None)
 
 
-def rerun_bytes(model: MemoryModel, first: int, last: int, stop: int) -> int:
+def rerun_bytes(model: MemoryModel, first: int, last: int, stop: int, saves: Saves = frozenset()) -> int:
     """Peak bytes the re-run of segment ``[first, stop)`` adds, replayed node by node.
 
     The segment is re-run up to ``t = recompute_at[last]`` (early stop). While node u
     re-runs, alive are: the storages the segment produced before u that some node up to t
     saves (held until unpacked) or that a later node still reads, u's own allocations, and
-    the copies of the buffers the segment mutates (restored after the re-run).
+    the copies of the buffers the segment mutates (restored after the re-run). Storages cached by
+    ``saves`` are counted as kept, not here (``planner.saves.rerun_parts``).
     """
-    lo, t = model.regions.starts[first], int(model.recompute_at[last])
-    inside = np.flatnonzero((model.producer >= lo) & (model.producer <= t) & (model.size > 0))
-    held = model.first_saver[inside] <= t
-    until = np.where(held, t, np.minimum(model.last_use[inside], t))
-    alive = np.zeros(t - lo + 2, dtype=np.int64)
-    np.add.at(alive, model.producer[inside] - lo + 1, model.size[inside])
-    np.add.at(alive, until - lo + 1, -model.size[inside])
-    alive = np.cumsum(alive)[: t - lo + 1]
-    restored = int(model.restore_bytes[lo:model.regions.bounds(stop - 1)[1]].sum())
-    return int((alive + model.fwd_rise[lo:t + 1]).max()) + restored
+    base, relief, restored = rerun_parts(model, first, last, stop, saves)
+    for o in saves:
+        if o in relief:
+            base = base - relief[o]
+    return int(base.max()) + restored
 
 
 def _recomputed(model: MemoryModel, plan: ChunkPlan) -> np.ndarray:

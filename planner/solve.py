@@ -13,8 +13,10 @@ from dataclasses import dataclass, replace
 import numpy as np
 from ortools.sat.python import cp_model
 
+from planner.saves import SaveOptions
 from planner.simulate import (ChunkPlan, MemoryModel, prefix_by, recomputed_from, rerun_bytes, rerun_chunk,
                               simulate)
+from planner.solve_selective import add_saves, objective_relief, relief_terms, rerun_limits, same_segment
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -28,6 +30,8 @@ class Solution:
     bound_us: int
     """Proven lower bound on the recompute time of any plan that fits."""
     solve_time_s: float
+    saves: frozenset = frozenset()
+    """Nodes inside segments whose outputs selective checkpointing keeps (``planner.saves``)."""
 
 
 class NoSolution(Exception):
@@ -44,11 +48,14 @@ class _Vars:
     covers: dict          # covers[a, k]: the segment starting at chunk a reaches chunk k
     ckpt: list            # ckpt[k]: chunk k is inside some checkpointed segment
     kept: dict            # kept[s]: storage s stays alive from forward until its release in backward
+    save: dict = None     # save[o]: node o's outputs are cached by selective checkpointing, not re-run
+    same: dict = None     # same[o, k]: o is saved and chunk k is in its segment
 
 
-def build(model: MemoryModel, *, budget_bytes: int | None) -> tuple[cp_model.CpModel, _Vars, cp_model.IntVar | None]:
+def build(model: MemoryModel, *, budget_bytes: int | None,
+          options: SaveOptions | None = None) -> tuple[cp_model.CpModel, _Vars, cp_model.IntVar | None]:
     """Builds the CP-SAT model. With ``budget_bytes=None`` it minimises the peak instead
-    and returns the peak variable as third element."""
+    and returns the peak variable as third element. ``options``: op-level saves and overrides."""
     cp = cp_model.CpModel()
     n_chunks = model.n_chunks
     ok = model.regions.checkpointable
@@ -76,6 +83,7 @@ def build(model: MemoryModel, *, budget_bytes: int | None) -> tuple[cp_model.CpM
         if terms:
             cp.add(var == sum(terms))
         ckpt.append(var)
+    save, save_reasons = add_saves(cp, model, options, ckpt) if options is not None else ({}, {})
     # kept[s]: some un-checkpointed node saves s, or a segment starting after s's chunk reads it.
     # kept[s] is exactly the OR of its reasons, so the search only ever branches on segments.
     kept = {}
@@ -90,9 +98,13 @@ def build(model: MemoryModel, *, budget_bytes: int | None) -> tuple[cp_model.CpM
                 if (a, w) in covers:
                     cp.add_implication(covers[a, w], var)
                     reasons.append(covers[a, w])
+        for v in save_reasons.get(int(s), ()):  # a save keeps its cached storages
+            cp.add_implication(v, var)
+            reasons.append(v)
         cp.add_bool_or(reasons).only_enforce_if(var)
         kept[int(s)] = var
-    variables = _Vars(segment=segment, covers=covers, ckpt=ckpt, kept=kept)
+    variables = _Vars(segment=segment, covers=covers, ckpt=ckpt, kept=kept, save=save,
+                      same=same_segment(cp, model, save, covers))
     peak = cp.new_int_var(0, _upper_bound(model), "peak") if budget_bytes is None else None
     limit = peak if peak is not None else budget_bytes
     _add_forward_limits(cp, model, variables, limit)
@@ -108,7 +120,7 @@ def _objective(model: MemoryModel, variables: _Vars):
     """Recompute time: forward time of every checkpointed chunk (re-run once in backward), plus
     the fixed cost of each checkpoint call."""
     return (sum(int(model.chunk_cost_us[k]) * var for k, var in enumerate(variables.ckpt))
-            + model.segment_cost_us * sum(variables.segment.values()))
+            + model.segment_cost_us * sum(variables.segment.values()) - objective_relief(model, variables.save))
 
 
 def _upper_bound(model: MemoryModel) -> int:
@@ -174,15 +186,23 @@ def _add_backward_limits(cp, model: MemoryModel, variables: _Vars, limit) -> Non
                    for a in range(k + 1) if (a, k) in variables.covers and recomputed[a, t]) if k >= 0 else 0
         # what t itself saves is in the measured constant at t, not in the kept prefix
         own = sum(int(model.size[x]) * variables.kept[x] for x in model.own_saved[t] if x in variables.kept)
-        _add_limit(cp, kept_at[t] - own + int(const[t] - own_fixed[t]) + bump, limit)
+        relief = sum(relief_terms(model, variables.same, t, k)) if k >= 0 and variables.same else 0
+        _add_limit(cp, kept_at[t] - own + int(const[t] - own_fixed[t]) + bump - relief, limit)
     # Re-run of segment [a, b): just before the backward of its last saving node t.
     extra = const - model.const_bwd  # always-kept storages released by t
     for (a, b), var in variables.segment.items():
         last = rerun_chunk(model, a, b)
-        if last is not None:
-            t = int(model.recompute_at[last])
+        if last is None:
+            continue
+        t = int(model.recompute_at[last])
+        if not variables.save:
             fixed_bytes = int(model.const_recompute[last] + extra[t]) + rerun_bytes(model, a, last, b)
             _add_limit(cp, kept_at[t] + fixed_bytes, limit, enforce=[var])
+            continue
+        for nbytes, relief in rerun_limits(model, a, last, b, variables.save):  # saves shrink the re-run
+            fixed_bytes = int(model.const_recompute[last] + extra[t]) + nbytes
+            spared = sum(c * variables.save[o] for o, c in relief.items())
+            _add_limit(cp, kept_at[t] + fixed_bytes - spared, limit, enforce=[var])
 
 
 def _add_limit(cp, expr, limit, enforce=None) -> None:
@@ -206,8 +226,13 @@ def read_plan(solver: cp_model.CpSolver, variables: _Vars) -> ChunkPlan:
     return tuple(sorted(ab for ab, var in variables.segment.items() if solver.value(var)))
 
 
+def read_saves(solver: cp_model.CpSolver, variables: _Vars) -> frozenset:
+    """The nodes saved in a solved model."""
+    return frozenset(o for o, var in (variables.save or {}).items() if solver.value(var))
+
+
 def solve(model: MemoryModel, budget_bytes: int, *, time_limit_s: float = 30.0, workers: int | None = None,
-          dump_path: str | None = None) -> Solution:
+          dump_path: str | None = None, options: SaveOptions | None = None) -> Solution:
     """The least-recompute plan whose predicted peak fits ``budget_bytes``.
 
     Two dynamic programs run first: a relaxation whose optimum bounds every plan from below
@@ -215,11 +240,17 @@ def solve(model: MemoryModel, budget_bytes: int, *, time_limit_s: float = 30.0, 
     fits. When they meet, that plan is proven optimal without CP-SAT; otherwise CP-SAT searches
     from the DP's plan, which is returned as FEASIBLE if CP-SAT finds nothing better in time.
 
+    With ``options`` (op-level saves, overrides) the DPs, which know neither, give CP-SAT a hint only:
+    saves can beat every whole-segment plan, so the relaxation is no bound there.
+
     Raises:
         NoSolution: infeasible (proven), or no plan found within the time limit.
     """
     from planner.rotor import relaxed, rotor  # the DPs import this module's result types
 
+    if options is not None and not options.trivial:
+        return _solve_with_options(model, budget_bytes, time_limit_s=time_limit_s, workers=workers,
+                                   dump_path=dump_path, options=options)
     began = time.perf_counter()
     lower = relaxed(model, budget_bytes)
     if lower is None:
@@ -245,15 +276,32 @@ def solve(model: MemoryModel, budget_bytes: int, *, time_limit_s: float = 30.0, 
     return replace(found, bound_us=max(bound, found.bound_us), solve_time_s=time.perf_counter() - began)
 
 
+def _solve_with_options(model: MemoryModel, budget_bytes: int, *, time_limit_s: float, workers: int | None,
+                        dump_path: str | None, options: SaveOptions) -> Solution:
+    """CP-SAT with saves or overrides, from Rotor's whole-segment plan as a hint."""
+    from planner.rotor import rotor
+
+    began = time.perf_counter()
+    try:
+        hint = rotor(model, budget_bytes, time_limit_s=time_limit_s).plan
+    except NoSolution:
+        hint = None
+    left = max(1.0, time_limit_s - (time.perf_counter() - began))
+    found = search(model, budget_bytes, hint=hint, time_limit_s=left, workers=workers, dump_path=dump_path,
+                   options=options)
+    return replace(found, solve_time_s=time.perf_counter() - began)
+
+
 def search(model: MemoryModel, budget_bytes: int, *, hint: ChunkPlan | None = None, time_limit_s: float = 30.0,
-           workers: int | None = None, dump_path: str | None = None) -> Solution:
+           workers: int | None = None, dump_path: str | None = None,
+           options: SaveOptions | None = None) -> Solution:
     """CP-SAT alone: the least-recompute plan, from an optional hint (no dynamic programs).
 
     Raises:
         NoSolution: infeasible (proven), or no plan found within the time limit.
     """
     began = time.perf_counter()
-    cp, variables, _ = build(model, budget_bytes=budget_bytes)
+    cp, variables, _ = build(model, budget_bytes=budget_bytes, options=options)
     if dump_path:
         cp.export_to_file(dump_path)
     if hint is not None:
@@ -267,33 +315,46 @@ def search(model: MemoryModel, budget_bytes: int, *, hint: ChunkPlan | None = No
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         raise NoSolution(False, f"CP-SAT found no plan within {time_limit_s:g} s (status "
                                 f"{solver.status_name(status)}); raise time_limit_s")
-    plan = read_plan(solver, variables)
-    timeline = simulate(model, plan)
+    plan, saves = read_plan(solver, variables), read_saves(solver, variables)
+    timeline = simulate(model, plan, saves)
     if timeline.peak_bytes > budget_bytes:  # the encoding and the simulator must agree
-        raise AssertionError(f"solver plan {plan} simulates to {timeline.peak_bytes} > budget {budget_bytes}")
+        raise AssertionError(f"solver plan {plan} saving {sorted(saves)} simulates to {timeline.peak_bytes} "
+                             f"> budget {budget_bytes}")
     return Solution(plan=plan, status="OPTIMAL" if status == cp_model.OPTIMAL else "FEASIBLE",
                     recompute_us=timeline.recompute_us, bound_us=int(solver.best_objective_bound),
-                    solve_time_s=time.perf_counter() - began)
+                    solve_time_s=time.perf_counter() - began, saves=saves)
 
 
-def min_peak(model: MemoryModel, *, time_limit_s: float = 30.0, workers: int | None = None) -> ChunkPlan:
-    """A plan reaching the smallest predicted peak (used to explain infeasible budgets)."""
-    cp, variables, _ = build(model, budget_bytes=None)
+def min_peak(model: MemoryModel, *, time_limit_s: float = 30.0, workers: int | None = None,
+             options: SaveOptions | None = None) -> ChunkPlan:
+    """A plan reaching the smallest predicted peak (used to explain infeasible budgets); with
+    ``options``, the smallest under the user's overrides (use ``min_peak_saves`` for its saves)."""
+    return min_peak_saves(model, time_limit_s=time_limit_s, workers=workers, options=options)[0]
+
+
+def min_peak_saves(model: MemoryModel, *, time_limit_s: float = 30.0, workers: int | None = None,
+                   options: SaveOptions | None = None) -> tuple[ChunkPlan, frozenset]:
+    """``min_peak`` with the saves of that plan."""
+    cp, variables, _ = build(model, budget_bytes=None, options=options)
     solver = _solver(time_limit_s, workers)
     solver.parameters.optimize_with_core = False  # one integer objective: plain search is faster here
     status = solver.solve(cp)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        raise NoSolution(False, "CP-SAT could not find the smallest peak")
-    return read_plan(solver, variables)
+        raise NoSolution(status == cp_model.INFEASIBLE, "CP-SAT could not find the smallest peak")
+    return read_plan(solver, variables), read_saves(solver, variables)
 
 
-def encoded_peak(model: MemoryModel, plan: ChunkPlan, *, time_limit_s: float = 30.0) -> int:
-    """The peak the CP-SAT encoding gives a fixed plan; equals ``simulate(model, plan).peak_bytes``
-    when the encoding is right (tests check it on random graphs and plans)."""
-    cp, variables, peak = build(model, budget_bytes=None)
+def encoded_peak(model: MemoryModel, plan: ChunkPlan, *, time_limit_s: float = 30.0,
+                 saves: frozenset = frozenset(), options: SaveOptions | None = None) -> int:
+    """The peak the CP-SAT encoding gives a fixed plan (saving ``saves``, candidates of ``options``);
+    equals ``simulate(model, plan, saves).peak_bytes`` when the encoding is right (tests check it on
+    random graphs and plans)."""
+    cp, variables, peak = build(model, budget_bytes=None, options=options)
     chosen = set(plan)
     for ab, var in variables.segment.items():
         cp.add(var == int(ab in chosen))
+    for o, var in (variables.save or {}).items():
+        cp.add(var == int(o in saves))
     solver = _solver(time_limit_s, None)
     solver.parameters.optimize_with_core = False
     if solver.solve(cp) != cp_model.OPTIMAL:

@@ -1,0 +1,67 @@
+"""Runs op-level saves with torch's own selective checkpointing (SAC).
+
+A segment with saved nodes is called through ``checkpoint(..., use_reentrant=False,
+context_fn=...)`` whose contexts come from ``create_selective_checkpoint_contexts``. Its generated
+code brackets every saved node with ``sac_mark(True)`` / ``sac_mark(False)`` (plain Python calls,
+no ATen ops), and the policy returns ``MUST_SAVE`` for the ops that run inside a bracket and write
+new memory, ``PREFER_RECOMPUTE`` for everything else. The forward and the re-run execute the same
+code, so the brackets mark the same ops in both.
+
+Random ops (ATen tag ``nondeterministic_seeded``: dropout, bernoulli, rand...) are never saved: they
+are always re-run, in their original order, from the RNG state checkpoint restores, so each draws
+the numbers it drew in forward. A saved random op would be skipped by the re-run and shift the
+numbers of every later random op of the segment.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Sequence
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+_state = threading.local()
+
+
+def sac_mark(saving: bool) -> None:
+    """Marks the start (True) or end (False) of a saved node in generated segment code."""
+    _state.saving = saving
+
+
+def is_random(op) -> bool:
+    """An ATen op that draws random numbers."""
+    return torch.Tag.nondeterministic_seeded in getattr(op, "tags", ())
+
+
+def writes_new_memory(op) -> bool:
+    """An ATen op whose outputs are fresh tensors (not views of, nor in-place writes to, its inputs)."""
+    schema = op._schema
+    return not schema.is_mutable and all(r.alias_info is None for r in schema.returns)
+
+
+def policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    """Save the fresh outputs of the ops of a marked node; recompute the rest (random ops always)."""
+    if getattr(_state, "saving", False) and writes_new_memory(op) and not is_random(op):
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+@contextlib.contextmanager
+def _both(first, second):
+    with first, second:
+        yield
+
+
+def sac_contexts(module: nn.Module, restore: Sequence[str], restore_buffers) -> tuple:
+    """``context_fn`` result of a segment with saves: SAC's forward and recompute modes, the
+    recompute one combined with putting ``restore`` buffers back (BatchNorm statistics)."""
+    _state.saving = False
+    forward, recompute = create_selective_checkpoint_contexts(policy)
+    if restore:
+        # outermost: the snapshot and the copy back must run outside SAC's mode, which only knows
+        # the segment's own ops
+        recompute = _both(restore_buffers(module, restore), recompute)
+    return forward, recompute

@@ -1,0 +1,103 @@
+"""The CP-SAT side of op-level saves (selective checkpointing): variables, and the terms they add.
+
+``planner.solve.build`` calls these when it is given ``SaveOptions``; they encode exactly what
+``planner.saves`` adds to ``planner.simulate`` (a test checks ``encoded_peak == simulate`` on random
+plans with saves). Torch-free.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from planner.saves import SaveOptions, cached, relief_at, rerun_parts
+from planner.simulate import MemoryModel
+
+
+def add_saves(cp, model: MemoryModel, options: SaveOptions, ckpt: list) -> tuple[dict, dict]:
+    """``save[o]`` per candidate, the user's overrides, and the kept-reasons saves add.
+
+    Returns ``(save, reasons)``: ``save[o]`` is the variable of candidate node o; ``reasons[s]`` the
+    save variables that keep storage s."""
+    owner = model.regions.chunk_of()
+    # save[o]: candidate o's outputs are cached in forward and handed back when its segment re-runs;
+    # meaningful only inside a checkpointed chunk.
+    save: dict[int, object] = {}
+    for o in options.candidates:
+        var = cp.new_bool_var(f"save[{o}]")
+        cp.add_implication(var, ckpt[owner[o]])
+        save[o] = var
+    # must_save: never re-run (its chunk is not checkpointed, or it is saved); must_recompute: re-run.
+    for o in options.must_save:
+        if o < len(owner):
+            cp.add_bool_or([ckpt[owner[o]].Not(), save[o]] if o in save else [ckpt[owner[o]].Not()])
+    for o in options.must_recompute:
+        cp.add(ckpt[owner[o]] == 1)
+        if o in save:
+            cp.add(save[o] == 0)
+    reasons: dict[int, list] = {}
+    for o, var in save.items():
+        for s in cached(model, o):
+            reasons.setdefault(int(s), []).append(var)
+    return save, reasons
+
+
+def same_segment(cp, model: MemoryModel, save: dict, covers: dict) -> dict:
+    """``x[o, k]``: o is saved and chunk k lies in o's segment (``k >= chunk(o)``), for the chunks
+    where o's cached storages would otherwise be counted as recomputed."""
+    owner = model.regions.chunk_of()
+    out = {}
+    for o, var in save.items():
+        j = owner[o]
+        out[o, j] = var
+        for k in range(j + 1, model.n_chunks):
+            same = [covers[a, k] for a in range(j + 1) if (a, k) in covers]
+            if not same:
+                break
+            lo, hi = model.regions.bounds(k)
+            if not any(relief_at(model, o, t) for t in range(lo, hi)):
+                continue
+            x = cp.new_bool_var(f"same_segment[{o},{k}]")
+            cp.add(x <= var)
+            cp.add(x <= sum(same))
+            cp.add(x >= var + sum(same) - 1)
+            out[o, k] = x
+    return out
+
+
+def relief_terms(model: MemoryModel, same: dict, t: int, k: int) -> list:
+    """Terms ``bytes * x`` subtracted from the recomputed bytes at node t (in chunk k)."""
+    terms = []
+    for (o, kk), x in same.items():
+        if kk == k and o <= t:
+            b = relief_at(model, o, t)
+            if b:
+                terms.append(b * x)
+    return terms
+
+
+def rerun_limits(model: MemoryModel, a: int, last: int, b: int, save: dict) -> list[tuple[int, dict]]:
+    """The re-run of segment ``[a, b)`` as ``(bytes, {o: relief})`` pairs: its peak is the largest
+    ``bytes - sum(relief[o] * save[o])``. Nodes with the same reliefs are merged (only their largest
+    base matters), and pairs another one always dominates are dropped."""
+    base, relief, restored = rerun_parts(model, a, last, b, [o for o in save])
+    if not relief:
+        return [(int(base.max()) + restored, {})]
+    keys = sorted(relief)
+    matrix = np.stack([relief[o] for o in keys], axis=1)
+    groups: dict[tuple, int] = {}
+    for i in range(len(base)):
+        sig = tuple(int(v) for v in matrix[i])
+        groups[sig] = max(groups.get(sig, -(1 << 62)), int(base[i]))
+    items = sorted(groups.items(), key=lambda kv: -kv[1])
+    kept: list[tuple[tuple, int]] = []
+    for sig, value in items:
+        # dominated when some kept pair is larger whatever is saved
+        if any(v - sum(max(0, c2 - c1) for c1, c2 in zip(sig, s2)) >= value for s2, v in kept):
+            continue
+        kept.append((sig, value))
+    return [(value + restored, {o: c for o, c in zip(keys, sig) if c}) for sig, value in kept]
+
+
+def objective_relief(model: MemoryModel, save: dict):
+    """Forward time the saves spare the re-runs, microseconds (subtracted from the objective)."""
+    return sum(int(model.node_cost_us[o]) * var for o, var in save.items())

@@ -1,0 +1,117 @@
+"""Selective checkpointing (op-level saves inside segments): model, encoding, solver, rewrite, overrides."""
+
+import itertools
+import random
+
+import pytest
+import torch
+
+from conftest import assert_plan_is_exact, load_example
+from models import tower, tower_inputs
+from planner import InfeasibleBudget
+from planner.optimize import plan_for, prepare
+from planner.saves import SaveOptions, cacheable, segment_of
+from planner.simulate import simulate
+from planner.solve import NoSolution, encoded_peak, search, solve
+from planner.synthetic import all_plans, memory_model, min_peak_brute, random_profile
+
+
+def _model(seed, n=9):
+    model = memory_model(random_profile(n, seed, skip_connections=True))
+    return model, SaveOptions(candidates=tuple(o for o in range(model.n_nodes) if cacheable(model, o)))
+
+
+def _plans_with_saves(model, options):
+    for plan in all_plans(model):
+        seg = segment_of(model, plan)
+        inside = [o for o in options.candidates if seg[o] >= 0]
+        for k in range(len(inside) + 1):
+            for saves in itertools.combinations(inside, k):
+                yield plan, frozenset(saves)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_encoding_equals_simulator_with_saves(seed):
+    model, options = _model(seed)
+    rng = random.Random(seed)
+    cases = list(_plans_with_saves(model, options))
+    for plan, saves in rng.sample(cases, 12):
+        assert encoded_peak(model, plan, saves=saves, options=options) == simulate(model, plan, saves).peak_bytes
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_selective_optimum_matches_brute_force(seed):
+    """Saves and segments chosen jointly: CP-SAT's optimum equals the best of every plan x save set."""
+    model, options = _model(seed, n=7)
+    cases = [(p, s, simulate(model, p, s)) for p, s in _plans_with_saves(model, options)]
+    lowest, highest = min_peak_brute(model), simulate(model, ()).peak_bytes
+    for budget in (lowest, (lowest + highest) // 2, highest - 1):
+        best = min(t.recompute_us for _, _, t in cases if t.peak_bytes <= budget)
+        whole = min(t.recompute_us for p, s, t in cases if t.peak_bytes <= budget and not s)
+        found = solve(model, budget, time_limit_s=20, options=options)
+        assert found.status == "OPTIMAL" and found.recompute_us == best
+        assert simulate(model, found.plan, found.saves).peak_bytes <= budget
+        assert best <= whole
+
+
+def test_saves_must_be_inside_segments():
+    model, options = _model(0)
+    with pytest.raises(ValueError, match="not inside a checkpointed segment"):
+        simulate(model, (), frozenset({options.candidates[0]}))
+
+
+def test_overrides_are_honoured_or_infeasible():
+    model, options = _model(1)
+    o = options.candidates[0]
+    lowest = min_peak_brute(model)
+    forced = solve(model, simulate(model, ()).peak_bytes, time_limit_s=20,
+                   options=SaveOptions(candidates=options.candidates, must_recompute=frozenset({o})))
+    assert o not in forced.saves and segment_of(model, forced.plan)[o] >= 0
+    kept = solve(model, lowest, time_limit_s=20, options=SaveOptions(candidates=(), must_save=frozenset({o})))
+    assert segment_of(model, kept.plan)[o] < 0
+    every = frozenset(range(model.regions.end))
+    with pytest.raises(NoSolution) as info:
+        search(model, lowest, options=SaveOptions(must_save=every), time_limit_s=20)
+    assert info.value.infeasible
+
+
+@pytest.fixture(scope="module")
+def gpt():
+    example = load_example("gpt")
+    return example, prepare(example["model"], inputs=example["inputs"], loss_fn=example["loss_fn"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("budget", ["50%", "30%"])
+def test_gpt_selective_plan_is_exact_with_dropout(gpt, budget, restore_buffers):
+    """Dropout in every block: gradients equal the un-checkpointed model, peaks as predicted."""
+    example, prepared = gpt
+    plan = plan_for(prepared, budget, selective=True)
+    whole = plan_for(prepared, budget, selective=False)
+    assert any(s.saved_nodes for s in plan.segments)
+    assert plan.recompute_ms <= whole.recompute_ms + 1e-9
+    assert "create_selective_checkpoint_contexts" not in plan.source  # via planner.sac, named in the class
+    assert "_ckplan_sac_contexts" in plan.source
+    assert_plan_is_exact(example["model"], plan, example["inputs"], example["loss_fn"], restore_buffers)
+
+
+def test_tower_saves_with_batchnorm_and_dropout(restore_buffers):
+    """BatchNorm statistics restored after the SAC re-run (the two contexts compose), dropout exact."""
+    model, inputs = tower(), tower_inputs()
+
+    def loss_fn(out):
+        return out.square().mean()
+
+    prepared = prepare(model, inputs=inputs, loss_fn=loss_fn)
+    plan = plan_for(prepared, "50%", selective=True)
+    assert any(s.saved_nodes for s in plan.segments) and any(s.restore_buffers for s in plan.segments)
+    assert_plan_is_exact(model, plan, inputs, loss_fn, restore_buffers)
+    # overrides: a module path glob, a pattern matching nothing, contradictory overrides
+    forced = plan_for(prepared, "50%", must_recompute=["blocks.*.fc1"])
+    fc1 = {n for s in forced.segments for n in s.nodes if n.endswith("fc1")}
+    assert len(fc1) == 4 and not fc1 & {n for s in forced.segments for n in s.saved_nodes}
+    with pytest.raises(ValueError, match="'nope.*' matches no module path"):
+        plan_for(prepared, "50%", must_save=["nope.*"])
+    with pytest.raises(InfeasibleBudget, match="must_save/must_recompute make the budget infeasible"):
+        plan_for(prepared, "50%", must_save=["blocks.*"])
+    torch.testing.assert_close(plan.module(*inputs).shape, model(*inputs).shape)
