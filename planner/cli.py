@@ -89,6 +89,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="plan for one rank of a job on N ranks (docs/distributed.md; default: 1)")
     p.add_argument("--parallel", choices=["fsdp", "ddp"],
                    help="data-parallel engine the budget is per rank of (default: fsdp when --world-size > 1)")
+    p.add_argument("--whole-segments", action="store_true",
+                   help="re-run whole segments (no op-level saves inside them; docs/selective.md)")
+    p.add_argument("--must-save", action="append", default=[], metavar="PATTERN",
+                   help="module path or op name (glob) never re-run in backward; repeatable")
+    p.add_argument("--must-recompute", action="append", default=[], metavar="PATTERN",
+                   help="module path or op name (glob) always re-run in backward, never kept; repeatable")
     p.add_argument("--model", default="model", metavar="NAME", help="name of the model in the file (default: model)")
     p.add_argument("--inputs", default="inputs", metavar="NAME", help="name of the inputs (default: inputs)")
     p.add_argument("--loss", metavar="NAME", help="name of the loss function (default: loss_fn, if defined)")
@@ -263,8 +269,9 @@ def _plan(args: argparse.Namespace, err: Console) -> tuple[ModelFile, Plan, cli_
             saved = _profile_file(args, found)
             plan = optimize(found.model, args.budget, inputs=found.inputs, loss_fn=found.loss_fn,
                             time_limit_s=args.time_limit, solver=args.solver, progress=stage, profile=saved,
-                            world_size=args.world_size, parallel=args.parallel)
-        except (ValueError, TypeError) as exc:  # malformed budget or inputs, unknown solver
+                            world_size=args.world_size, parallel=args.parallel, selective=not args.whole_segments,
+                            must_save=args.must_save, must_recompute=args.must_recompute)
+        except (ValueError, TypeError) as exc:  # malformed budget or inputs, unknown solver, unmatched pattern
             raise UserError(str(exc)) from exc
         verification = None
         if args.verify:

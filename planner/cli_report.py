@@ -265,6 +265,9 @@ def print_error(err: Console, message: str, *, full: bool = True) -> None:
 
 def print_infeasible(err: Console, exc: InfeasibleBudget) -> None:
     """The smallest reachable peak, what it consists of, and the budget to ask for instead."""
+    reason = getattr(exc, "reason", "")  # the user's overrides (must_save/must_recompute) are the cause
+    if reason:
+        err.print(Text.assemble(("ckplan: infeasible: ", "bold red"), reason), soft_wrap=True, highlight=False)
     err.print(Text.assemble(
         ("ckplan: infeasible: ", "bold red"), "budget ", (format_bytes(exc.budget_bytes), "bold"),
         " is below the smallest peak any checkpointing plan reaches, ", (format_bytes(exc.min_peak_bytes), "bold"),

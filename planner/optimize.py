@@ -239,6 +239,7 @@ def _infeasible_overrides(memory: MemoryModel, budget_bytes: int, options: SaveO
 
 def _because(exc: InfeasibleBudget, reason: str) -> InfeasibleBudget:
     exc.args = (f"{reason}: {exc.args[0]}",)
+    exc.reason = reason
     return exc
 
 

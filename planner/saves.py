@@ -49,10 +49,16 @@ def cached(model: MemoryModel, o: int) -> np.ndarray:
 
 
 def cacheable(model: MemoryModel, o: int) -> bool:
-    """Can ``o`` be saved with an exact model: inside a checkpointable chunk, producing at least one
-    storage, every storage it produces that outlives it saved for backward, none of them a model output."""
+    """Can ``o`` be saved with an exact model: inside a checkpointable chunk, saving tensors for its own
+    backward, producing at least one storage, every storage it produces that outlives it saved for
+    backward, none of them a model output."""
     owner = model.regions.chunk_of()
     if o >= len(owner) or not model.regions.checkpointable[owner[o]]:
+        return False
+    if not (model.has_bwd[o] and model.own_saved[o]):
+        # o must save for its own backward: then the re-run (which stops early, after the segment's
+        # last saving node) reaches o and takes its outputs out of SAC's cache; a node after that
+        # point would stay cached until the whole segment's backward ends
         return False
     mine = np.flatnonzero((model.producer == o) & (model.size > 0))
     outlive = mine[(model.last_use[mine] > o) | (model.first_saver[mine] < np.iinfo(np.int64).max // 4)]

@@ -278,17 +278,32 @@ def solve(model: MemoryModel, budget_bytes: int, *, time_limit_s: float = 30.0, 
 
 def _solve_with_options(model: MemoryModel, budget_bytes: int, *, time_limit_s: float, workers: int | None,
                         dump_path: str | None, options: SaveOptions) -> Solution:
-    """CP-SAT with saves or overrides, from Rotor's whole-segment plan as a hint."""
-    from planner.rotor import rotor
+    """CP-SAT with saves or overrides, from the best whole-segment plan the DPs give as a hint (the
+    relaxation's when it fits, else Rotor's); without overrides that plan is also the fallback."""
+    from planner.rotor import relaxed, rotor
 
     began = time.perf_counter()
-    try:
-        hint = rotor(model, budget_bytes, time_limit_s=time_limit_s).plan
-    except NoSolution:
-        hint = None
+    lower = relaxed(model, budget_bytes)
+    hint = lower[0] if lower is not None and simulate(model, lower[0]).peak_bytes <= budget_bytes else None
+    if hint is None:
+        try:
+            hint = rotor(model, budget_bytes, time_limit_s=time_limit_s).plan
+        except NoSolution:
+            hint = None
     left = max(1.0, time_limit_s - (time.perf_counter() - began))
-    found = search(model, budget_bytes, hint=hint, time_limit_s=left, workers=workers, dump_path=dump_path,
-                   options=options)
+    try:
+        found = search(model, budget_bytes, hint=hint, time_limit_s=left, workers=workers, dump_path=dump_path,
+                       options=options)
+    except NoSolution as exc:
+        if exc.infeasible or hint is None or options.must_save or options.must_recompute:
+            raise
+        found = Solution(plan=hint, status="FEASIBLE", recompute_us=simulate(model, hint).recompute_us,
+                         bound_us=0, solve_time_s=0.0)
+    if hint is not None and not (options.must_save or options.must_recompute):
+        whole = simulate(model, hint)
+        if whole.peak_bytes <= budget_bytes and whole.recompute_us < found.recompute_us:
+            found = Solution(plan=hint, status="FEASIBLE", recompute_us=whole.recompute_us, bound_us=found.bound_us,
+                             solve_time_s=0.0)
     return replace(found, solve_time_s=time.perf_counter() - began)
 
 
@@ -308,6 +323,8 @@ def search(model: MemoryModel, budget_bytes: int, *, hint: ChunkPlan | None = No
         chosen = set(hint)
         for ab, var in variables.segment.items():
             cp.add_hint(var, ab in chosen)
+        for var in (variables.save or {}).values():  # a whole-segment hint saves nothing
+            cp.add_hint(var, False)
     solver = _solver(time_limit_s, workers)
     status = solver.solve(cp)
     if status == cp_model.INFEASIBLE:
