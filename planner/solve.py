@@ -83,7 +83,7 @@ def build(model: MemoryModel, *, budget_bytes: int | None,
         if terms:
             cp.add(var == sum(terms))
         ckpt.append(var)
-    save, save_reasons = add_saves(cp, model, options, ckpt) if options is not None else ({}, {})
+    save, save_reasons = add_saves(cp, model, options, ckpt, covers) if options is not None else ({}, {})
     # kept[s]: some un-checkpointed node saves s, or a segment starting after s's chunk reads it.
     # kept[s] is exactly the OR of its reasons, so the search only ever branches on segments.
     kept = {}

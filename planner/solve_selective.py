@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from planner.saves import SaveOptions, cached, relief_at, rerun_parts
+from planner.saves import SaveOptions, cached, partner, relief_at, rerun_parts
 from planner.simulate import MemoryModel
 
 
-def add_saves(cp, model: MemoryModel, options: SaveOptions, ckpt: list) -> tuple[dict, dict]:
+def add_saves(cp, model: MemoryModel, options: SaveOptions, ckpt: list, covers: dict) -> tuple[dict, dict]:
     """``save[o]`` per candidate, the user's overrides, and the kept-reasons saves add.
 
     Returns ``(save, reasons)``: ``save[o]`` is the variable of candidate node o; ``reasons[s]`` the
@@ -25,6 +25,9 @@ def add_saves(cp, model: MemoryModel, options: SaveOptions, ckpt: list) -> tuple
     for o in options.candidates:
         var = cp.new_bool_var(f"save[{o}]")
         cp.add_implication(var, ckpt[owner[o]])
+        k, j = owner[partner(model, o)], owner[o]
+        if k != j:  # the first saver of o's output shares o's segment (planner.saves.partner)
+            cp.add(var <= sum(covers[a, k] for a in range(j + 1) if (a, k) in covers))
         save[o] = var
     # must_save: never re-run (its chunk is not checkpointed, or it is saved); must_recompute: re-run.
     for o in options.must_save:

@@ -10,7 +10,7 @@ from conftest import assert_plan_is_exact, load_example
 from models import tower, tower_inputs
 from planner import InfeasibleBudget
 from planner.optimize import plan_for, prepare
-from planner.saves import SaveOptions, cacheable, segment_of
+from planner.saves import SaveOptions, cacheable, partner, segment_of
 from planner.simulate import simulate
 from planner.solve import NoSolution, encoded_peak, search, solve
 from planner.synthetic import all_plans, memory_model, min_peak_brute, random_profile
@@ -24,7 +24,7 @@ def _model(seed, n=9):
 def _plans_with_saves(model, options):
     for plan in all_plans(model):
         seg = segment_of(model, plan)
-        inside = [o for o in options.candidates if seg[o] >= 0]
+        inside = [o for o in options.candidates if seg[o] >= 0 and seg[partner(model, o)] == seg[o]]
         for k in range(len(inside) + 1):
             for saves in itertools.combinations(inside, k):
                 yield plan, frozenset(saves)
