@@ -1,20 +1,25 @@
-"""Rotor-style dynamic programming over the chunks: optimal for chains under our cost model.
+"""Dynamic programming over the chunks: exact under our cost model on chains and residual graphs.
 
-The graph is read as a chain of chunks. A storage whose readers and savers all lie in
-its producer's chunk or the next one is *local*: whether the plan keeps it is decided
-by those two chunks alone. Any other storage is assumed kept (conservative: the plan
-stays within budget, but may recompute more than needed). With only local storages
-this DP is exact: it returns the least-recompute plan the CP-SAT model would.
+Plans are read left to right as *pieces*: a checkpointed segment ``[a, b)`` or one chunk left
+alone. Whether a plan keeps a storage produced in piece ``[a, b)`` is decided by that piece and
+the later ones (``simulate.kept_storages``): it is kept when a node outside the piece saves it,
+or when a later checkpointed piece reads it. The DP carries, at each chunk boundary, one flag per
+*open* storage (produced before the boundary, still read or released after it): kept or not.
+A flag that depends on later pieces is guessed when the storage is produced; "not kept" is then
+checked against every later piece that reads it, "kept" needs no check (keeping a storage
+without a reason only costs memory). Closed storages are summed in ``M``, the kept bytes carried
+forward; the value of each state is an exact step function of ``M`` (no rounding).
 
-State, left to right: the chunk ``a`` where the next piece starts, whether chunk ``a-1``
-is checkpointed, the type the piece at ``a`` will have (decided one step ahead, because
-a storage produced at the end of a piece is kept or not depending on the next piece),
-and ``M``, the bytes of decided kept storages, in slots of ``quantum`` bytes rounded up.
+On the graphs seen so far (transformers, residual CNNs) at most 2-4 storages are open at a
+boundary. When more are, the longest-lived ones are *untracked*: counted as always kept (the
+conservative reading, whose plans always fit) or never kept (the optimistic one, a relaxation).
+The conservative DP's plan always fits; the optimistic one's recompute time is a lower bound on
+every plan's; with every storage tracked the two are the same optimum.
 """
 
 from __future__ import annotations
 
-import math
+import bisect
 import time
 from dataclasses import dataclass
 
@@ -24,34 +29,38 @@ from planner.simulate import ChunkPlan, MemoryModel, prefix_by, recomputed_from,
 from planner.solve import NoSolution, Solution
 
 INF = np.iinfo(np.int64).max // 4
+MAX_OPEN = 6
+"""Most storages tracked across one chunk boundary (the DP's state grows as 2 ** open)."""
+KEPT, FREE, GUESS = 1, 0, -1
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class _Local:
-    """A storage decided by its producer's chunk ``p`` and the next one."""
-
+class _Storage:
     size: int
-    p: int
+    producer: int
+    chunk: int
     last_use: int
     release: int
-    saved_in_p: bool
-    saved_in_next: bool
-    read_in_next: bool
     fwd_fixed: bool
     savers: tuple[int, ...]
+    saver_chunks: tuple[int, ...]
+    consumer_chunks: tuple[int, ...]
 
-    @property
-    def spans_next(self) -> bool:
-        """Whether the next chunk has a say in keeping it."""
-        return self.saved_in_next or self.read_in_next
+    def status(self, b: int, ckpt: bool) -> int:
+        """KEPT, FREE or GUESS (decided by later pieces) when produced in a piece ending at chunk b."""
+        last_saver = self.saver_chunks[-1] if self.saver_chunks else -1
+        if (not ckpt and last_saver >= 0) or last_saver >= b:
+            return KEPT  # saved outside its piece: kept under any later pieces
+        return GUESS if self.consumer_chunks and self.consumer_chunks[-1] >= b else FREE
 
-    def kept(self, p_ckpt: bool, next_ckpt: bool, next_starts_segment: bool) -> bool:
-        return ((self.saved_in_p and not p_ckpt) or (self.saved_in_next and not next_ckpt)
-                or (self.read_in_next and next_ckpt and next_starts_segment))
+    def read_in(self, a: int, b: int) -> bool:
+        i = bisect.bisect_left(self.consumer_chunks, a)
+        return i < len(self.consumer_chunks) and self.consumer_chunks[i] < b
 
 
-def rotor(model: MemoryModel, budget_bytes: int, *, time_limit_s: float = 30.0, max_slots: int = 4000) -> Solution:
-    """The least-recompute plan under the chain reading of the cost model.
+def rotor(model: MemoryModel, budget_bytes: int, *, time_limit_s: float = 30.0) -> Solution:
+    """The least-recompute plan under the conservative reading of the cost model (the optimum
+    when every storage is tracked).
 
     Raises:
         NoSolution: no plan fits under that reading (``infeasible=True``).
@@ -59,7 +68,7 @@ def rotor(model: MemoryModel, budget_bytes: int, *, time_limit_s: float = 30.0, 
     began = time.perf_counter()
     if budget_bytes < 0:
         raise NoSolution(True, "a negative budget fits no plan")
-    plan = _chain_dp(model, budget_bytes, max_slots, optimistic=False)
+    plan = _ChainDP(model, budget_bytes, optimistic=False).run()
     if plan is None:
         raise NoSolution(True, "no plan fits the budget under the chain model")
     timeline = simulate(model, plan)
@@ -69,163 +78,260 @@ def rotor(model: MemoryModel, budget_bytes: int, *, time_limit_s: float = 30.0, 
                     solve_time_s=time.perf_counter() - began)
 
 
-def relaxed(model: MemoryModel, budget_bytes: int, *, max_slots: int = 4000) -> tuple[ChunkPlan, int] | None:
+def relaxed(model: MemoryModel, budget_bytes: int) -> tuple[ChunkPlan, int] | None:
     """The optimum of a relaxation of the cost model, and its recompute time (a lower bound).
 
-    Storages that span more than two chunks count as never kept, and kept bytes are rounded
-    down, so every plan that fits the real model fits the relaxation: its optimum is a lower
-    bound on every plan's recompute time, and when its plan also fits the real model
-    (``simulate``), that plan is optimal. None: no plan fits even the relaxation (so none fits).
+    Untracked storages count as never kept, so every plan that fits the real model fits the
+    relaxation: its optimum bounds every plan's recompute time from
+    below, and when its plan also fits the real model (``simulate``), that plan is optimal.
+    None: no plan fits even the relaxation (so none fits).
     """
     if budget_bytes < 0:
         return None
-    plan = _chain_dp(model, budget_bytes, max_slots, optimistic=True)
+    plan = _ChainDP(model, budget_bytes, optimistic=True).run()
     if plan is None:
         return None
     return plan, int(sum(int(model.chunk_cost_us[a:b].sum()) + model.segment_cost_us for a, b in plan))
 
 
-def _chain_dp(model: MemoryModel, budget_bytes: int, max_slots: int, *, optimistic: bool) -> ChunkPlan | None:
-    locals_, fixed = _classify(model, optimistic)
-    n = model.n_nodes
-    const_fwd = model.const_fwd + prefix_by(model.last_use + 1, fixed * ~model.fwd_fixed, n)
-    kept_fixed = prefix_by(model.release, fixed, n)  # always-kept storages released by t
-    const_bwd = model.const_bwd + kept_fixed
-    const_bwd -= np.array([int(fixed[list(own)].sum()) if own else 0 for own in model.own_saved], dtype=np.int64)
-    sizes = [s.size for s in locals_]
-    quantum = max(math.gcd(*sizes) if sizes else 1, math.ceil(budget_bytes / max_slots))
-    slots = budget_bytes // quantum + 1
-    dp = _ChainDP(model, locals_, const_fwd, const_bwd, kept_fixed, budget_bytes, quantum, slots,
-                  round_down=optimistic)
-    return dp.run()
+def smallest_peak(model: MemoryModel) -> tuple[ChunkPlan, bool]:
+    """A plan with the smallest peak under the conservative reading, and whether that reading is
+    exact (every storage tracked), in which case no plan has a smaller peak.
+
+    Bisects the budget with a forward pass that keeps, per state, only the fewest kept bytes."""
+    baseline = simulate(model, ()).peak_bytes
+    dp = _ChainDP(model, baseline, optimistic=False)
+    lo, hi, best = 0, baseline, ()
+    while lo < hi:
+        mid = (lo + hi) // 2
+        plan = dp.fits(mid)
+        if plan is None:
+            lo = mid + 1
+        else:
+            best, hi = plan, simulate(model, plan).peak_bytes
+    return best, len(dp.tracked) == len(_storages(model))
 
 
-def _classify(model: MemoryModel, optimistic: bool) -> tuple[list[_Local], np.ndarray]:
-    """Local storages, and the bytes of every storage treated as always kept (non-local storages
-    are always kept, or with ``optimistic`` never kept)."""
-    fixed = model.size * model.always_kept
-    owner = model.regions.chunk_of()
-    locals_ = []
-    for s in model.varying():
-        p = int(model.producer_chunk[s])
-        chunks = {p, *model.saver_chunks[s], *model.consumer_chunks[s]}
-        if max(chunks) > p + 1 or model.size[s] == 0:
-            fixed[s] = 0 if optimistic else model.size[s]
-            continue
-        savers = {owner[u] for u in model.savers[s] if u < len(owner)}
-        locals_.append(_Local(size=int(model.size[s]), p=p, last_use=int(model.last_use[s]),
-                              release=int(model.release[s]), saved_in_p=p in savers,
-                              saved_in_next=p + 1 in savers, read_in_next=p + 1 in model.consumer_chunks[s],
-                              fwd_fixed=bool(model.fwd_fixed[s]), savers=model.savers[s]))
-    return locals_, fixed
+def _storages(model: MemoryModel) -> dict[int, _Storage]:
+    return {int(s): _Storage(size=int(model.size[s]), producer=int(model.producer[s]),
+                             chunk=int(model.producer_chunk[s]), last_use=int(model.last_use[s]),
+                             release=int(model.release[s]), fwd_fixed=bool(model.fwd_fixed[s]),
+                             savers=model.savers[s], saver_chunks=model.saver_chunks[s],
+                             consumer_chunks=model.consumer_chunks[s])
+            for s in model.varying() if model.size[s] > 0}
+
+
+def _open_sets(storages: dict[int, _Storage], edges: list[int]) -> list[list[int]]:
+    """Per chunk boundary (node ``edges[c]``): storages produced before it whose memory still
+    depends on the plan after it."""
+    return [[s for s, st in storages.items() if st.producer < e and (st.last_use >= e or st.release > e)]
+            for e in edges]
 
 
 class _ChainDP:
-    def __init__(self, model, locals_, const_fwd, const_bwd, kept_fixed, budget, quantum, slots, *, round_down):
-        self.m, self.budget, self.q, self.slots = model, budget, quantum, slots
-        self.round_down = round_down
-        self.const_fwd, self.const_bwd, self.kept_fixed = const_fwd, const_bwd, kept_fixed
-        self.by_chunk: dict[int, list[_Local]] = {}
-        for s in locals_:
-            self.by_chunk.setdefault(s.p, []).append(s)
+    def __init__(self, model: MemoryModel, budget: int, *, optimistic: bool):
+        self.m, self.budget, self.optimistic = model, budget, optimistic
+        n, regions = model.n_nodes, model.regions
+        self.edges = [*regions.starts, regions.end]
+        tracked = _storages(model)
+        opened = _open_sets(tracked, self.edges)
+        while max(map(len, opened), default=0) > MAX_OPEN:  # untrack the longest-lived storage
+            widest = max((s for c in opened if len(c) > MAX_OPEN for s in c),
+                         key=lambda s: max(tracked[s].last_use, tracked[s].release) - tracked[s].producer)
+            del tracked[widest]
+            opened = _open_sets(tracked, self.edges)
+        self.tracked, self.opened = tracked, opened
+        self.open_pos = [{s: i for i, s in enumerate(c)} for c in opened]
+        self.made_in = [[s for s, st in tracked.items() if st.chunk == k] for k in range(model.n_chunks)]
+        fixed = model.size * model.always_kept
+        if not optimistic:
+            for s in model.varying():
+                if int(s) not in tracked:
+                    fixed[s] = model.size[s]
+        self.const_fwd = model.const_fwd + prefix_by(model.last_use + 1, fixed * ~model.fwd_fixed, n)
+        self.kept_fixed = prefix_by(model.release, fixed, n)
+        own_fixed = np.array([int(fixed[list(own)].sum()) if own else 0 for own in model.own_saved], dtype=np.int64)
+        self.const_bwd = model.const_bwd + self.kept_fixed - own_fixed
         self.recompute_from = recomputed_from(model)
-        self._pieces: dict[tuple, tuple[int, int]] = {}
+        self._pieces: dict[tuple, tuple[int, int, int] | None] = {}
+        self._reruns: dict[tuple[int, int], int | None] = {}
 
-    def piece(self, a: int, b: int, ckpt: bool, prev_ckpt: bool, next_ckpt: bool) -> tuple[int, int]:
-        """Largest plan-dependent term of the piece (bytes, M excluded) and the bytes it adds to M."""
-        key = (a, b, ckpt, prev_ckpt, next_ckpt)
+    def piece(self, a: int, b: int, ckpt: bool, mask: int, guess: int) -> tuple[int, int, int] | None:
+        """Worst plan-dependent bytes of piece ``[a, b)`` (``M`` excluded), bytes it closes into ``M``,
+        and the flags at ``b``; None when the flags at ``a`` contradict the piece."""
+        key = (a, b, ckpt, mask, guess)
         if key not in self._pieces:
-            self._pieces[key] = self._piece(a, b, ckpt, prev_ckpt, next_ckpt)
+            self._pieces[key] = self._piece(a, b, ckpt, mask, guess)
         return self._pieces[key]
 
-    def _piece(self, a: int, b: int, ckpt: bool, prev_ckpt: bool, next_ckpt: bool) -> tuple[int, int]:
-        m = self.m
-        lo, hi = m.regions.starts[a], m.regions.bounds(b - 1)[1]
+    def _piece(self, a: int, b: int, ckpt: bool, mask: int, guess: int) -> tuple[int, int, int] | None:
+        m, lo, hi = self.m, self.edges[a], self.edges[b]
+        flags: dict[int, bool] = {}
+        for i, s in enumerate(self.opened[a]):
+            flags[s] = bool(mask >> i & 1)
+            if ckpt and not flags[s] and self.tracked[s].read_in(a, b):
+                return None  # a later segment reads a storage promised not kept
+        g = 0
+        for s in self._made(a, b, ckpt):
+            status = self.tracked[s].status(b, ckpt)
+            if status == GUESS:
+                flags[s], g = bool(guess >> g & 1), g + 1
+            else:
+                flags[s] = status == KEPT
         alive_f = np.zeros(hi - lo + 1, dtype=np.int64)
         alive_b = np.zeros(hi - lo + 1, dtype=np.int64)
-        own_b = np.zeros(hi - lo + 1, dtype=np.int64)  # kept bytes a node saves itself (constant at it)
+        own_b = np.zeros(hi - lo + 1, dtype=np.int64)  # kept bytes a node saves itself (in its constant)
         added = 0
-        involved = [(s, s.kept(prev_ckpt, ckpt, ckpt)) for s in self.by_chunk.get(a - 1, ()) if s.spans_next]
-        for k in range(a, b):
-            for s in self.by_chunk.get(k, ()):
-                if k + 1 < b:
-                    involved.append((s, s.kept(ckpt, ckpt, False)))
-                else:
-                    involved.append((s, s.kept(ckpt, next_ckpt, next_ckpt)))
-        for s, kept in involved:
+        after = self.open_pos[b] if b < len(self.open_pos) else {}
+        for s, kept in flags.items():
+            st = self.tracked[s]
             if not kept:
                 continue
-            if s.p < b - 1 or not s.spans_next:
-                added += s.size
-            if s.last_use + 1 < hi and not s.fwd_fixed:
-                alive_f[max(s.last_use + 1, lo) - lo] += s.size
-            if s.release < hi:
-                alive_b[max(s.release, lo) - lo] += s.size
-                for u in s.savers:
+            if s not in after and not (self.optimistic and st.fwd_fixed):
+                added += st.size
+            if st.last_use + 1 < hi and not st.fwd_fixed:
+                alive_f[max(st.last_use + 1, lo) - lo] += st.size
+            if st.release < hi:
+                alive_b[max(st.release, lo) - lo] += st.size
+                for u in st.savers:
                     if lo <= u < hi:
-                        own_b[u - lo] += s.size
+                        own_b[u - lo] += st.size
         alive_f, alive_b = np.cumsum(alive_f)[:-1], np.cumsum(alive_b)[:-1]
         worst = int((self.const_fwd[lo:hi] + alive_f).max())
         bwd = self.const_bwd[lo:hi] + alive_b - own_b[:-1]
         if ckpt:
             bwd = bwd + self.recompute_from[a, lo:hi]
-            last = rerun_chunk(m, a, b)
-            if last is not None:
-                t = int(m.recompute_at[last])
-                rerun = (m.const_recompute[last] + self.kept_fixed[t] + alive_b[t - lo]
-                         + rerun_bytes(m, a, last, b))
-                worst = max(worst, int(rerun))
         has = m.has_bwd[lo:hi]
         if has.any():
             worst = max(worst, int(bwd[has].max()))
-        return worst, added
+        rerun = self._rerun(a, b) if ckpt and worst <= self.budget else None  # (the costly part; moot past budget)
+        if rerun is not None:
+            t, fixed_bytes = rerun
+            worst = max(worst, fixed_bytes + int(alive_b[t - lo]))
+        out = sum(1 << i for s, i in after.items() if flags.get(s, True))
+        return worst, added, out
 
-    def slots_of(self, nbytes: int) -> int:
-        """Kept bytes in slots: rounded up (plans stay within budget) or down (a relaxation)."""
-        return nbytes // self.q if self.round_down else -(-nbytes // self.q)
+    def _rerun(self, a: int, b: int) -> tuple[int, int] | None:
+        """Node at which segment ``[a, b)`` is re-run, and its plan-independent bytes there."""
+        if (a, b) not in self._reruns:
+            m, last = self.m, rerun_chunk(self.m, a, b)
+            if last is None:
+                self._reruns[a, b] = None
+            else:
+                t = int(m.recompute_at[last])
+                self._reruns[a, b] = (t, int(m.const_recompute[last] + self.kept_fixed[t]) + rerun_bytes(m, a, last, b))
+        return self._reruns[a, b]
+
+    def _made(self, a: int, b: int, ckpt: bool) -> list[int]:
+        """Storages produced in piece ``[a, b)`` that may be kept. In a segment, one closed by b
+        (never read or released after it) is not: its savers and readers are all inside."""
+        if not ckpt:
+            return self.made_in[a]
+        return [s for s in self.opened[b] if self.tracked[s].chunk >= a] if b < len(self.opened) else []
+
+    def _guesses(self, a: int, b: int, ckpt: bool) -> int:
+        return sum(self.tracked[s].status(b, ckpt) == GUESS for s in self._made(a, b, ckpt))
 
     def run(self) -> ChunkPlan | None:
-        m, K, S = self.m, self.m.n_chunks, self.slots
+        m, K = self.m, self.m.n_chunks
         tail = max(int(self.const_fwd[m.regions.end:].max(initial=0)),
                    int(self.const_bwd[m.regions.end:][m.has_bwd[m.regions.end:]].max(initial=0)))
-        slot_bytes = np.arange(S, dtype=np.int64) * self.q
-        value = np.full((K + 1, 2, 2, S), INF, dtype=np.int64)
-        choice: dict[tuple[int, int, int], list] = {}
-        value[K, :, 0, :] = np.where(slot_bytes + tail <= self.budget, 0, INF)
+        closing = sum(self.tracked[s].size for s in self.opened[K]) if not self.optimistic else 0
+        end = _Step.upto(self.budget - tail - closing, 0)
+        self.value: list[dict[int, _Step]] = [{} for _ in range(K)] + [
+            {mask: end for mask in range(1 << len(self.opened[K]))}]
         for a in range(K - 1, -1, -1):
-            for prev in (0, 1) if a else (0,):
-                for ckpt in (0, 1):
-                    ends = [a + 1] if not ckpt else [b for b in range(a + 1, K + 1)
-                                                     if all(m.regions.checkpointable[a:b])]
-                    best = np.full(S, INF, dtype=np.int64)
-                    arg = np.full((S, 2), -1, dtype=np.int64)
-                    for b in ends:
-                        cost = int(m.chunk_cost_us[a:b].sum()) + m.segment_cost_us if ckpt else 0
-                        for nxt in ((0, 1) if b < K else (0,)):
-                            worst, added = self.piece(a, b, bool(ckpt), bool(prev), bool(nxt))
-                            shift = self.slots_of(added)
-                            nxt_value = np.full(S, INF, dtype=np.int64)
-                            if shift < S:
-                                nxt_value[: S - shift] = value[b, ckpt, nxt, shift:]
-                            cand = np.where((slot_bytes + worst <= self.budget) & (nxt_value < INF),
-                                            nxt_value + cost, INF)
-                            better = cand < best
-                            best = np.where(better, cand, best)
-                            arg[better] = (b, nxt)
-                    value[a, prev, ckpt] = best
-                    choice[a, prev, ckpt] = arg
-        start = min((0, 1), key=lambda c: value[0, 0, c, 0])
-        if value[0, 0, start, 0] >= INF:
+            for mask in range(1 << len(self.opened[a])):
+                best = _Step.upto(-1, 0)
+                for cost, worst, added, b, out, _ in self._moves(a, mask):
+                    cap, after = self.budget - worst, self.value[b][out]
+                    if cap < 0 or cost + after.value[0] >= best.at(cap):
+                        continue  # nowhere better than the best move so far (values grow with M)
+                    best = best.minimum(after.shifted(added, cap=cap, plus=cost))
+                self.value[a][mask] = best
+        if self.value[0][0].at(0) >= INF:
             return None
-        return self._walk(start, choice)
+        return self._walk()
 
-    def _walk(self, start: int, choice) -> ChunkPlan:
-        plan, a, prev, ckpt, slot = [], 0, 0, start, 0
+    def _moves(self, a: int, mask: int):
+        """Every piece starting at chunk a allowed by the flags ``mask``: (cost, worst bytes, bytes
+        closed into M, end chunk, flags at the end, (end, checkpointed))."""
+        m = self.m
+        pieces = [(a + 1, False)] + [(b, True) for b in range(a + 1, m.n_chunks + 1) if all(m.regions.checkpointable[a:b])]
+        for b, ckpt in pieces:
+            cost = int(m.chunk_cost_us[a:b].sum()) + m.segment_cost_us if ckpt else 0
+            for guess in range(1 << self._guesses(a, b, ckpt)):
+                result = self.piece(a, b, ckpt, mask, guess)
+                if result is None:
+                    break  # the flags at a rule this piece out, whatever the guesses
+                worst, added, out = result
+                yield cost, worst, added, b, out, (b, ckpt)
+
+    def fits(self, budget: int) -> ChunkPlan | None:
+        """Some plan whose peak is at most ``budget`` (<= the DP's own budget), or None."""
+        m, K = self.m, self.m.n_chunks
+        tail = max(int(self.const_fwd[m.regions.end:].max(initial=0)),
+                   int(self.const_bwd[m.regions.end:][m.has_bwd[m.regions.end:]].max(initial=0)))
+        reach: list[dict[int, tuple[int, tuple]]] = [{} for _ in range(K + 1)]
+        reach[0][0] = (0, ())
+        for a in range(K):
+            for mask, (kept, plan) in reach[a].items():
+                for _, worst, added, b, out, (_, ckpt) in self._moves(a, mask):
+                    if kept + worst <= budget and kept + added < reach[b].get(out, (INF,))[0]:
+                        reach[b][out] = (kept + added, plan + ((a, b),) if ckpt else plan)
+        closing = sum(self.tracked[s].size for s in self.opened[K])
+        done = [plan for kept, plan in reach[K].values() if kept + tail + closing <= budget]
+        return done[0] if done else None
+
+    def _walk(self) -> ChunkPlan:
+        plan, a, mask, kept = [], 0, 0, 0
         while a < self.m.n_chunks:
-            b, nxt = (int(x) for x in choice[a, prev, ckpt][slot])
-            _, added = self.piece(a, b, bool(ckpt), bool(prev), bool(nxt))
+            target = self.value[a][mask].at(kept)
+            for cost, worst, added, b, out, (_, ckpt) in self._moves(a, mask):
+                if kept + worst <= self.budget and cost + self.value[b][out].at(kept + added) == target:
+                    break
+            else:
+                raise AssertionError(f"no move reproduces the DP value at chunk {a}")
             if ckpt:
                 plan.append((a, b))
-            slot += self.slots_of(added)
-            a, prev, ckpt = b, ckpt, nxt
+            a, mask, kept = b, out, kept + added
         return tuple(plan)
+
+
+@dataclass(frozen=True, slots=True)
+class _Step:
+    """A non-decreasing step function of the kept bytes M >= 0: ``value[i]`` on
+    ``[start[i], start[i+1])``, INF past the last start whose value is INF."""
+
+    start: np.ndarray
+    value: np.ndarray
+
+    @staticmethod
+    def upto(limit: int, value: int) -> "_Step":
+        """``value`` for M <= limit, INF beyond."""
+        if limit < 0:
+            return _Step(np.array([0], dtype=np.int64), np.array([INF], dtype=np.int64))
+        return _Step(np.array([0, limit + 1], dtype=np.int64), np.array([value, INF], dtype=np.int64))
+
+    def at(self, kept) -> np.ndarray | int:
+        return self.value[np.searchsorted(self.start, kept, side="right") - 1]
+
+    def shifted(self, added: int, *, cap: int, plus: int) -> "_Step":
+        """``M -> plus + self(M + added)`` for M <= cap, INF beyond."""
+        if cap < 0:
+            return _Step.upto(-1, 0)
+        start = self.start - added
+        keep = (start > 0) & (start <= cap)
+        starts = np.concatenate(([0], start[keep], [cap + 1]))
+        values = np.concatenate(([self.at(added)], self.value[keep], [INF]))
+        values = np.where(values >= INF, INF, values + plus)
+        return _Step(starts, values)._compact()
+
+    def minimum(self, other: "_Step") -> "_Step":
+        starts = np.sort(np.concatenate((self.start, other.start)))
+        starts = starts[np.concatenate(([True], starts[1:] != starts[:-1]))]
+        return _Step(starts, np.minimum(self.at(starts), other.at(starts)))._compact()
+
+    def _compact(self) -> "_Step":
+        change = np.concatenate(([True], self.value[1:] != self.value[:-1]))
+        return _Step(self.start[change], self.value[change])

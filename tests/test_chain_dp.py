@@ -1,0 +1,68 @@
+"""The chunk DP (planner.rotor) against brute force on DAGs with skip connections: exact optimum,
+exact smallest peak, and a lower bound that never exceeds the optimum."""
+
+import pytest
+
+from planner import rotor as chain
+from planner.rotor import relaxed, rotor, smallest_peak
+from planner.simulate import simulate
+from planner.solve import NoSolution
+from planner.synthetic import brute_force, memory_model, min_peak_brute, random_profile, transformer_profile
+
+CASES = [(n, seed, skips) for n, seed in [(6, 5), (8, 6), (9, 7), (10, 8)] for skips in (False, True)]
+
+
+@pytest.mark.parametrize(("n", "seed", "skips"), CASES)
+def test_dp_is_exact_on_small_dags(n, seed, skips):
+    model = memory_model(random_profile(n, seed, skip_connections=skips))
+    lowest, highest = min_peak_brute(model), simulate(model, ()).peak_bytes
+    for budget in range(lowest - 1, highest + 1, max(1, (highest - lowest) // 5)):
+        expected = brute_force(model, budget)
+        if expected is None:
+            assert relaxed(model, budget) is None
+            with pytest.raises(NoSolution):
+                rotor(model, budget)
+            continue
+        found = rotor(model, budget)
+        assert found.recompute_us == expected, f"budget {budget}: plan {found.plan}"
+        assert simulate(model, found.plan).peak_bytes <= budget
+        assert relaxed(model, budget)[1] == expected
+
+
+@pytest.mark.parametrize(("n", "seed", "skips"), CASES)
+def test_smallest_peak_is_exact(n, seed, skips):
+    model = memory_model(random_profile(n, seed, skip_connections=skips))
+    plan, exact = smallest_peak(model)
+    assert exact
+    assert simulate(model, plan).peak_bytes == min_peak_brute(model)
+
+
+def test_untracked_storages_keep_plans_feasible_and_bounds_valid(monkeypatch):
+    """With at most one storage tracked per boundary, the conservative DP still fits the budget
+    and the optimistic one still bounds it from below."""
+    monkeypatch.setattr(chain, "MAX_OPEN", 0)
+    for seed, skips in [(1, True), (2, True), (3, False)]:
+        model = memory_model(random_profile(9, seed, skip_connections=skips))
+        lowest, highest = min_peak_brute(model), simulate(model, ()).peak_bytes
+        for budget in range(lowest, highest, max(1, (highest - lowest) // 4)):
+            expected = brute_force(model, budget)
+            try:
+                found = rotor(model, budget)
+            except NoSolution:
+                found = None
+            if found is not None:
+                assert simulate(model, found.plan).peak_bytes <= budget and found.recompute_us >= expected
+            lower = relaxed(model, budget)
+            assert lower is not None and lower[1] <= expected
+        assert not smallest_peak(model)[1] or len(model.varying()) == 0
+
+
+def test_transformer_graph_is_proven_optimal_by_the_dps():
+    """On a residual stack every storage is tracked: the two DPs meet (solve needs no CP-SAT)."""
+    from planner.regions import find_regions
+    from planner.simulate import build_model
+    profile = transformer_profile(12)
+    model = build_model(profile, find_regions(profile, max_chunks=128))
+    budget = simulate(model, ()).peak_bytes // 2
+    found, (_, lower) = rotor(model, budget), relaxed(model, budget)
+    assert found.recompute_us == lower
