@@ -169,3 +169,22 @@ def test_cli_whole_segments_and_saves(tmp_path, monkeypatch, capsys):
         assert main(["model.py", "--budget", "70%", "--json", "--save", str(tmp_path / "p.json"), *flags]) == 0
         saved = [n for s in __import__("json").loads(capsys.readouterr().out)["segments"] for n in s["saved_nodes"]]
         assert bool(saved) == (not flags)
+
+
+def test_policy_saves_fresh_outputs_of_marked_nodes_and_never_random_ops():
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    from planner.sac import policy, sac_mark
+
+    aten = torch.ops.aten
+    save, recompute = CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_RECOMPUTE
+    assert policy(None, aten.addmm.default) is recompute  # outside a bracket
+    sac_mark(True)
+    try:
+        assert policy(None, aten.addmm.default) is save
+        assert policy(None, aten.native_layer_norm.default) is save
+        for op in (aten.native_dropout.default, aten.bernoulli.p, aten.rand.default,  # random: always re-run
+                   aten.view.default, aten.t.default, aten.relu_.default):             # views, in place
+            assert policy(None, op) is recompute, op
+    finally:
+        sac_mark(False)
