@@ -17,6 +17,7 @@ from planner.plan import MemoryTimeline, Plan, Segment
 from planner.profile_api import capture_inputs, profile_for
 from planner.regions import Regions, find_regions
 from planner.rewrite import SegmentSpec, rewrite
+from planner.sac import dispatch_overhead_us
 from planner.saves import SaveOptions
 from planner.simulate import ChunkPlan, MemoryModel, Timeline, build_model, freed_bytes, simulate
 from planner.solve import NoSolution, Solution, min_peak_saves
@@ -127,7 +128,8 @@ def prepare(model: nn.Module, *, inputs: tuple | Mapping | torch.Tensor | None =
                            device=device, saved=profile)        # or a saved or estimated profile
     regions = find_regions(measured)                            # where segments may start and end
     memory = build_model(measured, regions,                     # the cost model the solver optimises
-                         offset=dist and memory_offset(measured, dist))  # one rank's share of the job
+                         offset=dist and memory_offset(measured, dist),  # one rank's share of the job
+                         sac_node_us=dispatch_overhead_us())    # what selective checkpointing adds per op
     return Prepared(model=model, captured=captured, profile=measured, regions=regions, memory=memory,
                     baseline=simulate(memory, ()), distributed=dist)
 
@@ -254,7 +256,8 @@ def _segments(prof: Profile, regions: Regions, memory: MemoryModel, plan: ChunkP
             nodes=tuple(n.name for n in nodes),
             module_paths=_covering_paths(prof, lo, hi),
             recompute_ms=(int(memory.chunk_cost_us[first:stop].sum()) + memory.segment_cost_us
-                          - sum(int(memory.node_cost_us[o]) for o in mine)) / 1000,
+                          - sum(int(memory.node_cost_us[o]) for o in mine)
+                          + (int(memory.sac_chunk_us[first:stop].sum()) if mine else 0)) / 1000,
             freed_bytes=freed,
             restore_buffers=tuple(dict.fromkeys(b for n in nodes for b in n.mutated_buffers)),
             saved_nodes=tuple(prof.nodes[o].name for o in mine),

@@ -27,7 +27,7 @@ import numpy as np
 
 from planner.costs import Profile
 from planner.regions import Regions
-from planner.saves import Saves, bump_relief, check_saves, kept_by_saves, rerun_parts, saved_cost_us
+from planner.saves import Saves, bump_relief, check_saves, kept_by_saves, rerun_parts, sac_cost_us, saved_cost_us
 
 NEVER = np.iinfo(np.int64).max // 4
 """Release index of a storage nobody saves."""
@@ -94,6 +94,9 @@ class MemoryModel:
     """Parameters and buffers, bytes."""
     node_cost_us: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     """Forward time of each node, microseconds (what a save spares a re-run)."""
+    sac_chunk_us: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    """Per chunk: time selective checkpointing's dispatch modes add when the chunk is in a segment with
+    saves (forward and re-run), microseconds (``planner.sac.dispatch_overhead_us`` per tensor op node)."""
 
     @property
     def n_nodes(self) -> int:
@@ -133,11 +136,12 @@ class Timeline:
     """Nodes inside segments whose outputs selective checkpointing keeps (not re-run)."""
 
 
-def build_model(profile: Profile, regions: Regions, *, offset=None) -> MemoryModel:
+def build_model(profile: Profile, regions: Regions, *, offset=None, sac_node_us: float = 0.0) -> MemoryModel:
     """Precomputes the arrays of the memory model for ``profile`` cut into ``regions``.
 
     ``offset`` (``planner.distributed.MemoryOffset``): plan-independent bytes added per node to
-    the forward and backward constants, and the resident parameter bytes (one rank of a job)."""
+    the forward and backward constants, and the resident parameter bytes (one rank of a job).
+    ``sac_node_us``: time selective checkpointing adds per tensor-op node of a segment with saves."""
     nodes = profile.nodes
     n = len(nodes)
     chunk_of = regions.chunk_of() + [-1] * (n - regions.end)
@@ -209,6 +213,8 @@ def build_model(profile: Profile, regions: Regions, *, offset=None) -> MemoryMod
         recompute_at=recompute_at, const_recompute=const_recompute, fwd_rise=rise,
         restore_bytes=np.array([nd.mutated_buffer_bytes for nd in nodes], dtype=np.int64),
         chunk_cost_us=chunk_cost, segment_cost_us=round(profile.checkpoint_overhead_ms * 1000), node_cost_us=fwd_us,
+        sac_chunk_us=np.array([round(sac_node_us * sum(1 for nd in nodes[slice(*regions.bounds(k))] if nd.inputs))
+                               for k in range(regions.n_chunks)], dtype=np.int64),
         step_us=max(1, round(profile.step_ms * 1000)),
         param_bytes=profile.param_bytes if offset is None else offset.param_bytes,
     )
@@ -279,6 +285,7 @@ def simulate(model: MemoryModel, plan: ChunkPlan, saves: Saves = frozenset()) ->
     largest = sorted(np.flatnonzero(alive & (model.size > 0)), key=lambda s: -model.size[s])[:3]
     cost = sum(int(model.chunk_cost_us[first:stop].sum()) + model.segment_cost_us for first, stop in plan)
     cost -= saved_cost_us(model, saves)
+    cost += sac_cost_us(model, plan, saves)
     return Timeline(
         plan=tuple(plan), fwd_bytes=fwd, bwd_bytes=bwd, peak_bytes=peak, peak_phase=phase, peak_node=node,
         recompute_us=cost,

@@ -16,7 +16,8 @@ from ortools.sat.python import cp_model
 from planner.saves import SaveOptions
 from planner.simulate import (ChunkPlan, MemoryModel, prefix_by, recomputed_from, rerun_bytes, rerun_chunk,
                               simulate)
-from planner.solve_selective import add_saves, objective_relief, relief_terms, rerun_limits, same_segment
+from planner.solve_selective import (add_saves, objective_relief, relief_terms, rerun_limits, sac_overhead,
+                                     same_segment)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -50,6 +51,7 @@ class _Vars:
     kept: dict            # kept[s]: storage s stays alive from forward until its release in backward
     save: dict = None     # save[o]: node o's outputs are cached by selective checkpointing, not re-run
     same: dict = None     # same[o, k]: o is saved and chunk k is in its segment
+    sac: object = 0       # time SAC's dispatch modes add to segments with saves (objective term)
 
 
 def build(model: MemoryModel, *, budget_bytes: int | None,
@@ -104,7 +106,7 @@ def build(model: MemoryModel, *, budget_bytes: int | None,
         cp.add_bool_or(reasons).only_enforce_if(var)
         kept[int(s)] = var
     variables = _Vars(segment=segment, covers=covers, ckpt=ckpt, kept=kept, save=save,
-                      same=same_segment(cp, model, save, covers))
+                      same=same_segment(cp, model, save, covers), sac=sac_overhead(cp, model, save, covers))
     peak = cp.new_int_var(0, _upper_bound(model), "peak") if budget_bytes is None else None
     limit = peak if peak is not None else budget_bytes
     _add_forward_limits(cp, model, variables, limit)
@@ -120,7 +122,8 @@ def _objective(model: MemoryModel, variables: _Vars):
     """Recompute time: forward time of every checkpointed chunk (re-run once in backward), plus
     the fixed cost of each checkpoint call."""
     return (sum(int(model.chunk_cost_us[k]) * var for k, var in enumerate(variables.ckpt))
-            + model.segment_cost_us * sum(variables.segment.values()) - objective_relief(model, variables.save))
+            + model.segment_cost_us * sum(variables.segment.values()) - objective_relief(model, variables.save)
+            + variables.sac)
 
 
 def _upper_bound(model: MemoryModel) -> int:

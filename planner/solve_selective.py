@@ -104,3 +104,32 @@ def rerun_limits(model: MemoryModel, a: int, last: int, b: int, save: dict) -> l
 def objective_relief(model: MemoryModel, save: dict):
     """Forward time the saves spare the re-runs, microseconds (subtracted from the objective)."""
     return sum(int(model.node_cost_us[o]) * var for o, var in save.items())
+
+
+def sac_overhead(cp, model: MemoryModel, save: dict, covers: dict):
+    """Time SAC's dispatch modes add to the segments with saves, as an objective term.
+
+    ``uses_sac[a]``: the segment starting at chunk a saves something; ``sac_chunk[k]``: chunk k lies in
+    such a segment. Both only bounded from below: the objective keeps them as small as allowed."""
+    if not save or not len(model.sac_chunk_us) or not model.sac_chunk_us.any():
+        return 0
+    owner = model.regions.chunk_of()
+    uses = {}
+    for o, var in save.items():
+        j = owner[o]
+        for a in range(j + 1):
+            if (a, j) in covers:
+                if a not in uses:
+                    uses[a] = cp.new_bool_var(f"uses_sac[{a}]")
+                cp.add(uses[a] >= covers[a, j] + var - 1)
+    terms = []
+    for k in range(model.n_chunks):
+        if not model.sac_chunk_us[k]:
+            continue
+        reach = [a for a in uses if (a, k) in covers]
+        if reach:
+            w = cp.new_bool_var(f"sac_chunk[{k}]")
+            for a in reach:
+                cp.add(w >= covers[a, k] + uses[a] - 1)
+            terms.append(int(model.sac_chunk_us[k]) * w)
+    return sum(terms)

@@ -9,10 +9,11 @@ import torch
 from conftest import assert_plan_is_exact, load_example
 from models import tower, tower_inputs
 from planner import InfeasibleBudget
-from planner.optimize import plan_for, prepare
+from planner.optimize import plan_for, plan_from_solution, prepare
 from planner.saves import SaveOptions, cacheable, partner, segment_of
 from planner.simulate import simulate
-from planner.solve import NoSolution, encoded_peak, search, solve
+from planner.selective import save_options
+from planner.solve import NoSolution, Solution, encoded_peak, search, solve
 from planner.synthetic import all_plans, memory_model, min_peak_brute, random_profile
 
 
@@ -81,17 +82,31 @@ def gpt():
     return example, prepare(example["model"], inputs=example["inputs"], loss_fn=example["loss_fn"])
 
 
+def _forced_saves(prepared, budget):
+    """The whole-segment plan for ``budget`` with every allowed save in its segments (the solver weighs
+    SAC's dispatch cost and may choose none; correctness must hold for any saves)."""
+    memory = prepared.memory
+    chunks = solve(memory, plan_for(prepared, budget, selective=False).budget_bytes).plan
+    seg = segment_of(memory, chunks)
+    options = save_options(prepared.captured.graph_module, prepared.profile, memory)
+    saves = frozenset(o for o in options.candidates if seg[o] >= 0 and seg[partner(memory, o)] == seg[o])
+    assert saves
+    peak = simulate(memory, chunks, saves).peak_bytes
+    return plan_from_solution(prepared, Solution(plan=chunks, status="FIXED", recompute_us=0, bound_us=0,
+                                                 solve_time_s=0.0, saves=saves), peak)
+
+
 @pytest.mark.slow
-def test_gpt_selective_plan_is_exact_with_dropout(gpt, restore_buffers):
+def test_gpt_selective_plans_are_exact_with_dropout(gpt, restore_buffers):
     """Dropout in every block: gradients equal the un-checkpointed model, peaks as predicted."""
     example, prepared = gpt
     plan = plan_for(prepared, "30%", selective=True, time_limit_s=10)
     whole = plan_for(prepared, "30%", selective=False)
-    assert any(s.saved_nodes for s in plan.segments)
     assert plan.recompute_ms <= whole.recompute_ms + 1e-9  # the hint is whole's plan: never worse
-    assert "create_selective_checkpoint_contexts" not in plan.source  # via planner.sac, named in the class
-    assert "_ckplan_sac_contexts" in plan.source
-    assert_plan_is_exact(example["model"], plan, example["inputs"], example["loss_fn"], restore_buffers)
+    forced = _forced_saves(prepared, "30%")
+    assert "_ckplan_sac_contexts" in forced.source and sum(len(s.saved_nodes) for s in forced.segments) >= 8
+    for candidate in (plan, forced):
+        assert_plan_is_exact(example["model"], candidate, example["inputs"], example["loss_fn"], restore_buffers)
 
 
 def test_tower_saves_with_batchnorm_and_dropout(restore_buffers):
@@ -102,8 +117,8 @@ def test_tower_saves_with_batchnorm_and_dropout(restore_buffers):
         return out.square().mean()
 
     prepared = prepare(model, inputs=inputs, loss_fn=loss_fn)
-    plan = plan_for(prepared, "50%", selective=True)
-    assert any(s.saved_nodes for s in plan.segments) and any(s.restore_buffers for s in plan.segments)
+    plan = _forced_saves(prepared, "50%")
+    assert any(s.saved_nodes and s.restore_buffers for s in plan.segments)
     assert_plan_is_exact(model, plan, inputs, loss_fn, restore_buffers)
     # overrides: a module path glob, a pattern matching nothing, contradictory overrides
     forced = plan_for(prepared, "50%", must_recompute=["blocks.*.fc1"])
@@ -164,11 +179,14 @@ def test_cli_whole_segments_and_saves(tmp_path, monkeypatch, capsys):
     (tmp_path / "model.py").write_text(TINY)
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "path", list(sys.path))
-    for flags in ([], ["--whole-segments"]):
+    for flags in (["--whole-segments"], ["--must-recompute", "0.0"]):
         monkeypatch.delitem(sys.modules, MODEL_MODULE, raising=False)
         assert main(["model.py", "--budget", "70%", "--json", "--save", str(tmp_path / "p.json"), *flags]) == 0
-        saved = [n for s in __import__("json").loads(capsys.readouterr().out)["segments"] for n in s["saved_nodes"]]
-        assert bool(saved) == (not flags)
+        segments = __import__("json").loads(capsys.readouterr().out)["segments"]
+        if flags == ["--whole-segments"]:
+            assert segments and not any(s["saved_nodes"] for s in segments)
+        else:
+            assert any("_0_0" in s["nodes"] and "_0_0" not in s["saved_nodes"] for s in segments)
 
 
 def test_policy_saves_fresh_outputs_of_marked_nodes_and_never_random_ops():
@@ -188,3 +206,23 @@ def test_policy_saves_fresh_outputs_of_marked_nodes_and_never_random_ops():
             assert policy(None, op) is recompute, op
     finally:
         sac_mark(False)
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_sac_dispatch_cost_is_charged_and_optimal(seed):
+    """With SAC's per-op cost charged to segments that save, the optimum still equals brute force."""
+    import dataclasses
+
+    import numpy as np
+
+    model, options = _model(seed, n=7)
+    model = dataclasses.replace(model, sac_chunk_us=np.full(model.n_chunks, 150, dtype=np.int64))
+    cases = [(p, s, simulate(model, p, s)) for p, s in _plans_with_saves(model, options)]
+    for p, s, t in cases[:50]:
+        assert t.recompute_us == simulate(model, p).recompute_us - sum(int(model.node_cost_us[o]) for o in s) + (
+            150 * sum(b - a for i, (a, b) in enumerate(p) if any(segment_of(model, p)[o] == i for o in s)))
+    lowest, highest = min_peak_brute(model), simulate(model, ()).peak_bytes
+    for budget in (lowest, (lowest + highest) // 2):
+        best = min(t.recompute_us for _, _, t in cases if t.peak_bytes <= budget)
+        found = solve(model, budget, time_limit_s=20, options=options)
+        assert found.status == "OPTIMAL" and found.recompute_us == best
