@@ -3,9 +3,10 @@
     python bench/solver_scaling.py                       # writes bench/results/solver_scaling.md
     python bench/solver_scaling.py --nodes 100 2000 --budget 0.5 --time-limit 60
 
-For each size: regions + memory model build time, then each solver at the budget
-(a fraction of the un-checkpointed peak): status, recompute time found, proven
-bound, wall time.
+For each size and chunk cap: regions + memory model build time, then each solver at
+the budget (a fraction of the un-checkpointed peak): status, recompute time found,
+proven bound, wall time. More chunks give finer plans (less recompute) and a larger
+problem.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ def main() -> None:
     parser.add_argument("--nodes", nargs="+", type=int, default=[100, 500, 1000, 2000, 5000])
     parser.add_argument("--budget", type=float, default=0.5)
     parser.add_argument("--solvers", nargs="+", default=["cpsat", "rotor"])
-    parser.add_argument("--max-chunks", type=int, default=64)
+    parser.add_argument("--max-chunks", nargs="+", type=int, default=[64, 128, 256])
     parser.add_argument("--time-limit", type=float, default=60.0)
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "solver_scaling.md"))
     args = parser.parse_args()
@@ -38,18 +39,20 @@ def main() -> None:
         "# Solver scaling on transformer-shaped graphs",
         "",
         f"`python bench/solver_scaling.py --nodes {' '.join(map(str, args.nodes))} --budget {args.budget} "
-        f"--max-chunks {args.max_chunks} --time-limit {args.time_limit:g}` on {os.cpu_count()} CPU cores. "
+        f"--max-chunks {' '.join(map(str, args.max_chunks))} --time-limit {args.time_limit:g}` on {os.cpu_count()} CPU cores. "
         f"Budget: {args.budget:.0%} of the un-checkpointed peak. `planner.synthetic.transformer_profile`: "
         f"{NODES_PER_LAYER} nodes per block.",
         "",
         "| nodes | blocks | chunks | model build | solver | status | recompute | bound | gap | time |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for nodes in args.nodes:
+    for nodes, max_chunks in ((n, k) for n in args.nodes for k in args.max_chunks):
         layers = max(1, round((nodes - 2) / NODES_PER_LAYER))
         profile = transformer_profile(layers)
         started = time.perf_counter()
-        regions = find_regions(profile, max_chunks=args.max_chunks)
+        regions = find_regions(profile, max_chunks=max_chunks)
+        if max_chunks > min(args.max_chunks) and regions.n_chunks < max_chunks:
+            continue  # the graph has fewer cut positions than the cap: same row as a smaller cap
         model = build_model(profile, regions)
         build_s = time.perf_counter() - started
         budget = int(simulate(model, ()).peak_bytes * args.budget)
