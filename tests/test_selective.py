@@ -5,6 +5,7 @@ import random
 
 import pytest
 import torch
+from torch.utils.flop_counter import FlopCounterMode
 
 from conftest import assert_plan_is_exact, load_example
 from models import tower, tower_inputs
@@ -93,7 +94,7 @@ def _forced_saves(prepared, budget):
     assert saves
     peak = simulate(memory, chunks, saves).peak_bytes
     return plan_from_solution(prepared, Solution(plan=chunks, status="FIXED", recompute_us=0, bound_us=0,
-                                                 solve_time_s=0.0, saves=saves), peak)
+                                                 solve_time_s=0.0, saves=saves), peak), chunks
 
 
 @pytest.mark.slow
@@ -103,7 +104,7 @@ def test_gpt_selective_plans_are_exact_with_dropout(gpt, restore_buffers):
     plan = plan_for(prepared, "30%", selective=True, time_limit_s=10)
     whole = plan_for(prepared, "30%", selective=False)
     assert plan.recompute_ms <= whole.recompute_ms + 1e-9  # the hint is whole's plan: never worse
-    forced = _forced_saves(prepared, "30%")
+    forced, _ = _forced_saves(prepared, "30%")
     assert "_ckplan_sac_contexts" in forced.source and sum(len(s.saved_nodes) for s in forced.segments) >= 8
     for candidate in (plan, forced):
         assert_plan_is_exact(example["model"], candidate, example["inputs"], example["loss_fn"], restore_buffers)
@@ -117,9 +118,22 @@ def test_tower_saves_with_batchnorm_and_dropout(restore_buffers):
         return out.square().mean()
 
     prepared = prepare(model, inputs=inputs, loss_fn=loss_fn)
-    plan = _forced_saves(prepared, "50%")
+    plan, chunks = _forced_saves(prepared, "50%")
     assert any(s.saved_nodes and s.restore_buffers for s in plan.segments)
     assert_plan_is_exact(model, plan, inputs, loss_fn, restore_buffers)
+    # saved ops are not re-run: the same segments without saves re-run exactly the saved Linears more
+    whole = plan_from_solution(prepared, Solution(plan=chunks, status="FIXED", recompute_us=0, bound_us=0,
+                                                  solve_time_s=0.0), plan.budget_bytes)
+    flops = {}
+    for name, module in (("whole", whole.module), ("plan", plan.module)):
+        restore_buffers(model)
+        out = module(*inputs)
+        with FlopCounterMode(display=False) as counter:
+            loss_fn(out).backward()
+        flops[name] = counter.get_total_flops()
+    restore_buffers(model)
+    saved = [n for s in plan.segments for n in s.saved_nodes if n.endswith(("fc1", "fc2"))]
+    assert saved and flops["whole"] - flops["plan"] == 2 * 512 * 64 * 256 * len(saved)  # 512 rows, 64 <-> 256
     # overrides: a module path glob, a pattern matching nothing, contradictory overrides
     forced = plan_for(prepared, "50%", must_recompute=["blocks.*.fc1"])
     fc1 = {n for s in forced.segments for n in s.nodes if n.endswith("fc1")}
