@@ -74,7 +74,11 @@ def save_options(graph_module: fx.GraphModule, profile: Profile, memory: MemoryM
         ok = [i for i, nd in enumerate(profile.nodes[:memory.regions.end])
               if nd.name in by_node and not nd.mutated_buffers and cacheable(memory, i)
               and is_single_op(by_node[nd.name], root)]
-        candidates = tuple(sorted(set(_best_per_block(memory, ok, per_block)) | (save & set(ok))))
+        # a save must at least pay for SAC's dispatch cost over its own chunk (a heuristic cut: several
+        # cheap saves sharing one segment could pay together), so CP-SAT only runs when saves can win
+        worth = [o for o in ok if memory.node_cost_us[o] > (memory.sac_chunk_us[owner[o]]
+                                                           if len(memory.sac_chunk_us) else 0)]
+        candidates = tuple(sorted(set(_best_per_block(memory, worth, per_block)) | (save & set(ok))))
     return SaveOptions(candidates=candidates, must_save=frozenset(save), must_recompute=frozenset(recompute))
 
 

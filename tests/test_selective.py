@@ -1,5 +1,6 @@
 """Selective checkpointing (op-level saves inside segments): model, encoding, solver, rewrite, overrides."""
 
+import dataclasses
 import itertools
 import random
 
@@ -89,7 +90,8 @@ def _forced_saves(prepared, budget):
     memory = prepared.memory
     chunks = solve(memory, plan_for(prepared, budget, selective=False).budget_bytes).plan
     seg = segment_of(memory, chunks)
-    options = save_options(prepared.captured.graph_module, prepared.profile, memory)
+    free = dataclasses.replace(memory, sac_chunk_us=memory.sac_chunk_us * 0)  # every candidate, paying or not
+    options = save_options(prepared.captured.graph_module, prepared.profile, free)
     saves = frozenset(o for o in options.candidates if seg[o] >= 0 and seg[partner(memory, o)] == seg[o])
     assert saves
     peak = simulate(memory, chunks, saves).peak_bytes
@@ -225,8 +227,6 @@ def test_policy_saves_fresh_outputs_of_marked_nodes_and_never_random_ops():
 @pytest.mark.parametrize("seed", range(2))
 def test_sac_dispatch_cost_is_charged_and_optimal(seed):
     """With SAC's per-op cost charged to segments that save, the optimum still equals brute force."""
-    import dataclasses
-
     import numpy as np
 
     model, options = _model(seed, n=7)
