@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import runpy
 from pathlib import Path
 
@@ -9,6 +10,9 @@ import pytest
 import torch
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+if os.environ.get("PYTEST_XDIST_WORKER"):  # one worker per core: no intra-op threads competing
+    torch.set_num_threads(1)
 
 
 def load_example(name: str) -> dict:
