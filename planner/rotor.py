@@ -68,14 +68,16 @@ def rotor(model: MemoryModel, budget_bytes: int, *, time_limit_s: float = 30.0) 
     began = time.perf_counter()
     if budget_bytes < 0:
         raise NoSolution(True, "a negative budget fits no plan")
-    plan = _ChainDP(model, budget_bytes, optimistic=False).run()
+    dp = _ChainDP(model, budget_bytes, optimistic=False)
+    plan = dp.run()
+    exact = len(dp.tracked) == len(_storages(model))  # then no plan fits with less recompute
     if plan is None:
-        raise NoSolution(True, "no plan fits the budget under the chain model")
+        raise NoSolution(True, "no plan fits the budget" + ("" if exact else " under the conservative chain model"))
     timeline = simulate(model, plan)
     if timeline.peak_bytes > budget_bytes:
         raise AssertionError(f"rotor plan {plan} simulates to {timeline.peak_bytes} > budget {budget_bytes}")
-    return Solution(plan=plan, status="FEASIBLE", recompute_us=timeline.recompute_us, bound_us=0,
-                    solve_time_s=time.perf_counter() - began)
+    return Solution(plan=plan, status="OPTIMAL" if exact else "FEASIBLE", recompute_us=timeline.recompute_us,
+                    bound_us=timeline.recompute_us if exact else 0, solve_time_s=time.perf_counter() - began)
 
 
 def relaxed(model: MemoryModel, budget_bytes: int) -> tuple[ChunkPlan, int] | None:
