@@ -23,7 +23,7 @@ import gc
 import json
 import os
 import platform
-import runpy
+import importlib.util
 import statistics
 import subprocess
 import sys
@@ -37,8 +37,13 @@ EXAMPLES = ["seed_cnn", "gpt", "resnet"]
 
 
 def load(name: str):
-    ns = runpy.run_path(str(ROOT / "examples" / f"{name}.py"))
-    return ns["model"], ns["inputs"], ns["loss_fn"]
+    """The example as an importable module (``runpy`` namespaces are not: dynamo imports the module
+    of every global it meets in inlined code, which fails for ``<run_path>``)."""
+    spec = importlib.util.spec_from_file_location(f"ckplan_example_{name}", ROOT / "examples" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module.model, module.inputs, module.loss_fn
 
 
 def mib(nbytes: float) -> str:
