@@ -89,6 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="plan for one rank of a job on N ranks (docs/distributed.md; default: 1)")
     p.add_argument("--parallel", choices=["fsdp", "ddp"],
                    help="data-parallel engine the budget is per rank of (default: fsdp when --world-size > 1)")
+    p.add_argument("--max-chunks", type=_chunks, default=64, metavar="N",
+                   help="most cut positions for segments: more give finer plans, slower solves (default: 64)")
     p.add_argument("--whole-segments", action="store_true",
                    help="re-run whole segments (no op-level saves inside them; docs/selective.md)")
     p.add_argument("--must-save", action="append", default=[], metavar="PATTERN",
@@ -127,6 +129,12 @@ def _budget(text: str) -> int | str:
 def _ranks(text: str) -> int:
     if not re.fullmatch(r"\s*\d+\s*", text) or int(text) < 1:
         raise argparse.ArgumentTypeError(f"--world-size must be an integer >= 1 (the number of ranks), got {text!r}")
+    return int(text)
+
+
+def _chunks(text: str) -> int:
+    if not re.fullmatch(r"\s*\d+\s*", text) or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"--max-chunks must be an integer >= 1, got {text!r}")
     return int(text)
 
 
@@ -270,7 +278,8 @@ def _plan(args: argparse.Namespace, err: Console) -> tuple[ModelFile, Plan, cli_
             plan = optimize(found.model, args.budget, inputs=found.inputs, loss_fn=found.loss_fn,
                             time_limit_s=args.time_limit, solver=args.solver, progress=stage, profile=saved,
                             world_size=args.world_size, parallel=args.parallel, selective=not args.whole_segments,
-                            must_save=args.must_save, must_recompute=args.must_recompute)
+                            must_save=args.must_save, must_recompute=args.must_recompute,
+                            max_chunks=args.max_chunks)
         except (ValueError, TypeError) as exc:  # malformed budget or inputs, unknown solver, unmatched pattern
             raise UserError(str(exc)) from exc
         verification = None

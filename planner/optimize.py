@@ -58,6 +58,7 @@ def optimize(
     selective: bool = True,
     must_save: Sequence[str] = (),
     must_recompute: Sequence[str] = (),
+    max_chunks: int = 64,
 ) -> Plan:
     """Plans activation checkpointing so one training step of ``model`` fits ``budget``.
 
@@ -72,6 +73,8 @@ def optimize(
         time_limit_s: CP-SAT time limit; past it the best plan found is returned as FEASIBLE.
         solver: which planner chooses the segments; one of ``planner.solvers.SOLVERS``
             (``cpsat``, the default, is optimal under the cost model).
+        max_chunks: most cut positions segments may start or end at (``regions.find_regions``);
+            more give finer plans and a slower solve (docs/solver.md).
         progress: called with the name of each stage as it starts (``capture``, ``profile``,
             ``solve``, ``rewrite``), for progress displays.
         profile: a saved ``Profile`` (``planner.load_profile``) to plan from instead of profiling;
@@ -106,7 +109,8 @@ def optimize(
     parse_budget(budget, baseline_peak_bytes=1)  # reject a malformed budget before any work
     get_solver(solver)  # reject an unknown solver before any work
     prepared = prepare(model, inputs=inputs, loss_fn=loss_fn, progress=progress, profile=profile, device=device,
-                       world_size=world_size, parallel=parallel, units=units, optimizer=optimizer)
+                       world_size=world_size, parallel=parallel, units=units, optimizer=optimizer,
+                       max_chunks=max_chunks)
     return plan_for(prepared, budget, solver=solver, time_limit_s=time_limit_s, progress=progress,
                     selective=selective, must_save=must_save, must_recompute=must_recompute)
 
@@ -115,8 +119,10 @@ def prepare(model: nn.Module, *, inputs: tuple | Mapping | torch.Tensor | None =
             loss_fn: LossFn | None = None, progress: Callable[[str], None] | None = None,
             profile: Profile | None = None, device: str | torch.device | None = None,
             world_size: int = 1, parallel: str | None = None, units: Sequence[str] | None = None,
-            optimizer: str | int | None = None) -> Prepared:
+            optimizer: str | int | None = None, max_chunks: int = 64) -> Prepared:
     """Captures and profiles ``model`` once (arguments as for ``optimize``)."""
+    if isinstance(max_chunks, bool) or not isinstance(max_chunks, int) or max_chunks < 1:
+        raise ValueError(f"max_chunks must be an int >= 1 (got {max_chunks!r}); e.g. max_chunks=128 for finer plans")
     stage = progress or (lambda name: None)
     dist = setup(model, world_size=world_size, parallel=parallel, units=units, optimizer=optimizer)
     example = as_inputs(model, inputs)
@@ -126,7 +132,7 @@ def prepare(model: nn.Module, *, inputs: tuple | Mapping | torch.Tensor | None =
     stage("profile")
     measured = profile_for(captured, model, example, loss_fn=loss_fn,  # one real step node by node,
                            device=device, saved=profile)        # or a saved or estimated profile
-    regions = find_regions(measured)                            # where segments may start and end
+    regions = find_regions(measured, max_chunks=max_chunks)     # where segments may start and end
     memory = build_model(measured, regions,                     # the cost model the solver optimises
                          offset=dist and memory_offset(measured, dist),  # one rank's share of the job
                          sac_node_us=dispatch_overhead_us())    # what selective checkpointing adds per op

@@ -66,3 +66,34 @@ def test_transformer_graph_is_proven_optimal_by_the_dps():
     budget = simulate(model, ()).peak_bytes // 2
     found, (_, lower) = rotor(model, budget), relaxed(model, budget)
     assert found.recompute_us == lower
+
+
+def test_more_chunks_never_cost_more_recompute_and_stay_exact(restore_buffers):
+    """``max_chunks`` widens the plan space (the cut ranking is fixed, a higher cap adds positions):
+    the optimum can only get cheaper, and the finer plan is still exact when measured."""
+    from conftest import assert_plan_is_exact
+    from models import tower, tower_inputs
+    from planner import plan_for, prepare
+
+    model, inputs = tower(), tower_inputs()
+    loss_fn = lambda out: out.square().mean()  # noqa: E731
+    coarse = prepare(model, inputs=inputs, loss_fn=loss_fn, max_chunks=4)
+    fine = prepare(model, inputs=inputs, loss_fn=loss_fn, max_chunks=64)
+    assert coarse.regions.n_chunks <= 4 < fine.regions.n_chunks
+    budget = fine.baseline.peak_bytes * 6 // 10
+    few, many = (plan_for(p, budget, selective=False) for p in (coarse, fine))
+    assert many.recompute_ms <= few.recompute_ms and many.solver_status == "OPTIMAL"
+    assert_plan_is_exact(model, many, inputs, loss_fn, restore_buffers)
+    with pytest.raises(ValueError, match="max_chunks must be an int >= 1"):
+        prepare(model, inputs=inputs, max_chunks=0)
+
+
+def test_cli_rejects_a_bad_chunk_cap_in_one_line():
+    import subprocess
+    import sys
+    from pathlib import Path
+    example = Path(__file__).resolve().parent.parent / "examples" / "seed_cnn.py"
+    bad = subprocess.run([sys.executable, "-m", "planner", str(example), "--max-chunks", "0"], capture_output=True,
+                         text=True, timeout=120)
+    assert bad.returncode == 2 and "--max-chunks must be an integer >= 1" in bad.stderr
+    assert "Traceback" not in bad.stderr
