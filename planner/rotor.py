@@ -70,7 +70,7 @@ def rotor(model: MemoryModel, budget_bytes: int, *, time_limit_s: float = 30.0) 
         raise NoSolution(True, "a negative budget fits no plan")
     dp = _ChainDP(model, budget_bytes, optimistic=False)
     plan = dp.run()
-    exact = len(dp.tracked) == len(_storages(model))  # then no plan fits with less recompute
+    exact = dp.exact  # then no plan fits with less recompute
     if plan is None:
         raise NoSolution(True, "no plan fits the budget" + ("" if exact else " under the conservative chain model"))
     timeline = simulate(model, plan)
@@ -111,7 +111,7 @@ def smallest_peak(model: MemoryModel) -> tuple[ChunkPlan, bool]:
             lo = mid + 1
         else:
             best, hi = plan, simulate(model, plan).peak_bytes
-    return best, len(dp.tracked) == len(_storages(model))
+    return best, dp.exact
 
 
 def _storages(model: MemoryModel) -> dict[int, _Storage]:
@@ -136,6 +136,7 @@ class _ChainDP:
         n, regions = model.n_nodes, model.regions
         self.edges = [*regions.starts, regions.end]
         tracked = _storages(model)
+        every = len(tracked)
         opened = _open_sets(tracked, self.edges)
         while max(map(len, opened), default=0) > MAX_OPEN:  # untrack the longest-lived storage
             widest = max((s for c in opened if len(c) > MAX_OPEN for s in c),
@@ -143,6 +144,7 @@ class _ChainDP:
             del tracked[widest]
             opened = _open_sets(tracked, self.edges)
         self.tracked, self.opened = tracked, opened
+        self.exact = len(tracked) == every  # then both readings are the cost model itself
         self.open_pos = [{s: i for i, s in enumerate(c)} for c in opened]
         self.made_in = [[s for s, st in tracked.items() if st.chunk == k] for k in range(model.n_chunks)]
         fixed = model.size * model.always_kept
@@ -234,12 +236,16 @@ class _ChainDP:
     def _guesses(self, a: int, b: int, ckpt: bool) -> int:
         return sum(self.tracked[s].status(b, ckpt) == GUESS for s in self._made(a, b, ckpt))
 
+    def _tail(self, *, closing: bool) -> int:
+        """Bytes after the last chunk (the loss, the output's backward), M excluded; with
+        ``closing``, plus the storages still open at the end counted as kept."""
+        m, end = self.m, self.m.regions.end
+        tail = max(int(self.const_fwd[end:].max(initial=0)), int(self.const_bwd[end:][m.has_bwd[end:]].max(initial=0)))
+        return tail + (sum(self.tracked[s].size for s in self.opened[m.n_chunks]) if closing else 0)
+
     def run(self) -> ChunkPlan | None:
-        m, K = self.m, self.m.n_chunks
-        tail = max(int(self.const_fwd[m.regions.end:].max(initial=0)),
-                   int(self.const_bwd[m.regions.end:][m.has_bwd[m.regions.end:]].max(initial=0)))
-        closing = sum(self.tracked[s].size for s in self.opened[K]) if not self.optimistic else 0
-        end = _Step.upto(self.budget - tail - closing, 0)
+        K = self.m.n_chunks
+        end = _Step.upto(self.budget - self._tail(closing=not self.optimistic), 0)
         self.value: list[dict[int, _Step]] = [{} for _ in range(K)] + [
             {mask: end for mask in range(1 << len(self.opened[K]))}]
         for a in range(K - 1, -1, -1):
@@ -257,7 +263,7 @@ class _ChainDP:
 
     def _moves(self, a: int, mask: int):
         """Every piece starting at chunk a allowed by the flags ``mask``: (cost, worst bytes, bytes
-        closed into M, end chunk, flags at the end, (end, checkpointed))."""
+        closed into M, end chunk, flags at the end, checkpointed)."""
         m = self.m
         pieces = [(a + 1, False)] + [(b, True) for b in range(a + 1, m.n_chunks + 1) if all(m.regions.checkpointable[a:b])]
         for b, ckpt in pieces:
@@ -267,29 +273,27 @@ class _ChainDP:
                 if result is None:
                     break  # the flags at a rule this piece out, whatever the guesses
                 worst, added, out = result
-                yield cost, worst, added, b, out, (b, ckpt)
+                yield cost, worst, added, b, out, ckpt
 
     def fits(self, budget: int) -> ChunkPlan | None:
         """Some plan whose peak is at most ``budget`` (<= the DP's own budget), or None."""
-        m, K = self.m, self.m.n_chunks
-        tail = max(int(self.const_fwd[m.regions.end:].max(initial=0)),
-                   int(self.const_bwd[m.regions.end:][m.has_bwd[m.regions.end:]].max(initial=0)))
+        K = self.m.n_chunks
         reach: list[dict[int, tuple[int, tuple]]] = [{} for _ in range(K + 1)]
         reach[0][0] = (0, ())
         for a in range(K):
             for mask, (kept, plan) in reach[a].items():
-                for _, worst, added, b, out, (_, ckpt) in self._moves(a, mask):
+                for _, worst, added, b, out, ckpt in self._moves(a, mask):
                     if kept + worst <= budget and kept + added < reach[b].get(out, (INF,))[0]:
                         reach[b][out] = (kept + added, plan + ((a, b),) if ckpt else plan)
-        closing = sum(self.tracked[s].size for s in self.opened[K])
-        done = [plan for kept, plan in reach[K].values() if kept + tail + closing <= budget]
+        tail = self._tail(closing=True)
+        done = [plan for kept, plan in reach[K].values() if kept + tail <= budget]
         return done[0] if done else None
 
     def _walk(self) -> ChunkPlan:
         plan, a, mask, kept = [], 0, 0, 0
         while a < self.m.n_chunks:
             target = self.value[a][mask].at(kept)
-            for cost, worst, added, b, out, (_, ckpt) in self._moves(a, mask):
+            for cost, worst, added, b, out, ckpt in self._moves(a, mask):
                 if kept + worst <= self.budget and cost + self.value[b][out].at(kept + added) == target:
                     break
             else:
