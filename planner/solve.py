@@ -249,64 +249,61 @@ def solve(model: MemoryModel, budget_bytes: int, *, time_limit_s: float = 30.0, 
     Raises:
         NoSolution: infeasible (proven), or no plan found within the time limit.
     """
-    from planner.rotor import relaxed, rotor  # the DPs import this module's result types
-
     if options is not None and not options.trivial:
         return _solve_with_options(model, budget_bytes, time_limit_s=time_limit_s, workers=workers,
                                    dump_path=dump_path, options=options)
     began = time.perf_counter()
-    lower = relaxed(model, budget_bytes)
-    if lower is None:
+    best, bound = _best_whole_segment(model, budget_bytes)
+    if bound is None:
         raise NoSolution(True, "no plan fits the budget (not even a relaxation of the cost model)")
-    lower_plan, bound = lower
-    if simulate(model, lower_plan).peak_bytes <= budget_bytes:
-        return Solution(plan=lower_plan, status="OPTIMAL", recompute_us=bound, bound_us=bound,
-                        solve_time_s=time.perf_counter() - began)
-    try:
-        warm = rotor(model, budget_bytes, time_limit_s=time_limit_s)
-    except NoSolution:
-        warm = None
-    if warm is not None and warm.recompute_us <= bound:
-        return replace(warm, status="OPTIMAL", bound_us=bound, solve_time_s=time.perf_counter() - began)
+    if best is not None and best.status == "OPTIMAL":
+        return replace(best, solve_time_s=time.perf_counter() - began)
     left = max(1.0, time_limit_s - (time.perf_counter() - began))
     try:
-        found = search(model, budget_bytes, hint=warm.plan if warm else None, time_limit_s=left, workers=workers,
+        found = search(model, budget_bytes, hint=best.plan if best else None, time_limit_s=left, workers=workers,
                        dump_path=dump_path)
     except NoSolution as exc:
-        if exc.infeasible or warm is None:
+        if exc.infeasible or best is None:
             raise
-        found = replace(warm, status="FEASIBLE")
+        found = replace(best, status="FEASIBLE")
     return replace(found, bound_us=max(bound, found.bound_us), solve_time_s=time.perf_counter() - began)
+
+
+def _best_whole_segment(model: MemoryModel, budget_bytes: int) -> tuple[Solution | None, int | None]:
+    """The DPs' best whole-segment plan (OPTIMAL when the relaxation's plan fits or Rotor's meets its
+    bound) and the relaxation's lower bound; no bound when not even the relaxation fits."""
+    from planner.rotor import relaxed, rotor  # the DPs import this module's result types
+
+    lower = relaxed(model, budget_bytes)
+    if lower is None:
+        return None, None
+    plan, bound = lower
+    if simulate(model, plan).peak_bytes <= budget_bytes:
+        return Solution(plan=plan, status="OPTIMAL", recompute_us=bound, bound_us=bound, solve_time_s=0.0), bound
+    try:
+        warm = rotor(model, budget_bytes)
+    except NoSolution:
+        return None, bound
+    return (replace(warm, status="OPTIMAL", bound_us=bound) if warm.recompute_us <= bound else warm), bound
 
 
 def _solve_with_options(model: MemoryModel, budget_bytes: int, *, time_limit_s: float, workers: int | None,
                         dump_path: str | None, options: SaveOptions) -> Solution:
     """CP-SAT with saves or overrides, from the best whole-segment plan the DPs give as a hint (the
     relaxation's when it fits, else Rotor's); without overrides that plan is also the fallback."""
-    from planner.rotor import relaxed, rotor
-
     began = time.perf_counter()
-    lower = relaxed(model, budget_bytes)
-    hint = lower[0] if lower is not None and simulate(model, lower[0]).peak_bytes <= budget_bytes else None
-    if hint is None:
-        try:
-            hint = rotor(model, budget_bytes, time_limit_s=time_limit_s).plan
-        except NoSolution:
-            hint = None
+    best, _ = _best_whole_segment(model, budget_bytes)
+    overrides = bool(options.must_save or options.must_recompute)
     left = max(1.0, time_limit_s - (time.perf_counter() - began))
     try:
-        found = search(model, budget_bytes, hint=hint, time_limit_s=left, workers=workers, dump_path=dump_path,
-                       options=options)
+        found = search(model, budget_bytes, hint=best.plan if best else None, time_limit_s=left, workers=workers,
+                       dump_path=dump_path, options=options)
     except NoSolution as exc:
-        if exc.infeasible or hint is None or options.must_save or options.must_recompute:
+        if exc.infeasible or best is None or overrides:
             raise
-        found = Solution(plan=hint, status="FEASIBLE", recompute_us=simulate(model, hint).recompute_us,
-                         bound_us=0, solve_time_s=0.0)
-    if hint is not None and not (options.must_save or options.must_recompute):
-        whole = simulate(model, hint)
-        if whole.peak_bytes <= budget_bytes and whole.recompute_us < found.recompute_us:
-            found = Solution(plan=hint, status="FEASIBLE", recompute_us=whole.recompute_us, bound_us=found.bound_us,
-                             solve_time_s=0.0)
+        found = replace(best, status="FEASIBLE", bound_us=0)
+    if best is not None and not overrides and best.recompute_us < found.recompute_us:
+        found = replace(best, status="FEASIBLE", bound_us=found.bound_us)
     return replace(found, solve_time_s=time.perf_counter() - began)
 
 
