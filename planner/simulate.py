@@ -27,10 +27,8 @@ import numpy as np
 
 from planner.costs import Profile
 from planner.regions import Regions
-from planner.saves import Saves, bump_relief, check_saves, kept_by_saves, rerun_parts, sac_cost_us, saved_cost_us
-
-NEVER = np.iinfo(np.int64).max // 4
-"""Release index of a storage nobody saves."""
+from planner.saves import (NEVER, Saves, bump_relief, check_saves, kept_by_saves, rerun_parts, sac_cost_us,
+                           saved_cost_us)
 
 ChunkPlan = tuple[tuple[int, int], ...]
 """Checkpointed segments as ``(first_chunk, stop_chunk)`` pairs, in order."""
@@ -261,10 +259,11 @@ def simulate(model: MemoryModel, plan: ChunkPlan, saves: Saves = frozenset()) ->
     saves = frozenset(int(o) for o in saves)
     check_saves(model, plan, saves)
     n = model.n_nodes
-    kept = kept_storages(model, plan) | kept_by_saves(model, saves)
+    cached, release = kept_by_saves(model, saves)
+    kept = kept_storages(model, plan) | cached
     weight = model.size * kept
     fwd = model.const_fwd + prefix_by(model.last_use + 1, weight * ~model.fwd_fixed, n)
-    kept_bwd = prefix_by(model.release, weight, n)
+    kept_bwd = prefix_by(release, weight, n)
     own_kept = np.array([int(weight[list(own)].sum()) if own else 0 for own in model.own_saved], dtype=np.int64)
     recomputed = _recomputed(model, plan) - bump_relief(model, plan, saves)
     bwd = np.where(model.has_bwd, model.const_bwd + kept_bwd - own_kept + recomputed, -1)
@@ -280,7 +279,7 @@ def simulate(model: MemoryModel, plan: ChunkPlan, saves: Saves = frozenset()) ->
         live_kept, bump = int(prefix_by(model.last_use + 1, weight * ~model.fwd_fixed, n)[node]), 0
     else:
         phase, node, peak = "backward", int(bwd.argmax()), bwd_peak
-        alive = kept & (model.release <= node)
+        alive = kept & (release <= node)
         live_kept, bump = int(kept_bwd[node]), int(recomputed[node])
     largest = sorted(np.flatnonzero(alive & (model.size > 0)), key=lambda s: -model.size[s])[:3]
     cost = sum(int(model.chunk_cost_us[first:stop].sum()) + model.segment_cost_us for first, stop in plan)

@@ -16,8 +16,8 @@ from ortools.sat.python import cp_model
 from planner.saves import SaveOptions
 from planner.simulate import (ChunkPlan, MemoryModel, prefix_by, recomputed_from, rerun_bytes, rerun_chunk,
                               simulate)
-from planner.solve_selective import (add_saves, objective_relief, relief_terms, rerun_limits, sac_overhead,
-                                     same_segment)
+from planner.solve_selective import (add_saves, cache_items, dropped_terms, objective_relief, relief_terms,
+                                     rerun_limits, sac_overhead, same_segment)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -52,6 +52,7 @@ class _Vars:
     save: dict = None     # save[o]: node o's outputs are cached by selective checkpointing, not re-run
     same: dict = None     # same[o, k]: o is saved and chunk k is in its segment
     sac: object = 0       # time SAC's dispatch modes add to segments with saves (objective term)
+    cache: list = None    # (storage, release, save[o]): cached storages nobody saves, kept until the re-run
 
 
 def build(model: MemoryModel, *, budget_bytes: int | None,
@@ -106,7 +107,8 @@ def build(model: MemoryModel, *, budget_bytes: int | None,
         cp.add_bool_or(reasons).only_enforce_if(var)
         kept[int(s)] = var
     variables = _Vars(segment=segment, covers=covers, ckpt=ckpt, kept=kept, save=save,
-                      same=same_segment(cp, model, save, covers), sac=sac_overhead(cp, model, save, covers))
+                      same=same_segment(cp, model, save, covers), sac=sac_overhead(cp, model, save, covers),
+                      cache=cache_items(model, save))
     peak = cp.new_int_var(0, _upper_bound(model), "peak") if budget_bytes is None else None
     limit = peak if peak is not None else budget_bytes
     _add_forward_limits(cp, model, variables, limit)
@@ -139,20 +141,24 @@ def _add_forward_limits(cp, model: MemoryModel, variables: _Vars, limit) -> None
     # The kept prefix only grows with t, so a limit is implied by any later one with a larger constant.
     later_max = np.maximum.accumulate(const[::-1])[::-1]
     times = [t for t in range(n) if t == n - 1 or const[t] > later_max[t + 1]]
-    kept_at = _kept_prefix(cp, model, variables, model.last_use + 1, times, "fwd_kept", skip=model.fwd_fixed)
+    kept_at = _kept_prefix(cp, model, variables, model.last_use + 1, times, "fwd_kept", skip=model.fwd_fixed,
+                           cache=[(int(model.last_use[s]) + 1, s, var) for s, _, var in variables.cache or ()])
     for t in times:
         _add_limit(cp, kept_at[t] + int(const[t]), limit)
 
 
 def _kept_prefix(cp, model: MemoryModel, variables: _Vars, when: np.ndarray, times: list[int], name: str,
-                 skip: np.ndarray | None = None) -> dict:
+                 skip: np.ndarray | None = None, cache: list = ()) -> dict:
     """``t -> sum(size[s] * kept[s] for when[s] <= t)`` for each t in ``times`` (storages with
-    ``skip[s]`` left out), as chained variables."""
+    ``skip[s]`` left out), plus ``size[s] * var`` for each ``(when, s, var)`` of ``cache``, as chained
+    variables."""
     pending: dict[int, list] = {}
     for s, var in variables.kept.items():
         if skip is None or not skip[s]:
             pending.setdefault(int(when[s]), []).append((int(model.size[s]), var))
-    total = int(sum(int(model.size[s]) for s in variables.kept))
+    for at, s, var in cache:
+        pending.setdefault(int(at), []).append((int(model.size[s]), var))
+    total = int(sum(int(model.size[s]) for s in variables.kept) + sum(int(model.size[s]) for _, s, _ in cache))
     out: dict[int, object] = {}
     running, ready = 0, sorted(pending)
     i = 0
@@ -182,14 +188,17 @@ def _add_backward_limits(cp, model: MemoryModel, variables: _Vars, limit) -> Non
     reruns = [(var, last) for (a, b), var in variables.segment.items()
               if (last := rerun_chunk(model, a, b)) is not None]
     kept_at = _kept_prefix(cp, model, variables, model.release,
-                           times + [int(model.recompute_at[last]) for _, last in reruns], "bwd_kept")
+                           times + [int(model.recompute_at[last]) for _, last in reruns], "bwd_kept",
+                           cache=[(at, s, var) for s, at, var in variables.cache or ()])
+    dropped = dropped_terms(model, variables.same) if variables.same else {}
     for t in times:
         k = owner[t]
         bump = sum(int(recomputed[a, t]) * variables.covers[a, k]
                    for a in range(k + 1) if (a, k) in variables.covers and recomputed[a, t]) if k >= 0 else 0
         # what t itself saves is in the measured constant at t, not in the kept prefix
         own = sum(int(model.size[x]) * variables.kept[x] for x in model.own_saved[t] if x in variables.kept)
-        relief = sum(relief_terms(model, variables.same, t, k)) if k >= 0 and variables.same else 0
+        relief = sum(relief_terms(model, variables.same, t, k)) + sum(dropped.get(t, ())) if k >= 0 and variables.same \
+            else 0
         _add_limit(cp, kept_at[t] - own + int(const[t] - own_fixed[t]) + bump - relief, limit)
     # Re-run of segment [a, b): just before the backward of its last saving node t.
     extra = const - model.const_bwd  # always-kept storages released by t

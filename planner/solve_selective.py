@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from planner.saves import SaveOptions, cached, partner, relief_at, rerun_parts
+from planner.saves import NEVER, SaveOptions, cached, dropped_at, pack_chunks, partner, relief_at, rerun_parts, until_rerun
 from planner.simulate import MemoryModel
 
 
@@ -37,11 +37,24 @@ def add_saves(cp, model: MemoryModel, options: SaveOptions, ckpt: list, covers: 
         cp.add(ckpt[owner[o]] == 1)
         if o in save:
             cp.add(save[o] == 0)
+    for o, var in save.items():  # no later segment holds a storage only SAC's cache keeps (planner.saves)
+        for s in until_rerun(model, o):
+            for w in model.consumer_chunks[s]:
+                for a in range(owner[o] + 1, w + 1):
+                    if (a, w) in covers:
+                        cp.add_implication(var, covers[a, w].Not())
     reasons: dict[int, list] = {}
     for o, var in save.items():
         for s in cached(model, o):
-            reasons.setdefault(int(s), []).append(var)
+            if model.first_saver[s] < NEVER:
+                reasons.setdefault(int(s), []).append(var)
     return save, reasons
+
+
+def cache_items(model: MemoryModel, save: dict) -> list[tuple[int, int, object]]:
+    """``(storage, release, save[o])`` for the cached storages nobody saves: kept from their production
+    until the re-run of o's segment, counted from ``release = o + 1`` (``planner.saves.dropped_at``)."""
+    return [(int(s), o + 1, var) for o, var in save.items() for s in until_rerun(model, o)]
 
 
 def same_segment(cp, model: MemoryModel, save: dict, covers: dict) -> dict:
@@ -57,7 +70,8 @@ def same_segment(cp, model: MemoryModel, save: dict, covers: dict) -> dict:
             if not same:
                 break
             lo, hi = model.regions.bounds(k)
-            if not any(relief_at(model, o, t) for t in range(lo, hi)):
+            if not (dropped_at(model, o) and model.recompute_at[k] >= 0) and not any(
+                    relief_at(model, o, t) for t in range(lo, hi)):
                 continue
             x = cp.new_bool_var(f"same_segment[{o},{k}]")
             cp.add(x <= var)
@@ -76,6 +90,23 @@ def relief_terms(model: MemoryModel, same: dict, t: int, k: int) -> list:
             if b:
                 terms.append(b * x)
     return terms
+
+
+def dropped_terms(model: MemoryModel, same: dict) -> dict[int, list]:
+    """Per backward node t: terms ``bytes * x`` for the cached storages nobody saves that are gone at t
+    (t after o, and o's segment re-runs past t: it covers ``pack_chunk(t)``)."""
+    owner, pack = model.regions.chunk_of(), pack_chunks(model)
+    out: dict[int, list] = {}
+    for (o, k), _ in same.items():
+        b = dropped_at(model, o)
+        if k != owner[o] or not b:
+            continue
+        for t in range(o + 1, model.regions.end):
+            if pack[t] < 0 or (o, int(pack[t])) not in same:
+                break
+            if model.has_bwd[t]:
+                out.setdefault(t, []).append(b * same[o, int(pack[t])])
+    return out
 
 
 def rerun_limits(model: MemoryModel, a: int, last: int, b: int, save: dict) -> list[tuple[int, dict]]:

@@ -12,7 +12,7 @@ from conftest import assert_plan_is_exact, load_example
 from models import tower, tower_inputs
 from planner import InfeasibleBudget
 from planner.optimize import plan_for, plan_from_solution, prepare
-from planner.saves import SaveOptions, cacheable, partner, segment_of
+from planner.saves import SaveOptions, cacheable, check_saves, partner, segment_of
 from planner.simulate import simulate
 from planner.selective import save_options
 from planner.solve import NoSolution, Solution, encoded_peak, search, solve
@@ -30,6 +30,10 @@ def _plans_with_saves(model, options):
         inside = [o for o in options.candidates if seg[o] >= 0 and seg[partner(model, o)] == seg[o]]
         for k in range(len(inside) + 1):
             for saves in itertools.combinations(inside, k):
+                try:  # a later segment may read a storage only SAC's cache holds
+                    check_saves(model, plan, frozenset(saves))
+                except ValueError:
+                    continue
                 yield plan, frozenset(saves)
 
 
