@@ -26,7 +26,7 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from planner.capture import EXPORT, SCOPE_KEY, Captured, shallow_clone, trace
-from planner.sac import sac_contexts, sac_mark
+from planner.sac import compiled_sac_contexts, sac_contexts, sac_mark, trace_marks_into_graphs
 
 SEGMENT_PREFIX = "_ckplan_segment_"
 CONTEXT_PREFIX = "_ckplan_context_"
@@ -37,7 +37,8 @@ def _recompute_all(ctx, op, *args, **kwargs) -> CheckpointPolicy:
 
 
 COMPILED_CONTEXT = functools.partial(create_selective_checkpoint_contexts, _recompute_all)
-"""A segment's ``context_fn`` under torch.compile: what a plain checkpoint gets there (recompute all)."""
+"""``context_fn`` under torch.compile of a segment without saves: what a plain checkpoint gets there
+(recompute all). Segments with saves get ``planner.sac.compiled_sac_contexts``."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -83,6 +84,8 @@ def rewrite(model: nn.Module, captured: Captured, segments: Sequence[SegmentSpec
     """
     if not segments:
         return Rewritten(module=shallow_clone(model), source="# empty plan: the model's own forward runs\n")
+    if any(seg.saved_nodes for seg in segments):
+        trace_marks_into_graphs()  # so that torch.compile(planned) applies the saves too
     flat = [n for n in captured.graph_module.graph.nodes if n.op not in ("placeholder", "output")]
     position = {n.name: i for i, n in enumerate(flat)}
     ranges = []
@@ -279,7 +282,7 @@ def _generate(base: type, name: str, main: fx.Graph, pieces: list[fx.Graph],
     """Python source of the planned class ``name`` and the globals it needs."""
     namespace: dict = {"_ckplan_base": base, "torch": torch, "contextlib": contextlib,
                        "_ckplan_restore_buffers": restore_buffers, "_ckplan_compiled_context": COMPILED_CONTEXT,
-                       "_ckplan_sac_contexts": sac_contexts}
+                       "_ckplan_sac_contexts": sac_contexts, "_ckplan_compiled_sac_contexts": compiled_sac_contexts}
     body = [_method(main, "forward", namespace, guard=guard)]
     for g, piece in enumerate(pieces):
         body.append(_method(piece, f"{SEGMENT_PREFIX}{g}", namespace))
@@ -289,7 +292,7 @@ def _generate(base: type, name: str, main: fx.Graph, pieces: list[fx.Graph],
                 f"def {CONTEXT_PREFIX}{g}(self):\n"
                 f"    # selective checkpointing: keep the outputs of {len(segments[g].saved_nodes)} node(s), re-run the rest\n"
                 f"    if torch.compiler.is_compiling():\n"
-                f"        return _ckplan_compiled_context\n"
+                f"        return _ckplan_compiled_sac_contexts\n"
                 f"    return lambda: _ckplan_sac_contexts(self, {segments[g].restore_buffers!r}, "
                 f"_ckplan_restore_buffers)\n"
             )

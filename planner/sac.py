@@ -7,6 +7,13 @@ no ATen ops), and the policy returns ``MUST_SAVE`` for the ops that run inside a
 new memory, ``PREFER_RECOMPUTE`` for everything else. The forward and the re-run execute the same
 code, so the brackets mark the same ops in both.
 
+Under ``torch.compile`` the same brackets and the same policy decide. ``sac_mark`` is registered with
+``torch.compiler.allow_in_graph`` (``trace_marks_into_graphs``), so dynamo writes each call into the
+checkpointed body graph in order instead of dropping the thread-local store; AOTAutograd runs that
+body with the policy's dispatch mode (``compiled_sac_contexts``), the calls set the flag between the
+same ops as in eager, and the policy's answer becomes each traced node's ``meta["recompute"]``, which
+the partitioner obeys (MUST_SAVE outputs are kept for backward, the rest of the segment re-run).
+
 Random ops (ATen tag ``nondeterministic_seeded``: dropout, bernoulli, rand...) are never saved: they
 are always re-run, in their original order, from the RNG state checkpoint restores, so each draws
 the numbers it drew in forward. A saved random op would be skipped by the re-run and shift the
@@ -53,6 +60,16 @@ def sac_mark(saving: bool) -> None:
     _state.saving = saving
 
 
+@functools.cache
+def trace_marks_into_graphs() -> None:
+    """Has dynamo keep ``sac_mark`` calls in its graphs (called once by the rewriter for a plan with
+    saves; importing ``torch._dynamo`` costs ~1 s, so not at import). Without it dynamo treats the
+    thread-local store as a side effect outside the graph, AOTAutograd never sees the brackets and
+    every op of the segment is recomputed."""
+    torch.compiler.allow_in_graph(sac_mark)
+    torch.fx.node.has_side_effect(sac_mark)  # no outputs: dead-code elimination must keep it
+
+
 def is_random(op) -> bool:
     """An ATen op that draws random numbers."""
     return torch.Tag.nondeterministic_seeded in getattr(op, "tags", ())
@@ -87,3 +104,11 @@ def sac_contexts(module: nn.Module, restore: Sequence[str], restore_buffers) -> 
         # the segment's own ops
         recompute = _both(restore_buffers(module, restore), recompute)
     return forward, recompute
+
+
+def compiled_sac_contexts() -> tuple:
+    """``context_fn`` of a segment with saves under torch.compile (which takes plain functions only):
+    the same policy. BatchNorm buffers need no restoring there: compiled code applies buffer updates
+    once, whatever it recomputes."""
+    _state.saving = False
+    return create_selective_checkpoint_contexts(policy)

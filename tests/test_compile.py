@@ -3,17 +3,30 @@
 Dropout is off: inductor draws its own random numbers, so masks differ from eager with or
 without a plan. BatchNorm is on: segments that restore its statistics after recomputation must
 compile too (torch.compile takes only plain functions as ``context_fn``) and update them once.
+A selective plan's saves apply under compile too: the saved matmuls are kept, not re-run.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import importlib.util
+import sys
+from collections import Counter
+from pathlib import Path
+
 import pytest
 import torch
 from torch._dynamo.utils import counters
-from torch._inductor.compile_fx import compile_fx
+from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+from torch.utils.checkpoint import CheckpointPolicy
 
 from models import Tower
 from planner import optimize
+from planner.optimize import plan_for, plan_from_solution, prepare
+from planner.saves import partner, segment_of
+from planner.selective import save_options
+from planner.simulate import simulate
+from planner.solve import Solution, solve
 
 pytestmark = pytest.mark.slow  # inductor compiles C++: ~10 s per model on 2 cores
 
@@ -27,11 +40,11 @@ def _tower() -> Tower:
     return model
 
 
-def _step(module, model, x):
+def _step(module, model, x, loss_fn=lambda out: out.square().mean()):
     """Loss, every gradient and every buffer after one step of ``module`` (sharing ``model``'s state)."""
     for p in model.parameters():
         p.grad = None
-    loss = module(x).square().mean()
+    loss = loss_fn(module(x))
     loss.backward()
     return (loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()},
             {n: b.clone() for n, b in model.named_buffers()})
@@ -63,3 +76,88 @@ def test_compiled_plan_trains_like_the_eager_plan(kwargs):
         torch.testing.assert_close(compiled[1][name], eager[1][name], rtol=1e-5, atol=1e-6, msg=name)
     for name in eager[2]:  # BatchNorm statistics updated once, as in eager
         torch.testing.assert_close(compiled[2][name], eager[2][name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+MATMULS = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default)
+
+
+def _gpt(layers: int):
+    """The GPT example cut to ``layers`` blocks (inductor compiles ~10 s per block here), dropout off,
+    loaded as an importable module (dynamo imports the module of every global it meets in inlined
+    code, which fails for a ``runpy`` namespace)."""
+    path = Path(__file__).resolve().parent.parent / "examples" / "gpt.py"
+    spec = importlib.util.spec_from_file_location("ckplan_example_gpt", path)
+    example = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = example
+    spec.loader.exec_module(example)
+    example.LAYERS = layers
+    torch.manual_seed(0)
+    model = example.GPT()
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    return model, example.inputs, example.loss_fn
+
+
+def _with_every_save(prepared, budget):
+    """The whole-segment plan for ``budget`` with every save its segments allow (each candidate whose
+    partner shares its segment, kept when the memory model accepts it next to the ones before)."""
+    memory = prepared.memory
+    chunks = solve(memory, plan_for(prepared, budget, selective=False).budget_bytes).plan
+    seg = segment_of(memory, chunks)
+    free = dataclasses.replace(memory, sac_chunk_us=memory.sac_chunk_us * 0)  # every candidate, paying or not
+    saves: frozenset = frozenset()
+    for o in save_options(prepared.captured.graph_module, prepared.profile, free).candidates:
+        if seg[o] >= 0 and seg[partner(memory, o)] == seg[o]:
+            try:
+                simulate(memory, chunks, saves | {o})
+            except ValueError:
+                continue
+            saves |= {o}
+    peak = simulate(memory, chunks, saves).peak_bytes
+    return plan_from_solution(prepared, Solution(plan=chunks, status="FIXED", recompute_us=0, bound_us=0,
+                                                 solve_time_s=0.0, saves=saves), peak)
+
+
+def test_compiled_selective_plan_keeps_its_saves():
+    """GPT (4 blocks) at 50% with every allowed save: compiled, the loss and every gradient equal the
+    un-checkpointed model's; the forward tags exactly the saved Linears' matmuls MUST_SAVE, and the
+    backward re-runs none of them (while it re-runs other matmuls: the segments are still checkpointed).
+    Whether a kept output is handed to backward is the partitioner's call: only when backward needs it."""
+    model, inputs, loss_fn = _gpt(layers=4)
+    prepared = prepare(model, inputs=inputs, loss_fn=loss_fn)
+    plan = _with_every_save(prepared, "50%")
+    modules = dict(model.named_modules())
+    graph = prepared.captured.graph_module.graph
+    saved = {n for s in plan.segments for n in s.saved_nodes}
+    linears = [n for n in graph.nodes if n.name in saved and n.op == "call_module"
+               and isinstance(modules[n.target], torch.nn.Linear)]
+    assert "_ckplan_compiled_sac_contexts" in plan.source and len(linears) >= 4
+    partitioned = {}
+
+    def inner(gm, example_inputs, **kwargs):  # inductor, recording the partitioned forward and backward
+        partitioned["backward" if kwargs.get("is_backward") else "forward"] = gm
+        return compile_fx_inner(gm, example_inputs, **kwargs)
+
+    dynamo_graphs = []
+
+    def inductor(gm, example_inputs):
+        dynamo_graphs.append(gm)
+        return compile_fx(gm, example_inputs, inner_compile=inner)
+
+    counters.clear()
+    expected = _step(model, model, *inputs, loss_fn=loss_fn)
+    compiled = _step(torch.compile(plan.module, backend=inductor), model, *inputs, loss_fn=loss_fn)
+    assert not counters["graph_break"] and len(dynamo_graphs) == 1
+    torch.testing.assert_close(compiled[0], expected[0], rtol=1e-4, atol=1e-5)
+    for name in expected[1]:
+        torch.testing.assert_close(compiled[1][name], expected[1][name], rtol=1e-4, atol=1e-5, msg=name)
+
+    def matmuls(gm, policy):
+        return [n for n in gm.graph.nodes if n.target in MATMULS and n.meta.get("recompute") is policy]
+
+    forward, backward = partitioned["forward"], partitioned["backward"]
+    kept = matmuls(forward, CheckpointPolicy.MUST_SAVE)
+    assert len(kept) == len(linears)  # one addmm per saved Linear, as in eager
+    assert not matmuls(backward, CheckpointPolicy.MUST_SAVE)  # a re-run copy would carry the tag
+    assert matmuls(backward, CheckpointPolicy.PREFER_RECOMPUTE)  # the segments are still re-run
