@@ -92,7 +92,6 @@ def worker(name: str, mode: str, fraction: int, runs: int) -> dict:
     import torch._functorch.config as functorch_config
 
     from planner.optimize import optimize
-    from planner.step import backward
 
     model, inputs, loss_fn = load(name)
     module = model
@@ -101,6 +100,13 @@ def worker(name: str, mode: str, fraction: int, runs: int) -> dict:
     if mode.startswith("compile"):
         functorch_config.activation_memory_budget = fraction / 100 if mode == "compile-budget" else 1.0
         module = torch.compile(module)
+    return measure_step(module, model, inputs, loss_fn, runs)
+
+
+def measure_step(module, model, inputs, loss_fn, runs: int) -> dict:
+    """Peak RSS growth during one step of ``module`` (sharing ``model``'s parameters; median of 3, each
+    after ``malloc_trim``) and its median step time over ``runs``, after two warm-up steps (compiling)."""
+    from planner.step import backward
 
     def step() -> None:
         backward(loss_fn(module(*inputs)))

@@ -2,6 +2,7 @@
 
     python bench/selective.py                          # writes bench/results/selective.md
     python bench/selective.py --examples gpt --budgets 50 --runs 7
+    python bench/selective.py --compiled --examples gpt --budgets 50   # bench/results/selective_compiled.md
 
 For each example and budget (a fraction of the un-checkpointed peak) the same prepared profile is
 planned with ``selective=True`` and ``selective=False``, and every block is checkpointed alone
@@ -10,15 +11,28 @@ equal memory). Per row: predicted and measured peak (live tensor storages, ``mea
 predicted overhead (recompute / step) and measured step overhead against the original model
 (``step_times_ms``: interleaved steps of all the modules of one example and budget, median of
 ``--runs``), the number of saved ops, solver status and time.
+
+``--compiled``: fresh process per row, measured as in ``bench/compare_strategies.py`` part 2 (peak RSS
+growth during one step, median step time): the un-checkpointed model eager and compiled,
+torch.compile with ``activation_memory_budget`` = the budget fraction, and eager and
+``torch.compile(plan.module)`` of the whole-segment plan, the selective plan, the selective plan solved
+without SAC's dispatch charge (compiled code has no dispatch modes), and the whole-segment plan with
+every save its segments allow. The plans are made once, here, and handed to the workers as segment
+lists, so every row of a plan runs the same segments.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
+import json
+import os
 import platform
 import runpy
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -77,13 +91,140 @@ def rows_for(name: str, fractions: list[int], runs: int) -> list[str]:
     return out
 
 
+def every_save(prepared, budget_bytes: int):
+    """The whole-segment plan for ``budget_bytes`` with every save its segments allow (each candidate
+    whose partner shares its segment, kept when the memory model accepts it next to the ones before),
+    SAC's dispatch cost not charged; as ``tests/test_selective.py`` forces saves."""
+    from planner.optimize import plan_from_solution
+    from planner.saves import partner, segment_of
+    from planner.selective import save_options
+    from planner.simulate import simulate
+    from planner.solve import Solution, solve
+
+    memory = prepared.memory
+    chunks = solve(memory, budget_bytes).plan
+    seg = segment_of(memory, chunks)
+    free = dataclasses.replace(memory, sac_chunk_us=memory.sac_chunk_us * 0)
+    saves: frozenset = frozenset()
+    for o in save_options(prepared.captured.graph_module, prepared.profile, free).candidates:
+        if seg[o] >= 0 and seg[partner(memory, o)] == seg[o]:
+            try:
+                simulate(memory, chunks, saves | {o})
+            except ValueError:
+                continue
+            saves |= {o}
+    return plan_from_solution(prepared, Solution(plan=chunks, status="FIXED", recompute_us=0, bound_us=0,
+                                                 solve_time_s=0.0, saves=saves), budget_bytes)
+
+
+def uncharged(prepared, budget_bytes: int):
+    """The selective plan CP-SAT picks when saves cost no dispatch time (as in compiled code)."""
+    from planner.optimize import plan_from_solution
+    from planner.selective import save_options
+    from planner.solve import solve
+
+    free = dataclasses.replace(prepared.memory, sac_chunk_us=prepared.memory.sac_chunk_us * 0)
+    options = save_options(prepared.captured.graph_module, prepared.profile, free)
+    return plan_from_solution(prepared, solve(free, budget_bytes, time_limit_s=30.0, options=options), budget_bytes)
+
+
+def compiled_rows(name: str, fraction: int, runs: int) -> list[str]:
+    """Eager vs compiled rows of one example and budget, one fresh process each (``worker``)."""
+    from compare_strategies import load
+
+    from planner.capture import as_inputs
+    from planner.measure import measure_peak
+    from planner.optimize import plan_for, prepare
+
+    model, inputs, loss_fn = load(name)
+    prepared = prepare(model, inputs=inputs, loss_fn=loss_fn)
+    budget = f"{fraction}%"
+    whole = plan_for(prepared, budget, selective=False)
+    plans = {"whole-segment": whole, "selective": plan_for(prepared, budget, selective=True),
+             "selective, no SAC charge": uncharged(prepared, whole.budget_bytes),
+             "every allowed save": every_save(prepared, whole.budget_bytes)}
+    example = as_inputs(model, inputs)
+    configs = [("-", "eager-none", None), ("-", "compile-none", None), ("-", "compile-budget", None)]
+    specs: dict[str, str] = {}
+    folder = Path(tempfile.mkdtemp(prefix="ckplan_selective_"))
+    for kind, plan in plans.items():
+        spec = json.dumps([{"nodes": s.nodes, "restore_buffers": s.restore_buffers, "saved_nodes": s.saved_nodes}
+                           for s in plan.segments])
+        same = next((k for k, v in specs.items() if v == spec), None)
+        specs[kind] = spec
+        if same is not None:
+            print(f"{kind}: same plan as {same}", flush=True)
+            continue
+        path = folder / f"{len(specs)}.json"
+        path.write_text(spec)
+        configs += [(kind, "eager", str(path)), (kind, "compile", str(path))]
+    rows, base = [], None
+    for kind, mode, path in configs:
+        started = time.perf_counter()
+        out = subprocess.run([sys.executable, __file__, "--worker", name, mode, str(fraction), str(runs), path or "-"],
+                             capture_output=True, text=True, timeout=1800)
+        label = kind if path else "-"
+        plan = plans.get(kind)
+        shape = (f"{len(plan.segments)} / {sum(len(s.saved_nodes) for s in plan.segments)}"
+                 if plan else "")
+        peak = (f"{mib(plan.predicted_peak_bytes)} / {mib(measure_peak(plan.module, example, loss_fn))}"
+                if plan and mode == "eager" else "")
+        if out.returncode != 0:
+            rows.append(f"| {name} | {budget} | {label} | {mode} | {shape} | {peak} | failed: "
+                        f"{(out.stderr.strip().splitlines() or ['?'])[-1][:80]} | |")
+            print(rows[-1], flush=True)
+            continue
+        result = json.loads(out.stdout.strip().splitlines()[-1])
+        base = base or result  # eager-none runs first
+        sames = [k for k, v in specs.items() if k != kind and v == specs.get(kind)]
+        if sames:
+            label += f" (= {', '.join(sames)})"
+        rows.append(f"| {name} | {budget} | {label} | {mode} | {shape} | {peak} | {mib(result['rss_growth_bytes'])} | "
+                    f"{result['step_ms']:.1f} ms ({result['step_ms'] / base['step_ms'] - 1:+.1%}) | "
+                    f"{time.perf_counter() - started:.0f} s |")
+        print(rows[-1], flush=True)
+    return rows
+
+
+def worker(name: str, mode: str, fraction: int, runs: int, spec_path: str) -> dict:
+    """One row in a fresh process: the model, or the plan in ``spec_path`` rewritten from a fresh capture,
+    eager or compiled (``compile-budget``: the model under ``activation_memory_budget`` = fraction)."""
+    import torch._functorch.config as functorch_config
+    from compare_strategies import load, measure_step
+
+    from planner.capture import as_inputs, capture
+    from planner.profile_api import capture_inputs
+    from planner.rewrite import SegmentSpec, rewrite
+
+    torch.set_num_threads(1)  # the machine is shared: two OpenMP threads on a busy core stall each other
+    model, inputs, loss_fn = load(name)
+    module = model
+    if spec_path != "-":
+        specs = [SegmentSpec(**{k: tuple(v) for k, v in s.items()}) for s in json.loads(Path(spec_path).read_text())]
+        captured = capture(model, capture_inputs(model, as_inputs(model, inputs)))
+        module = rewrite(model, captured, specs).module
+    if mode.startswith("compile"):
+        functorch_config.activation_memory_budget = fraction / 100 if mode == "compile-budget" else 1.0
+        module = torch.compile(module)
+    return measure_step(module, model, inputs, loss_fn, runs)
+
+
 def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
+        name, mode, fraction, runs, spec_path = sys.argv[2:7]
+        print(json.dumps(worker(name, mode, int(fraction), int(runs), spec_path)))
+        return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--examples", nargs="+", default=EXAMPLES)
     parser.add_argument("--budgets", nargs="+", type=int, default=[70, 50, 30])
     parser.add_argument("--runs", type=int, default=7)
-    parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "selective.md"))
+    parser.add_argument("--compiled", action="store_true", help="eager vs torch.compile rows, fresh process each")
+    parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    if args.compiled:
+        compiled_main(args)
+        return
+    args.out = args.out or str(ROOT / "bench" / "results" / "selective.md")
     torch.set_num_threads(1)
     rows = []
     for name in args.examples:
@@ -102,6 +243,31 @@ def main() -> None:
     ]
     Path(args.out).write_text("\n".join(header + rows) + "\n")
     print(f"wrote {args.out}")
+
+
+def compiled_main(args) -> None:
+    out = args.out or str(ROOT / "bench" / "results" / "selective_compiled.md")
+    rows = []
+    for name in args.examples:
+        for fraction in args.budgets:
+            rows += compiled_rows(name, fraction, args.runs)
+    header = [
+        "# Selective plans under torch.compile",
+        "",
+        f"`python bench/selective.py --compiled --examples {' '.join(args.examples)} --budgets "
+        f"{' '.join(map(str, args.budgets))} --runs {args.runs}` on {platform.machine()}, {os.cpu_count()} cores, "
+        f"torch {torch.__version__}, CPU, 1 thread. One fresh process per row: peak RSS growth "
+        "during one step (median of 3, after `malloc_trim`) and median step time of `--runs` steps after two "
+        "warm-up steps (`bench/compare_strategies.py` part 2). Segments / saved ops; peak pred / meas: the "
+        "plan's predicted and measured eager peak (live tensor storages, MiB); row: wall time of the row "
+        "(compiling included).",
+        "",
+        "| example | budget | plan | mode | segments / saves | eager peak pred / meas | RSS growth MiB | "
+        "step time (vs eager-none) | row |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    Path(out).write_text("\n".join(header + rows) + "\n")
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":
