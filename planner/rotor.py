@@ -25,6 +25,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from planner.rotor_saves import SaveTable, Variant
+from planner.saves import SaveOptions, rerun_parts
 from planner.simulate import ChunkPlan, MemoryModel, prefix_by, recomputed_from, rerun_bytes, rerun_chunk, simulate
 from planner.solve import NoSolution, Solution
 
@@ -71,6 +73,7 @@ def rotor(model: MemoryModel, budget_bytes: int, *, time_limit_s: float = 30.0) 
     dp = _ChainDP(model, budget_bytes, optimistic=False)
     plan = dp.run()
     exact = dp.exact  # then no plan fits with less recompute
+    plan = plan[0] if plan is not None else None
     if plan is None:
         raise NoSolution(True, "no plan fits the budget" + ("" if exact else " under the conservative chain model"))
     timeline = simulate(model, plan)
@@ -78,6 +81,28 @@ def rotor(model: MemoryModel, budget_bytes: int, *, time_limit_s: float = 30.0) 
         raise AssertionError(f"rotor plan {plan} simulates to {timeline.peak_bytes} > budget {budget_bytes}")
     return Solution(plan=plan, status="OPTIMAL" if exact else "FEASIBLE", recompute_us=timeline.recompute_us,
                     bound_us=timeline.recompute_us if exact else 0, solve_time_s=time.perf_counter() - began)
+
+
+def rotor_saves(model: MemoryModel, budget_bytes: int, options: SaveOptions) -> Solution:
+    """The least-recompute plan when each segment may keep one of its save variants
+    (``planner.rotor_saves``): FEASIBLE, the optimum within that space (CP-SAT may do better with
+    other save sets). Overrides (``must_save`` / ``must_recompute``) are not handled here.
+
+    Raises:
+        NoSolution: no plan fits under the conservative reading (``infeasible=True`` only when exact).
+    """
+    began = time.perf_counter()
+    dp = _ChainDP(model, budget_bytes, optimistic=False, candidates=options.candidates)
+    found = dp.run()
+    if found is None:
+        raise NoSolution(dp.exact, "no plan fits the budget")
+    plan, saves = found
+    timeline = simulate(model, plan, saves)
+    if timeline.peak_bytes > budget_bytes:
+        raise AssertionError(f"rotor plan {plan} saving {sorted(saves)} simulates to {timeline.peak_bytes} "
+                             f"> budget {budget_bytes}")
+    return Solution(plan=plan, status="FEASIBLE", recompute_us=timeline.recompute_us, bound_us=0,
+                    solve_time_s=time.perf_counter() - began, saves=saves)
 
 
 def relaxed(model: MemoryModel, budget_bytes: int) -> tuple[ChunkPlan, int] | None:
@@ -90,9 +115,10 @@ def relaxed(model: MemoryModel, budget_bytes: int) -> tuple[ChunkPlan, int] | No
     """
     if budget_bytes < 0:
         return None
-    plan = _ChainDP(model, budget_bytes, optimistic=True).run()
-    if plan is None:
+    found = _ChainDP(model, budget_bytes, optimistic=True).run()
+    if found is None:
         return None
+    plan = found[0]
     return plan, int(sum(int(model.chunk_cost_us[a:b].sum()) + model.segment_cost_us for a, b in plan))
 
 
@@ -131,8 +157,8 @@ def _open_sets(storages: dict[int, _Storage], edges: list[int]) -> list[list[int
 
 
 class _ChainDP:
-    def __init__(self, model: MemoryModel, budget: int, *, optimistic: bool):
-        self.m, self.budget, self.optimistic = model, budget, optimistic
+    def __init__(self, model: MemoryModel, budget: int, *, optimistic: bool, candidates: tuple[int, ...] = ()):
+        self.m, self.budget, self.optimistic, self.candidates = model, budget, optimistic, candidates
         n, regions = model.n_nodes, model.regions
         self.edges = [*regions.starts, regions.end]
         tracked = _storages(model)
@@ -158,17 +184,31 @@ class _ChainDP:
         self.const_bwd = model.const_bwd + self.kept_fixed - own_fixed
         self.recompute_from = recomputed_from(model)
         self._pieces: dict[tuple, tuple[int, int, int] | None] = {}
-        self._reruns: dict[tuple[int, int], int | None] = {}
+        self._reruns: dict[tuple, tuple[int, int] | None] = {}
+        self._variants: dict[tuple[int, int], list[Variant]] = {}
+        self.untracked = {int(s) for s in model.varying()} - set(tracked)
+        self._table: SaveTable | None = None
+        self._rerun_parts: dict[tuple[int, int], tuple] = {}
 
-    def piece(self, a: int, b: int, ckpt: bool, mask: int, guess: int) -> tuple[int, int, int] | None:
+    def variants(self, a: int, b: int) -> list[Variant]:
+        """Save variants of segment ``[a, b)`` (just "no saves" without candidates)."""
+        if (a, b) not in self._variants:
+            if self._table is None:
+                self._table = SaveTable(self.m, self.candidates, self.untracked)
+            self._variants[a, b] = self._table.variants(a, b)
+        return self._variants[a, b]
+
+    def piece(self, a: int, b: int, ckpt: bool, mask: int, guess: int, v: int = 0) -> tuple[int, int, int] | None:
         """Worst plan-dependent bytes of piece ``[a, b)`` (``M`` excluded), bytes it closes into ``M``,
-        and the flags at ``b``; None when the flags at ``a`` contradict the piece."""
-        key = (a, b, ckpt, mask, guess)
+        and the flags at ``b``; None when the flags at ``a`` contradict the piece. ``v``: the
+        segment's save variant."""
+        key = (a, b, ckpt, mask, guess, v)
         if key not in self._pieces:
-            self._pieces[key] = self._piece(a, b, ckpt, mask, guess)
+            self._pieces[key] = self._piece(a, b, ckpt, mask, guess, self.variants(a, b)[v] if v else None)
         return self._pieces[key]
 
-    def _piece(self, a: int, b: int, ckpt: bool, mask: int, guess: int) -> tuple[int, int, int] | None:
+    def _piece(self, a: int, b: int, ckpt: bool, mask: int, guess: int,
+               variant: Variant | None) -> tuple[int, int, int] | None:
         m, lo, hi = self.m, self.edges[a], self.edges[b]
         flags: dict[int, bool] = {}
         for i, s in enumerate(self.opened[a]):
@@ -185,7 +225,20 @@ class _ChainDP:
         alive_f = np.zeros(hi - lo + 1, dtype=np.int64)
         alive_b = np.zeros(hi - lo + 1, dtype=np.int64)
         own_b = np.zeros(hi - lo + 1, dtype=np.int64)  # kept bytes a node saves itself (in its constant)
-        added = 0
+        added, held = 0, 0
+        if variant is not None:  # saves: cached storages kept, or held by SAC's cache until the re-run
+            t_r = int(m.recompute_at[rerun_chunk(m, a, b)])
+            for s in variant.kept:
+                if s in self.tracked:
+                    flags[s] = True
+            for s, o in variant.held:
+                if s in flags:
+                    flags[s] = False  # no later segment may read it (a constraint, see planner.saves)
+                size = int(m.size[s])
+                added, held = added + size, held + size
+                if m.last_use[s] + 1 < hi:
+                    alive_f[max(int(m.last_use[s]) + 1, lo) - lo] += size
+                alive_b[t_r + 1 - lo] += size
         after = self.open_pos[b] if b < len(self.open_pos) else {}
         for s, kept in flags.items():
             st = self.tracked[s]
@@ -204,27 +257,38 @@ class _ChainDP:
         worst = int((self.const_fwd[lo:hi] + alive_f).max())
         bwd = self.const_bwd[lo:hi] + alive_b - own_b[:-1]
         if ckpt:
-            bwd = bwd + self.recompute_from[a, lo:hi]
+            bwd = bwd + self.recompute_from[a, lo:hi] - (variant.relief if variant is not None else 0)
         has = m.has_bwd[lo:hi]
         if has.any():
             worst = max(worst, int(bwd[has].max()))
-        rerun = self._rerun(a, b) if ckpt and worst <= self.budget else None  # (the costly part; moot past budget)
+        rerun = self._rerun(a, b, variant) if ckpt and worst <= self.budget else None  # (costly; moot past budget)
         if rerun is not None:
             t, fixed_bytes = rerun
-            worst = max(worst, fixed_bytes + int(alive_b[t - lo]))
+            worst = max(worst, fixed_bytes + int(alive_b[t - lo]) + held)
         out = sum(1 << i for s, i in after.items() if flags.get(s, True))
         return worst, added, out
 
-    def _rerun(self, a: int, b: int) -> tuple[int, int] | None:
-        """Node at which segment ``[a, b)`` is re-run, and its plan-independent bytes there."""
-        if (a, b) not in self._reruns:
+    def _rerun(self, a: int, b: int, variant: Variant | None) -> tuple[int, int] | None:
+        """Node at which segment ``[a, b)`` is re-run, and its plan-independent bytes there (with the
+        variant's saves: its cached storages are in the kept sum, not in the replay)."""
+        saves = variant.saves if variant is not None else frozenset()
+        key = (a, b, saves)
+        if key not in self._reruns:
             m, last = self.m, rerun_chunk(self.m, a, b)
             if last is None:
-                self._reruns[a, b] = None
-            else:
+                self._reruns[key] = None
+            elif not saves:
                 t = int(m.recompute_at[last])
-                self._reruns[a, b] = (t, int(m.const_recompute[last] + self.kept_fixed[t]) + rerun_bytes(m, a, last, b))
-        return self._reruns[a, b]
+                self._reruns[key] = (t, int(m.const_recompute[last] + self.kept_fixed[t]) + rerun_bytes(m, a, last, b))
+            else:  # the replay of every candidate of the segment once, then each variant's reliefs
+                if (a, b) not in self._rerun_parts:
+                    inside = {o for v in self.variants(a, b) for o in v.saves}
+                    self._rerun_parts[a, b] = rerun_parts(m, a, last, b, sorted(inside))
+                base, relief, restored = self._rerun_parts[a, b]
+                t = int(m.recompute_at[last])
+                replay = base - sum(relief[o] for o in saves if o in relief)
+                self._reruns[key] = (t, int(m.const_recompute[last] + self.kept_fixed[t]) + int(replay.max()) + restored)
+        return self._reruns[key]
 
     def _made(self, a: int, b: int, ckpt: bool) -> list[int]:
         """Storages produced in piece ``[a, b)`` that may be kept. In a segment, one closed by b
@@ -243,7 +307,8 @@ class _ChainDP:
         tail = max(int(self.const_fwd[end:].max(initial=0)), int(self.const_bwd[end:][m.has_bwd[end:]].max(initial=0)))
         return tail + (sum(self.tracked[s].size for s in self.opened[m.n_chunks]) if closing else 0)
 
-    def run(self) -> ChunkPlan | None:
+    def run(self) -> tuple[ChunkPlan, frozenset] | None:
+        """The best plan and its saves, or None when no plan fits."""
         K = self.m.n_chunks
         end = _Step.upto(self.budget - self._tail(closing=not self.optimistic), 0)
         self.value: list[dict[int, _Step]] = [{} for _ in range(K)] + [
@@ -268,12 +333,16 @@ class _ChainDP:
         pieces = [(a + 1, False)] + [(b, True) for b in range(a + 1, m.n_chunks + 1) if all(m.regions.checkpointable[a:b])]
         for b, ckpt in pieces:
             cost = int(m.chunk_cost_us[a:b].sum()) + m.segment_cost_us if ckpt else 0
+            kinds = list(enumerate(self.variants(a, b))) if ckpt and self.candidates else [(0, None)]
             for guess in range(1 << self._guesses(a, b, ckpt)):
-                result = self.piece(a, b, ckpt, mask, guess)
-                if result is None:
-                    break  # the flags at a rule this piece out, whatever the guesses
-                worst, added, out = result
-                yield cost, worst, added, b, out, ckpt
+                plain = self.piece(a, b, ckpt, mask, guess)
+                if plain is None:
+                    break  # the flags at a rule this piece out, whatever the guesses and saves
+                for v, variant in kinds:
+                    if v and plain[0] > self.budget:
+                        break  # saves never lower a piece's bytes
+                    worst, added, out = self.piece(a, b, ckpt, mask, guess, v)
+                    yield cost - (variant.spared_us if variant else 0), worst, added, b, out, (ckpt, v)
 
     def fits(self, budget: int) -> ChunkPlan | None:
         """Some plan whose peak is at most ``budget`` (<= the DP's own budget), or None."""
@@ -282,26 +351,27 @@ class _ChainDP:
         reach[0][0] = (0, ())
         for a in range(K):
             for mask, (kept, plan) in reach[a].items():
-                for _, worst, added, b, out, ckpt in self._moves(a, mask):
+                for _, worst, added, b, out, (ckpt, _) in self._moves(a, mask):
                     if kept + worst <= budget and kept + added < reach[b].get(out, (INF,))[0]:
                         reach[b][out] = (kept + added, plan + ((a, b),) if ckpt else plan)
         tail = self._tail(closing=True)
         done = [plan for kept, plan in reach[K].values() if kept + tail <= budget]
         return done[0] if done else None
 
-    def _walk(self) -> ChunkPlan:
-        plan, a, mask, kept = [], 0, 0, 0
+    def _walk(self) -> tuple[ChunkPlan, frozenset]:
+        plan, saves, a, mask, kept = [], set(), 0, 0, 0
         while a < self.m.n_chunks:
             target = self.value[a][mask].at(kept)
-            for cost, worst, added, b, out, ckpt in self._moves(a, mask):
+            for cost, worst, added, b, out, (ckpt, v) in self._moves(a, mask):
                 if kept + worst <= self.budget and cost + self.value[b][out].at(kept + added) == target:
                     break
             else:
                 raise AssertionError(f"no move reproduces the DP value at chunk {a}")
             if ckpt:
                 plan.append((a, b))
+                saves |= self.variants(a, b)[v].saves
             a, mask, kept = b, out, kept + added
-        return tuple(plan)
+        return tuple(plan), frozenset(saves)
 
 
 @dataclass(frozen=True, slots=True)

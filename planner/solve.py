@@ -36,11 +36,13 @@ class Solution:
 
 
 class NoSolution(Exception):
-    """CP-SAT ended without a plan: ``infeasible`` is True when it proved none exists."""
+    """CP-SAT ended without a plan: ``infeasible`` is True when it proved none exists; ``bound_us`` is
+    its lower bound on the recompute time of any plan when it stopped at the time limit."""
 
-    def __init__(self, infeasible: bool, message: str):
+    def __init__(self, infeasible: bool, message: str, bound_us: int = 0):
         super().__init__(message)
         self.infeasible = infeasible
+        self.bound_us = bound_us
 
 
 @dataclass(kw_only=True, slots=True)
@@ -296,51 +298,77 @@ def _best_whole_segment(model: MemoryModel, budget_bytes: int) -> tuple[Solution
     return (replace(warm, status="OPTIMAL", bound_us=bound) if warm.recompute_us <= bound else warm), bound
 
 
+POLISH_SHARE = 1 / 6
+"""Share of ``time_limit_s`` CP-SAT gets to beat the DPs' selective plan (5 s of the default 30 s)."""
+
+
 def _solve_with_options(model: MemoryModel, budget_bytes: int, *, time_limit_s: float, workers: int | None,
                         dump_path: str | None, options: SaveOptions) -> Solution:
-    """CP-SAT with saves or overrides, from the best whole-segment plan the DPs give as a hint (the
-    relaxation's when it fits, else Rotor's); without overrides that plan is also the fallback."""
+    """Saves or overrides. Without overrides, the DPs give an incumbent first: the best whole-segment
+    plan, and the best plan whose segments keep one of their save variants (``planner.rotor_saves``).
+    CP-SAT then searches only for strictly cheaper plans, for ``POLISH_SHARE`` of the time limit:
+    finding none proves the incumbent optimal (over every save set of the candidates), running out of
+    time returns it as FEASIBLE with CP-SAT's bound. With overrides, CP-SAT alone for the whole time
+    limit, from the whole-segment plan as a hint."""
+    from planner.rotor import rotor_saves
+
     began = time.perf_counter()
     best, _ = _best_whole_segment(model, budget_bytes)
     overrides = bool(options.must_save or options.must_recompute)
+    if not overrides and options.candidates:
+        try:
+            selective = rotor_saves(model, budget_bytes, options)
+            if best is None or selective.recompute_us < best.recompute_us:
+                best = selective
+        except NoSolution:
+            pass
+    incumbent = None if overrides or best is None else best
     left = max(1.0, time_limit_s - (time.perf_counter() - began))
+    if incumbent is not None:  # CP-SAT rarely beats the DPs here (docs/selective.md): a short try
+        left = min(left, max(1.0, time_limit_s * POLISH_SHARE))
     try:
-        found = search(model, budget_bytes, hint=best.plan if best else None, time_limit_s=left, workers=workers,
-                       dump_path=dump_path, options=options)
+        found = search(model, budget_bytes, hint=best.plan if best else None, hint_saves=best.saves if best else frozenset(),
+                       time_limit_s=left, workers=workers, dump_path=dump_path, options=options,
+                       below_us=incumbent.recompute_us if incumbent else None)
     except NoSolution as exc:
-        if exc.infeasible or best is None or overrides:
+        if incumbent is None:
             raise
-        found = replace(best, status="FEASIBLE", bound_us=0)
-    if best is not None and not overrides and best.recompute_us < found.recompute_us:
-        found = replace(best, status="FEASIBLE", bound_us=found.bound_us)
+        proven = exc.infeasible  # nothing strictly cheaper exists
+        found = replace(incumbent, status="OPTIMAL" if proven else "FEASIBLE",
+                        bound_us=incumbent.recompute_us if proven else min(exc.bound_us, incumbent.recompute_us))
     return replace(found, solve_time_s=time.perf_counter() - began)
 
 
-def search(model: MemoryModel, budget_bytes: int, *, hint: ChunkPlan | None = None, time_limit_s: float = 30.0,
-           workers: int | None = None, dump_path: str | None = None,
-           options: SaveOptions | None = None) -> Solution:
-    """CP-SAT alone: the least-recompute plan, from an optional hint (no dynamic programs).
+def search(model: MemoryModel, budget_bytes: int, *, hint: ChunkPlan | None = None,
+           hint_saves: frozenset = frozenset(), time_limit_s: float = 30.0, workers: int | None = None,
+           dump_path: str | None = None, options: SaveOptions | None = None, below_us: int | None = None) -> Solution:
+    """CP-SAT alone: the least-recompute plan, from an optional hint (a plan and its saves; no dynamic
+    programs). ``below_us``: only plans strictly cheaper than that count.
 
     Raises:
-        NoSolution: infeasible (proven), or no plan found within the time limit.
+        NoSolution: infeasible (proven; with ``below_us``: nothing cheaper), or no plan found within the
+            time limit.
     """
     began = time.perf_counter()
     cp, variables, _ = build(model, budget_bytes=budget_bytes, options=options)
+    if below_us is not None:
+        cp.add(_objective(model, variables) <= below_us - 1)
     if dump_path:
         cp.export_to_file(dump_path)
     if hint is not None:
         chosen = set(hint)
         for ab, var in variables.segment.items():
             cp.add_hint(var, ab in chosen)
-        for var in (variables.save or {}).values():  # a whole-segment hint saves nothing
-            cp.add_hint(var, False)
+        for o, var in (variables.save or {}).items():
+            cp.add_hint(var, o in hint_saves)
     solver = _solver(time_limit_s, workers)
     status = solver.solve(cp)
     if status == cp_model.INFEASIBLE:
         raise NoSolution(True, "no plan fits the budget")
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         raise NoSolution(False, f"CP-SAT found no plan within {time_limit_s:g} s (status "
-                                f"{solver.status_name(status)}); raise time_limit_s")
+                                f"{solver.status_name(status)}); raise time_limit_s",
+                         bound_us=max(0, int(solver.best_objective_bound)))
     plan, saves = read_plan(solver, variables), read_saves(solver, variables)
     timeline = simulate(model, plan, saves)
     if timeline.peak_bytes > budget_bytes:  # the encoding and the simulator must agree

@@ -12,6 +12,7 @@ from conftest import assert_plan_is_exact, load_example
 from models import tower, tower_inputs
 from planner import InfeasibleBudget
 from planner.optimize import plan_for, plan_from_solution, prepare
+from planner.rotor import _ChainDP, rotor_saves
 from planner.saves import SaveOptions, cacheable, check_saves, partner, segment_of
 from planner.simulate import simulate
 from planner.selective import save_options
@@ -59,6 +60,36 @@ def test_selective_optimum_matches_brute_force(seed):
         assert found.status == "OPTIMAL" and found.recompute_us == best
         assert simulate(model, found.plan, found.saves).peak_bytes <= budget
         assert best <= whole
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_save_variant_dp_is_exact_over_its_space(seed):
+    """The chunk DP with per-segment save variants (planner.rotor_saves) finds the least recompute of
+    every plan x variant combination, from the smallest peak up to no checkpointing."""
+    model, options = _model(seed, n=8)
+    dp = _ChainDP(model, 0, optimistic=False, candidates=options.candidates)
+    cases = []
+    for plan in all_plans(model):
+        for combo in itertools.product(*[dp.variants(a, b) for a, b in plan]):
+            saves = frozenset().union(*[v.saves for v in combo])
+            try:
+                check_saves(model, plan, saves)
+            except ValueError:
+                continue
+            timeline = simulate(model, plan, saves)
+            cases.append((timeline.peak_bytes, timeline.recompute_us))
+    assert any(len(v.saves) for a in range(model.n_chunks) for b in range(a + 1, model.n_chunks + 1)
+               for v in dp.variants(a, b))
+    lowest, highest = min(peak for peak, _ in cases), simulate(model, ()).peak_bytes
+    for budget in (lowest - 1, lowest, (3 * lowest + highest) // 4, (lowest + highest) // 2, highest):
+        best = min((cost for peak, cost in cases if peak <= budget), default=None)
+        if best is None:
+            with pytest.raises(NoSolution):
+                rotor_saves(model, budget, options)
+            continue
+        found = rotor_saves(model, budget, options)
+        assert found.recompute_us == best
+        assert simulate(model, found.plan, found.saves).peak_bytes <= budget
 
 
 def test_saves_must_be_inside_segments():
