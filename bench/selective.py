@@ -30,6 +30,7 @@ import json
 import os
 import platform
 import runpy
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -128,7 +129,7 @@ def uncharged(prepared, budget_bytes: int):
     return plan_from_solution(prepared, solve(free, budget_bytes, time_limit_s=30.0, options=options), budget_bytes)
 
 
-def compiled_rows(name: str, fraction: int, runs: int) -> list[str]:
+def compiled_rows(name: str, fraction: int, runs: int, passes: int) -> list[str]:
     """Eager vs compiled rows of one example and budget, one fresh process each (``worker``)."""
     from compare_strategies import load
 
@@ -158,30 +159,36 @@ def compiled_rows(name: str, fraction: int, runs: int) -> list[str]:
         path = folder / f"{len(specs)}.json"
         path.write_text(spec)
         configs += [(kind, "eager", str(path)), (kind, "compile", str(path))]
-    rows, base = [], None
+    results: dict[tuple, list[dict]] = {}
+    failed: dict[tuple, str] = {}
+    for turn in range(passes):  # every row once per pass: slow drifts of a shared machine hit all rows alike
+        for kind, mode, path in configs:
+            out = subprocess.run([sys.executable, __file__, "--worker", name, mode, str(fraction), str(runs),
+                                  path or "-"], capture_output=True, text=True, timeout=1800)
+            if out.returncode != 0:
+                failed[kind, mode] = (out.stderr.strip().splitlines() or ["?"])[-1][:80]
+                continue
+            results.setdefault((kind, mode), []).append(json.loads(out.stdout.strip().splitlines()[-1]))
+            print(f"pass {turn + 1}: {name} {kind} {mode}: {results[kind, mode][-1]}", flush=True)
+    base = statistics.median(r["step_ms"] for r in results["-", "eager-none"])
+    rows = []
     for kind, mode, path in configs:
-        started = time.perf_counter()
-        out = subprocess.run([sys.executable, __file__, "--worker", name, mode, str(fraction), str(runs), path or "-"],
-                             capture_output=True, text=True, timeout=1800)
         label = kind if path else "-"
-        plan = plans.get(kind)
-        shape = (f"{len(plan.segments)} / {sum(len(s.saved_nodes) for s in plan.segments)}"
-                 if plan else "")
-        peak = (f"{mib(plan.predicted_peak_bytes)} / {mib(measure_peak(plan.module, example, loss_fn))}"
-                if plan and mode == "eager" else "")
-        if out.returncode != 0:
-            rows.append(f"| {name} | {budget} | {label} | {mode} | {shape} | {peak} | failed: "
-                        f"{(out.stderr.strip().splitlines() or ['?'])[-1][:80]} | |")
-            print(rows[-1], flush=True)
-            continue
-        result = json.loads(out.stdout.strip().splitlines()[-1])
-        base = base or result  # eager-none runs first
         sames = [k for k, v in specs.items() if k != kind and v == specs.get(kind)]
         if sames:
             label += f" (= {', '.join(sames)})"
-        rows.append(f"| {name} | {budget} | {label} | {mode} | {shape} | {peak} | {mib(result['rss_growth_bytes'])} | "
-                    f"{result['step_ms']:.1f} ms ({result['step_ms'] / base['step_ms'] - 1:+.1%}) | "
-                    f"{time.perf_counter() - started:.0f} s |")
+        plan = plans.get(kind)
+        shape = f"{len(plan.segments)} / {sum(len(s.saved_nodes) for s in plan.segments)}" if plan else ""
+        peak = (f"{mib(plan.predicted_peak_bytes)} / {mib(measure_peak(plan.module, example, loss_fn))}"
+                if plan and mode == "eager" else "")
+        if (kind, mode) in failed:
+            rows.append(f"| {name} | {budget} | {label} | {mode} | {shape} | {peak} | failed: {failed[kind, mode]} | |")
+            continue
+        got = results[kind, mode]
+        step = statistics.median(r["step_ms"] for r in got)
+        rows.append(f"| {name} | {budget} | {label} | {mode} | {shape} | {peak} | "
+                    f"{' / '.join(mib(r['rss_growth_bytes']) for r in got)} | "
+                    f"{' / '.join(format(r['step_ms'], '.1f') for r in got)} ms | {step / base - 1:+.1%} |")
         print(rows[-1], flush=True)
     return rows
 
@@ -219,6 +226,7 @@ def main() -> None:
     parser.add_argument("--budgets", nargs="+", type=int, default=[70, 50, 30])
     parser.add_argument("--runs", type=int, default=7)
     parser.add_argument("--compiled", action="store_true", help="eager vs torch.compile rows, fresh process each")
+    parser.add_argument("--passes", type=int, default=3, help="--compiled: fresh processes per row, in turns")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     if args.compiled:
@@ -250,20 +258,20 @@ def compiled_main(args) -> None:
     rows = []
     for name in args.examples:
         for fraction in args.budgets:
-            rows += compiled_rows(name, fraction, args.runs)
+            rows += compiled_rows(name, fraction, args.runs, args.passes)
     header = [
         "# Selective plans under torch.compile",
         "",
         f"`python bench/selective.py --compiled --examples {' '.join(args.examples)} --budgets "
-        f"{' '.join(map(str, args.budgets))} --runs {args.runs}` on {platform.machine()}, {os.cpu_count()} cores, "
-        f"torch {torch.__version__}, CPU, 1 thread. One fresh process per row: peak RSS growth "
-        "during one step (median of 3, after `malloc_trim`) and median step time of `--runs` steps after two "
-        "warm-up steps (`bench/compare_strategies.py` part 2). Segments / saved ops; peak pred / meas: the "
-        "plan's predicted and measured eager peak (live tensor storages, MiB); row: wall time of the row "
-        "(compiling included).",
+        f"{' '.join(map(str, args.budgets))} --runs {args.runs} --passes {args.passes}` on {platform.machine()}, {os.cpu_count()} cores, "
+        f"torch {torch.__version__}, CPU, 1 thread. One fresh process per row and pass (passes in turns, "
+        "so slow drifts of the shared machine hit every row alike): peak RSS growth during one step (median of 3, "
+        "after `malloc_trim`) and median step time of `--runs` steps after two warm-up steps "
+        "(`bench/compare_strategies.py` part 2), one value per pass; overhead: median over passes vs eager-none's. "
+        "Segments / saved ops; eager peak: the plan's predicted and measured eager peak (live tensor storages, MiB).",
         "",
-        "| example | budget | plan | mode | segments / saves | eager peak pred / meas | RSS growth MiB | "
-        "step time (vs eager-none) | row |",
+        "| example | budget | plan | mode | segments / saves | eager peak pred / meas | RSS growth MiB per pass | "
+        "step time per pass | overhead vs eager-none |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     Path(out).write_text("\n".join(header + rows) + "\n")
