@@ -68,6 +68,9 @@ class NodeCost:
     """Extra bytes the model's own forward keeps alive during this node (Python locals)."""
     checkpointable: bool = True
     """False for nodes that can never be inside a segment (the loss)."""
+    aten_ops: int = -1
+    """ATen ops its forward dispatches, views included (each costs selective checkpointing's dispatch
+    modes a Python call); -1 when unknown (profiles saved before this field)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -95,6 +98,9 @@ class Profile:
     """Peak live bytes of the profiled un-checkpointed step."""
     checkpoint_overhead_ms: float = field(default=0.0)
     """Time one ``checkpoint`` call adds beyond re-running its ops (holders, RNG state), ms."""
+    sac_op_us: float = field(default=-1.0)
+    """Time selective checkpointing's dispatch modes add per ATen op of this graph (forward and
+    re-run), measured on it; -1 when not measured (estimated or older profiles)."""
     fingerprint: str = ""
     """Structure hash of the captured graph (``Captured.fingerprint``) the nodes belong to."""
     capture_method: str = ""

@@ -26,7 +26,7 @@ from planner.errors import ProfileError
 from planner.memtrack import LiveStorages, storage_key
 from planner.profile_eager import eager_excess, eager_forward_trace
 from planner.profile_runner import StepRunner
-from planner.profile_timing import Timer, checkpoint_overhead_ms, time_plain_steps
+from planner.profile_timing import Timer, checkpoint_overhead_ms, sac_op_overhead_us, time_plain_steps
 from planner.step import LossFn, default_loss, sync, untouched
 
 
@@ -39,6 +39,7 @@ class StepTimes:
     step_fwd_ms: float
     step_bwd_ms: float
     checkpoint_overhead_ms: float
+    sac_op_us: float = -1.0
 
 
 def profile(
@@ -76,10 +77,12 @@ def profile(
         for _ in range(timing_runs):
             timer.step(inputs, loss_fn)
         step_fwd, step_bwd = time_plain_steps(captured.graph_module, inputs, loss_fn, device, timing_runs)
+        ops = sum(rec["ops"][1] - rec["ops"][0] for rec in recorder.records if rec["kind"] != LOSS_NODE)
         times = StepTimes(fwd_ms=[timer.fwd_ms(i) for i in range(len(recorder.records))],
                           bwd_ms=[timer.bwd_ms(i) for i in range(len(recorder.records))],
                           step_fwd_ms=step_fwd, step_bwd_ms=step_bwd,
-                          checkpoint_overhead_ms=checkpoint_overhead_ms(device))
+                          checkpoint_overhead_ms=checkpoint_overhead_ms(device),
+                          sac_op_us=sac_op_overhead_us(captured.graph_module, inputs, loss_fn, device, ops))
     return assemble(recorder, captured, model, inputs, times=times, excess=excess, device=str(device))
 
 
@@ -116,7 +119,7 @@ def assemble(recorder: "MemoryRecorder", captured: Captured, model: nn.Module, i
             saves=tuple(sorted(rec["saves"])), mutates=tuple(sorted(rec["mutates"])),
             mutated_buffers=tuple(rec["buffers"]), checkpointable=rec["kind"] != LOSS_NODE,
             mutated_buffer_bytes=sum(recorder.buffer_bytes[name] for name in rec["buffers"]),
-            eager_excess_bytes=excess[i] if excess else 0,
+            eager_excess_bytes=excess[i] if excess else 0, aten_ops=rec["ops"][1] - rec["ops"][0],
         )
         for i, rec in enumerate(recorder.records)
     )
@@ -131,7 +134,7 @@ def assemble(recorder: "MemoryRecorder", captured: Captured, model: nn.Module, i
         grad_bytes=sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad),
         step_fwd_ms=times.step_fwd_ms,
         step_bwd_ms=times.step_bwd_ms,
-        checkpoint_overhead_ms=times.checkpoint_overhead_ms,
+        checkpoint_overhead_ms=times.checkpoint_overhead_ms, sac_op_us=times.sac_op_us,
         baseline_peak_bytes=recorder.tracker.peak_bytes,
         fingerprint=captured.fingerprint,
         capture_method=captured.method,

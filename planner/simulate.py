@@ -94,7 +94,7 @@ class MemoryModel:
     """Forward time of each node, microseconds (what a save spares a re-run)."""
     sac_chunk_us: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     """Per chunk: time selective checkpointing's dispatch modes add when the chunk is in a segment with
-    saves (forward and re-run), microseconds (``planner.sac.dispatch_overhead_us`` per tensor op node)."""
+    saves (forward and re-run), microseconds (``planner.sac.dispatch_overhead_us`` per ATen op)."""
 
     @property
     def n_nodes(self) -> int:
@@ -134,12 +134,13 @@ class Timeline:
     """Nodes inside segments whose outputs selective checkpointing keeps (not re-run)."""
 
 
-def build_model(profile: Profile, regions: Regions, *, offset=None, sac_node_us: float = 0.0) -> MemoryModel:
+def build_model(profile: Profile, regions: Regions, *, offset=None, sac_op_us: float = 0.0) -> MemoryModel:
     """Precomputes the arrays of the memory model for ``profile`` cut into ``regions``.
 
     ``offset`` (``planner.distributed.MemoryOffset``): plan-independent bytes added per node to
     the forward and backward constants, and the resident parameter bytes (one rank of a job).
-    ``sac_node_us``: time selective checkpointing adds per tensor-op node of a segment with saves."""
+    ``sac_op_us``: time selective checkpointing adds per ATen op of a segment with saves (a node of
+    unknown op count counts as one op when it reads tensors)."""
     nodes = profile.nodes
     n = len(nodes)
     chunk_of = regions.chunk_of() + [-1] * (n - regions.end)
@@ -211,7 +212,8 @@ def build_model(profile: Profile, regions: Regions, *, offset=None, sac_node_us:
         recompute_at=recompute_at, const_recompute=const_recompute, fwd_rise=rise,
         restore_bytes=np.array([nd.mutated_buffer_bytes for nd in nodes], dtype=np.int64),
         chunk_cost_us=chunk_cost, segment_cost_us=round(profile.checkpoint_overhead_ms * 1000), node_cost_us=fwd_us,
-        sac_chunk_us=np.array([round(sac_node_us * sum(1 for nd in nodes[slice(*regions.bounds(k))] if nd.inputs))
+        sac_chunk_us=np.array([round(sac_op_us * sum(nd.aten_ops if nd.aten_ops >= 0 else int(bool(nd.inputs))
+                                                     for nd in nodes[slice(*regions.bounds(k))]))
                                for k in range(regions.n_chunks)], dtype=np.int64),
         step_us=max(1, round(profile.step_ms * 1000)),
         param_bytes=profile.param_bytes if offset is None else offset.param_bytes,
