@@ -135,8 +135,9 @@ def prepare(model: nn.Module, *, inputs: tuple | Mapping | torch.Tensor | None =
     regions = find_regions(measured, max_chunks=max_chunks)     # where segments may start and end
     memory = build_model(measured, regions,                     # the cost model the solver optimises
                          offset=dist and memory_offset(measured, dist),  # one rank's share of the job
-                         sac_op_us=measured.sac_op_us if measured.sac_op_us >= 0   # what selective
-                         else dispatch_overhead_us())           # checkpointing adds per op
+                         sac_op_us=max(measured.sac_op_us, dispatch_overhead_us()))  # what selective
+    # checkpointing adds per op: measured on the model, never below the tiny-op floor (a noisy machine
+    # can make the model's measurement small)
     return Prepared(model=model, captured=captured, profile=measured, regions=regions, memory=memory,
                     baseline=simulate(memory, ()), distributed=dist)
 
