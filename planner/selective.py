@@ -68,7 +68,10 @@ def save_options(graph_module: fx.GraphModule, profile: Profile, memory: MemoryM
     if both:
         raise ValueError(f"{profile.nodes[min(both)].name} matches both must_save and must_recompute")
     candidates: tuple[int, ...] = ()
-    if selective:
+    # Under autocast, its process-wide weight-cast cache makes a segment's re-run dispatch a different
+    # number of _to_copy ops than its forward, which breaks SAC's per-op counters (pytorch#193338:
+    # "invocation index N ... not found in storage"): plans profiled with cached casts save nothing.
+    if selective and not memory.fwd_fixed.any():
         by_node = {n.name: n for n in graph_module.graph.nodes}
         root = graph_module
         ok = [i for i, nd in enumerate(profile.nodes[:memory.regions.end])

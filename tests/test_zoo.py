@@ -55,6 +55,7 @@ def test_autocast_bf16_profile_sees_the_saved_bf16_activations(restore_buffers):
                  for p in (full.profile, half.profile)]
         assert 0.4 < saved[1] / saved[0] < 0.75, saved
         plan = optimize(model, "70%", inputs=inputs, loss_fn=loss_fn)
+        assert not any(s.saved_nodes for s in plan.segments)  # SAC + autocast's cast cache: pytorch#193338
         assert_plan_is_exact(model, plan, inputs, loss_fn, restore_buffers)
 
 
