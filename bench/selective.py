@@ -92,28 +92,16 @@ def rows_for(name: str, fractions: list[int], runs: int) -> list[str]:
     return out
 
 
-def every_save(prepared, budget_bytes: int):
-    """The whole-segment plan for ``budget_bytes`` with every save its segments allow (each candidate
-    whose partner shares its segment, kept when the memory model accepts it next to the ones before),
-    SAC's dispatch cost not charged; as ``tests/test_selective.py`` forces saves."""
+def plan_with_every_save(prepared, budget_bytes: int):
+    """The whole-segment plan for ``budget_bytes`` with every save its segments allow
+    (``planner.selective.every_save``), SAC's dispatch cost not charged."""
     from planner.optimize import plan_from_solution
-    from planner.saves import partner, segment_of
-    from planner.selective import save_options
-    from planner.simulate import simulate
+    from planner.selective import every_save
     from planner.solve import Solution, solve
 
     memory = prepared.memory
     chunks = solve(memory, budget_bytes).plan
-    seg = segment_of(memory, chunks)
-    free = dataclasses.replace(memory, sac_chunk_us=memory.sac_chunk_us * 0)
-    saves: frozenset = frozenset()
-    for o in save_options(prepared.captured.graph_module, prepared.profile, free).candidates:
-        if seg[o] >= 0 and seg[partner(memory, o)] == seg[o]:
-            try:
-                simulate(memory, chunks, saves | {o})
-            except ValueError:
-                continue
-            saves |= {o}
+    saves = every_save(prepared.captured.graph_module, prepared.profile, memory, chunks)
     return plan_from_solution(prepared, Solution(plan=chunks, status="FIXED", recompute_us=0, bound_us=0,
                                                  solve_time_s=0.0, saves=saves), budget_bytes)
 
@@ -143,7 +131,7 @@ def compiled_rows(name: str, fraction: int, runs: int, passes: int) -> list[str]
     whole = plan_for(prepared, budget, selective=False)
     plans = {"whole-segment": whole, "selective": plan_for(prepared, budget, selective=True),
              "selective, no SAC charge": uncharged(prepared, whole.budget_bytes),
-             "every allowed save": every_save(prepared, whole.budget_bytes)}
+             "every allowed save": plan_with_every_save(prepared, whole.budget_bytes)}
     example = as_inputs(model, inputs)
     configs = [("-", "eager-none", None), ("-", "compile-none", None), ("-", "compile-budget", None)]
     specs: dict[str, str] = {}

@@ -85,6 +85,28 @@ def save_options(graph_module: fx.GraphModule, profile: Profile, memory: MemoryM
     return SaveOptions(candidates=candidates, must_save=frozenset(save), must_recompute=frozenset(recompute))
 
 
+def every_save(graph_module: fx.GraphModule, profile: Profile, memory: MemoryModel, plan) -> frozenset:
+    """Every save the segments of ``plan`` (chunk ranges) allow, SAC's charge aside: each candidate
+    whose ``partner`` shares its segment, in node order, kept when the memory model accepts it next to
+    the ones before. For tests and benchmarks that force saves (the solver weighs their cost)."""
+    import dataclasses
+
+    from planner.saves import partner, segment_of
+    from planner.simulate import simulate
+
+    seg = segment_of(memory, plan)
+    free = dataclasses.replace(memory, sac_chunk_us=memory.sac_chunk_us * 0)  # every candidate, paying or not
+    saves: frozenset = frozenset()
+    for o in save_options(graph_module, profile, free).candidates:
+        if seg[o] >= 0 and seg[partner(memory, o)] == seg[o]:
+            try:
+                simulate(memory, plan, saves | {o})
+            except ValueError:  # a later segment reads a storage only SAC's cache would hold
+                continue
+            saves |= {o}
+    return saves
+
+
 def _best_per_block(memory: MemoryModel, nodes: list[int], per_block: int) -> list[int]:
     """The ``per_block`` nodes of each block (and of what lies outside blocks) with the most forward
     time per cached byte."""

@@ -8,10 +8,8 @@ A selective plan's saves apply under compile too: the saved matmuls are kept, no
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
 import sys
-from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -23,8 +21,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 from models import Tower
 from planner import optimize
 from planner.optimize import plan_for, plan_from_solution, prepare
-from planner.saves import partner, segment_of
-from planner.selective import save_options
+from planner.selective import every_save
 from planner.simulate import simulate
 from planner.solve import Solution, solve
 
@@ -100,20 +97,10 @@ def _gpt(layers: int):
 
 
 def _with_every_save(prepared, budget):
-    """The whole-segment plan for ``budget`` with every save its segments allow (each candidate whose
-    partner shares its segment, kept when the memory model accepts it next to the ones before)."""
+    """The whole-segment plan for ``budget`` with every save its segments allow."""
     memory = prepared.memory
     chunks = solve(memory, plan_for(prepared, budget, selective=False).budget_bytes).plan
-    seg = segment_of(memory, chunks)
-    free = dataclasses.replace(memory, sac_chunk_us=memory.sac_chunk_us * 0)  # every candidate, paying or not
-    saves: frozenset = frozenset()
-    for o in save_options(prepared.captured.graph_module, prepared.profile, free).candidates:
-        if seg[o] >= 0 and seg[partner(memory, o)] == seg[o]:
-            try:
-                simulate(memory, chunks, saves | {o})
-            except ValueError:
-                continue
-            saves |= {o}
+    saves = every_save(prepared.captured.graph_module, prepared.profile, memory, chunks)
     peak = simulate(memory, chunks, saves).peak_bytes
     return plan_from_solution(prepared, Solution(plan=chunks, status="FIXED", recompute_us=0, bound_us=0,
                                                  solve_time_s=0.0, saves=saves), peak)

@@ -15,7 +15,7 @@ from planner.optimize import plan_for, plan_from_solution, prepare
 from planner.rotor import _ChainDP, rotor_saves
 from planner.saves import SaveOptions, cacheable, check_saves, partner, segment_of
 from planner.simulate import simulate
-from planner.selective import save_options
+from planner.selective import every_save
 from planner.solve import NoSolution, Solution, encoded_peak, search, solve
 from planner.synthetic import all_plans, memory_model, min_peak_brute, random_profile
 
@@ -124,10 +124,7 @@ def _forced_saves(prepared, budget):
     SAC's dispatch cost and may choose none; correctness must hold for any saves)."""
     memory = prepared.memory
     chunks = solve(memory, plan_for(prepared, budget, selective=False).budget_bytes).plan
-    seg = segment_of(memory, chunks)
-    free = dataclasses.replace(memory, sac_chunk_us=memory.sac_chunk_us * 0)  # every candidate, paying or not
-    options = save_options(prepared.captured.graph_module, prepared.profile, free)
-    saves = frozenset(o for o in options.candidates if seg[o] >= 0 and seg[partner(memory, o)] == seg[o])
+    saves = every_save(prepared.captured.graph_module, prepared.profile, memory, chunks)
     assert saves
     peak = simulate(memory, chunks, saves).peak_bytes
     return plan_from_solution(prepared, Solution(plan=chunks, status="FIXED", recompute_us=0, bound_us=0,
