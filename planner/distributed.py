@@ -23,7 +23,8 @@ from torch import nn
 from planner.costs import Profile
 from planner.errors import InfeasibleBudget
 from planner.simulate import ChunkPlan, MemoryModel, simulate
-from planner.solve import Solution, min_peak
+from planner.peaks import min_peak
+from planner.solve import Solution
 
 PARALLEL = ("fsdp", "ddp")
 """Data-parallel engines a plan can budget for."""

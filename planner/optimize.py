@@ -20,7 +20,8 @@ from planner.rewrite import SegmentSpec, rewrite
 from planner.sac import dispatch_overhead_us
 from planner.saves import SaveOptions
 from planner.simulate import ChunkPlan, MemoryModel, Timeline, build_model, freed_bytes, simulate
-from planner.solve import NoSolution, Solution, min_peak_saves
+from planner.peaks import min_peak_saves
+from planner.solve import NoSolution, Solution
 from planner.solvers import get_solver
 from planner.step import LossFn
 

@@ -26,11 +26,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from planner.rotor_saves import SaveTable, Variant
+from planner.rotor_step import INF, Step
 from planner.saves import SaveOptions, rerun_parts
 from planner.simulate import ChunkPlan, MemoryModel, prefix_by, recomputed_from, rerun_bytes, rerun_chunk, simulate
 from planner.solve import NoSolution, Solution
 
-INF = np.iinfo(np.int64).max // 4
 MAX_OPEN = 6
 """Most storages tracked across one chunk boundary (the DP's state grows as 2 ** open)."""
 KEPT, FREE, GUESS = 1, 0, -1
@@ -225,20 +225,8 @@ class _ChainDP:
         alive_f = np.zeros(hi - lo + 1, dtype=np.int64)
         alive_b = np.zeros(hi - lo + 1, dtype=np.int64)
         own_b = np.zeros(hi - lo + 1, dtype=np.int64)  # kept bytes a node saves itself (in its constant)
-        added, held = 0, 0
-        if variant is not None:  # saves: cached storages kept, or held by SAC's cache until the re-run
-            t_r = int(m.recompute_at[rerun_chunk(m, a, b)])
-            for s in variant.kept:
-                if s in self.tracked:
-                    flags[s] = True
-            for s, o in variant.held:
-                if s in flags:
-                    flags[s] = False  # no later segment may read it (a constraint, see planner.saves)
-                size = int(m.size[s])
-                added, held = added + size, held + size
-                if m.last_use[s] + 1 < hi:
-                    alive_f[max(int(m.last_use[s]) + 1, lo) - lo] += size
-                alive_b[t_r + 1 - lo] += size
+        held = self._saves(variant, a, b, flags, alive_f, alive_b) if variant is not None else 0
+        added = held
         after = self.open_pos[b] if b < len(self.open_pos) else {}
         for s, kept in flags.items():
             st = self.tracked[s]
@@ -267,6 +255,27 @@ class _ChainDP:
             worst = max(worst, fixed_bytes + int(alive_b[t - lo]) + held)
         out = sum(1 << i for s, i in after.items() if flags.get(s, True))
         return worst, added, out
+
+    def _saves(self, variant: Variant, a: int, b: int, flags: dict, alive_f: np.ndarray, alive_b: np.ndarray) -> int:
+        """Applies a save variant to segment ``[a, b)``: the cached storages some node saves are kept
+        (their flags forced on), those nobody saves are held by SAC's cache until the re-run (their
+        flags forced off: no later segment may read them; their bytes added to the piece's forward
+        after their last reader and to its backward after the re-run point). Returns the held bytes."""
+        m, lo, hi = self.m, self.edges[a], self.edges[b]
+        t_r = int(m.recompute_at[rerun_chunk(m, a, b)])
+        for s in variant.kept:
+            if s in self.tracked:
+                flags[s] = True
+        held = 0
+        for s, _ in variant.held:
+            if s in flags:
+                flags[s] = False
+            size = int(m.size[s])
+            held += size
+            if m.last_use[s] + 1 < hi:
+                alive_f[max(int(m.last_use[s]) + 1, lo) - lo] += size
+            alive_b[t_r + 1 - lo] += size
+        return held
 
     def _rerun(self, a: int, b: int, variant: Variant | None) -> tuple[int, int] | None:
         """Node at which segment ``[a, b)`` is re-run, and its plan-independent bytes there (with the
@@ -310,12 +319,12 @@ class _ChainDP:
     def run(self) -> tuple[ChunkPlan, frozenset] | None:
         """The best plan and its saves, or None when no plan fits."""
         K = self.m.n_chunks
-        end = _Step.upto(self.budget - self._tail(closing=not self.optimistic), 0)
-        self.value: list[dict[int, _Step]] = [{} for _ in range(K)] + [
+        end = Step.upto(self.budget - self._tail(closing=not self.optimistic), 0)
+        self.value: list[dict[int, Step]] = [{} for _ in range(K)] + [
             {mask: end for mask in range(1 << len(self.opened[K]))}]
         for a in range(K - 1, -1, -1):
             for mask in range(1 << len(self.opened[a])):
-                best = _Step.upto(-1, 0)
+                best = Step.upto(-1, 0)
                 for cost, worst, added, b, out, _ in self._moves(a, mask):
                     cap, after = self.budget - worst, self.value[b][out]
                     if cap < 0 or cost + after.value[0] >= best.at(cap):
@@ -372,42 +381,3 @@ class _ChainDP:
                 saves |= self.variants(a, b)[v].saves
             a, mask, kept = b, out, kept + added
         return tuple(plan), frozenset(saves)
-
-
-@dataclass(frozen=True, slots=True)
-class _Step:
-    """A non-decreasing step function of the kept bytes M >= 0: ``value[i]`` on
-    ``[start[i], start[i+1])``, INF past the last start whose value is INF."""
-
-    start: np.ndarray
-    value: np.ndarray
-
-    @staticmethod
-    def upto(limit: int, value: int) -> "_Step":
-        """``value`` for M <= limit, INF beyond."""
-        if limit < 0:
-            return _Step(np.array([0], dtype=np.int64), np.array([INF], dtype=np.int64))
-        return _Step(np.array([0, limit + 1], dtype=np.int64), np.array([value, INF], dtype=np.int64))
-
-    def at(self, kept) -> np.ndarray | int:
-        return self.value[np.searchsorted(self.start, kept, side="right") - 1]
-
-    def shifted(self, added: int, *, cap: int, plus: int) -> "_Step":
-        """``M -> plus + self(M + added)`` for M <= cap, INF beyond."""
-        if cap < 0:
-            return _Step.upto(-1, 0)
-        start = self.start - added
-        keep = (start > 0) & (start <= cap)
-        starts = np.concatenate(([0], start[keep], [cap + 1]))
-        values = np.concatenate(([self.at(added)], self.value[keep], [INF]))
-        values = np.where(values >= INF, INF, values + plus)
-        return _Step(starts, values)._compact()
-
-    def minimum(self, other: "_Step") -> "_Step":
-        starts = np.sort(np.concatenate((self.start, other.start)))
-        starts = starts[np.concatenate(([True], starts[1:] != starts[:-1]))]
-        return _Step(starts, np.minimum(self.at(starts), other.at(starts)))._compact()
-
-    def _compact(self) -> "_Step":
-        change = np.concatenate(([True], self.value[1:] != self.value[:-1]))
-        return _Step(self.start[change], self.value[change])

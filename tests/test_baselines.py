@@ -5,7 +5,8 @@ import pytest
 from planner.baselines import every_block, no_checkpointing, sqrt_n
 from planner.rotor import rotor
 from planner.simulate import simulate
-from planner.solve import NoSolution, min_peak, solve
+from planner.peaks import min_peak
+from planner.solve import NoSolution, solve
 from planner.synthetic import brute_force, memory_model, min_peak_brute, random_profile
 
 

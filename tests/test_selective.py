@@ -16,7 +16,8 @@ from planner.rotor import _ChainDP, rotor_saves
 from planner.saves import SaveOptions, cacheable, check_saves, partner, segment_of
 from planner.simulate import simulate
 from planner.selective import every_save
-from planner.solve import NoSolution, Solution, encoded_peak, search, solve
+from planner.peaks import encoded_peak
+from planner.solve import NoSolution, Solution, search, solve
 from planner.synthetic import all_plans, memory_model, min_peak_brute, random_profile
 
 

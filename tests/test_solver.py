@@ -5,7 +5,8 @@ import random
 import pytest
 
 from planner.simulate import simulate
-from planner.solve import NoSolution, encoded_peak, min_peak, search, solve
+from planner.peaks import encoded_peak, min_peak
+from planner.solve import NoSolution, search, solve
 from planner.synthetic import all_plans, brute_force, memory_model, min_peak_brute, random_profile
 
 CASES = [(n, seed, skips) for n, seed in [(6, 0), (8, 1), (9, 2), (10, 3), (10, 4)] for skips in (False, True)]

@@ -4,7 +4,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from planner.simulate import simulate
-from planner.solve import NoSolution, min_peak, solve
+from planner.peaks import min_peak
+from planner.solve import NoSolution, solve
 from planner.synthetic import memory_model, random_profile
 
 graphs = st.builds(lambda n, seed, skips: memory_model(random_profile(n, seed, skip_connections=skips)),
