@@ -118,8 +118,10 @@ def header(plan: Plan, *, model_file: str, solver: str) -> Table:
     grid.add_row("overhead", Text.assemble(
         (f"+{100 * plan.predicted_overhead:.1f}%", "bold yellow"),
         f" predicted: {plan.recompute_ms:.2f} ms recomputed per {plan.step_ms:.2f} ms step"))
+    saved = sum(len(seg.saved_nodes) for seg in plan.segments)
+    keeps = f", {saved} op output{'' if saved == 1 else 's'} kept inside them" if saved else ""
     grid.add_row("plan", Text.assemble(
-        f"{count} checkpointed segment{'' if count == 1 else 's'}, solver {solver} ",
+        f"{count} checkpointed segment{'' if count == 1 else 's'}{keeps}, solver {solver} ",
         (plan.solver_status, "green" if plan.solver_status == "OPTIMAL" else "yellow"),
         f" in {plan.solve_time_s:.2f} s, on {plan.device}"))
     grid.add_row("capture", plan.capture_method)
@@ -139,16 +141,21 @@ def _table(title: str) -> Table:
 
 
 def segments_table(plan: Plan) -> Table:
-    """One row per segment: module paths, graph nodes, bytes freed, recompute time."""
+    """One row per segment: module paths, graph nodes, bytes freed, recompute time, and (selective plans)
+    how many op outputs it keeps."""
     table = _table("checkpointed segments")
     table.add_column("#", justify="right")
     table.add_column("modules", overflow="fold")
     table.add_column("nodes", justify="right")
     table.add_column("frees", justify="right")
     table.add_column("recompute", justify="right")
+    selective = any(seg.saved_nodes for seg in plan.segments)
+    if selective:
+        table.add_column("keeps", justify="right")
     for i, seg in enumerate(plan.segments):
-        table.add_row(str(i), Text(short_paths(seg.module_paths)), str(len(seg.nodes)),
-                      format_bytes(seg.freed_bytes), f"{seg.recompute_ms:.2f} ms")
+        row = [str(i), Text(short_paths(seg.module_paths)), str(len(seg.nodes)),
+               format_bytes(seg.freed_bytes), f"{seg.recompute_ms:.2f} ms"]
+        table.add_row(*row, *([f"{len(seg.saved_nodes)} ops"] if selective else []))
     return table
 
 
@@ -183,7 +190,8 @@ def print_explain(console: Console, plan: Plan) -> None:
 
 
 def explain_segments(segments: tuple[Segment, ...]) -> Table:
-    """Every segment in full: all module paths, its node range, bytes freed, ms recomputed, buffers restored."""
+    """Every segment in full: all module paths, its node range, the nodes it keeps (selective), bytes freed,
+    ms recomputed, buffers restored."""
     table = _table("checkpointed segments in detail")
     table.add_column("#", justify="right")
     table.add_column("modules and nodes", overflow="fold")
@@ -193,6 +201,9 @@ def explain_segments(segments: tuple[Segment, ...]) -> Table:
     for i, seg in enumerate(segments):
         nodes = seg.nodes[0] if len(seg.nodes) == 1 else f"{seg.nodes[0]} … {seg.nodes[-1]}"
         what = Text.assemble((", ".join(seg.module_paths), "cyan"), f"\n{len(seg.nodes)} node{'' if len(seg.nodes) == 1 else 's'}: {nodes}")
+        if seg.saved_nodes:
+            what.append(f"\nkeeps the outputs of {len(seg.saved_nodes)} node{'' if len(seg.saved_nodes) == 1 else 's'} "
+                        f"(not re-run): {', '.join(seg.saved_nodes)}")
         if seg.restore_buffers:
             owners = sorted({name.rsplit(".", 1)[0] for name in seg.restore_buffers})
             what.append(f"\nrestores {len(seg.restore_buffers)} buffers of {_paths_text(owners)} after "
