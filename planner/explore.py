@@ -154,6 +154,7 @@ def sweep(
     profile: Prepared | Profile | None = None,
     solver: str = "cpsat",
     time_limit_s: float = 30.0,
+    selective: bool = True,
     progress: Callable[[str], None] | None = None,
 ) -> Tradeoff:
     """Plans ``model`` for every budget from one capture and profile.
@@ -174,6 +175,8 @@ def sweep(
             or a ``Profile`` (``planner.profile``, ``planner.load_profile``) to skip profiling only.
         solver: strategy from ``planner.solvers.SOLVERS``; ``cpsat`` is optimal.
         time_limit_s: solver time limit per budget, s.
+        selective: op-level saves inside segments (``optimize``'s default, ~7 s per budget on the GPT
+            example); ``False`` for whole-segment plans (~0.2 s per budget).
         progress: called with each stage's name (``capture``, ``profile``, ``solve``, ``rewrite``).
 
     Returns:
@@ -199,7 +202,8 @@ def sweep(
     for budget in budgets:
         start = time.perf_counter()
         try:
-            plan = plan_for(prepared, budget, solver=solver, time_limit_s=time_limit_s, progress=progress)
+            plan = plan_for(prepared, budget, solver=solver, time_limit_s=time_limit_s, selective=selective,
+                            progress=progress)
         except InfeasibleBudget as exc:
             rows.append(TradeoffRow(budget_bytes=exc.budget_bytes, feasible=False, predicted_peak_bytes=None,
                                     predicted_overhead=None, n_segments=None,

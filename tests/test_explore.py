@@ -16,6 +16,7 @@ matplotlib.use("Agg")
 import planner  # noqa: E402
 from planner import explore  # noqa: E402
 from planner.explore import Tradeoff, TradeoffRow, knee_index, monotone, pareto_front, sweep  # noqa: E402
+from planner.optimize import plan_for  # noqa: E402
 from planner.plan import load_plan  # noqa: E402
 from models import tower, tower_inputs  # noqa: E402
 
@@ -139,6 +140,22 @@ def test_profile_skips_capture_and_profile(prepared, monkeypatch):
     monkeypatch.setattr(explore, "prepare", fail)
     result = sweep(prepared.model, ["100%", "60%"], profile=prepared, time_limit_s=10)
     assert result.prepared is prepared and len(result.rows) == 2
+
+
+def test_whole_segment_sweep_plans_without_saves(prepared, monkeypatch):
+    """selective=False reaches plan_for for every budget; each row is the whole-segment plan of its budget."""
+    asked = []
+
+    def recording(*args, **kwargs):
+        asked.append(kwargs["selective"])
+        return plan_for(*args, **kwargs)
+
+    monkeypatch.setattr(explore, "plan_for", recording)
+    result = sweep(prepared.model, ["70%", "50%"], profile=prepared, time_limit_s=10, selective=False)
+    assert asked == [False, False]
+    for row in result.rows:
+        assert row.plan.recompute_ms == plan_for(prepared, row.budget_bytes, selective=False).recompute_ms
+        assert not any(s.saved_nodes for s in row.plan.segments)
 
 
 def test_sweep_without_profile_prepares_the_model():
