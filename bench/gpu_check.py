@@ -1,0 +1,113 @@
+"""The checks a session lent a CUDA device runs once, in one go (no GPU has measured ckplan yet).
+
+Per example: profile one step on the device and save it to ``profiles/<example>-<gpu>.json``; plan at
+each budget, selective and whole-segment, from that profile; measure every plan's peak
+(``torch.cuda.max_memory_allocated``, ``planner.measure.measure_peak``) and its step time against the
+un-checkpointed model (interleaved, median); and compare the roofline estimate for ``--spec`` (a
+bundled device spec) with the measured profile. Writes ``gpu_check.md`` (and the profiles) under
+``--out``::
+
+    python bench/gpu_check.py --out "$OUT"                                   # on the device machine
+    python bench/gpu_check.py --device cpu --examples seed_cnn gpt --out /tmp/gpu_check   # dry run here
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch.utils._pytree import tree_map
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT))
+
+from compare_strategies import EXAMPLES, load, mib  # noqa: E402
+
+
+def on_device(name: str, device: torch.device):
+    """The example's model, inputs and loss on ``device`` (its loss reads module globals: moved too)."""
+    model, inputs, loss_fn = load(name)
+    module = sys.modules[f"ckplan_example_{name}"]
+    for key, value in list(vars(module).items()):
+        if isinstance(value, torch.Tensor):
+            setattr(module, key, value.to(device))
+    move = lambda t: t.to(device) if isinstance(t, torch.Tensor) else t  # noqa: E731
+    return model.to(device), tree_map(move, inputs), loss_fn
+
+
+def example_rows(name: str, device: torch.device, budgets: list[int], runs: int, out: Path, spec: str) -> list[str]:
+    from planner import InfeasibleBudget
+    from planner.capture import as_inputs
+    from planner.measure import measure_peak, step_times_ms
+    from planner.optimize import plan_for, prepare
+
+    model, inputs, loss_fn = on_device(name, device)
+    began = time.perf_counter()
+    prepared = prepare(model, inputs=inputs, loss_fn=loss_fn)
+    prepare_s = time.perf_counter() - began
+    gpu = torch.cuda.get_device_name(device).replace(" ", "-").lower() if device.type == "cuda" else device.type
+    prepared.profile.save(str(out / f"{name}-{gpu}.json"))
+    example = as_inputs(model, inputs)
+    rows = [f"| {name} | none | | {mib(prepared.baseline.peak_bytes)} / "
+            f"{mib(measure_peak(model, example, loss_fn))} | | | prepare {prepare_s:.1f} s, "
+            f"sac_op_us {prepared.profile.sac_op_us:.1f} |"]
+    for fraction in budgets:
+        plans = {}
+        for selective in (True, False):
+            try:
+                plans["selective" if selective else "whole-segment"] = plan_for(prepared, f"{fraction}%",
+                                                                                 selective=selective)
+            except InfeasibleBudget as exc:
+                rows.append(f"| {name} | {fraction}% | infeasible: {str(exc).splitlines()[0][:70]} | | | | |")
+                break
+        if not plans:
+            continue
+        times = step_times_ms([model, *(p.module for p in plans.values())], example, loss_fn, runs=runs)
+        for (kind, plan), ms in zip(plans.items(), times[1:]):
+            saves = sum(len(s.saved_nodes) for s in plan.segments)
+            measured = measure_peak(plan.module, example, loss_fn)
+            rows.append(f"| {name} | {fraction}% {kind} | {len(plan.segments)} / {saves} | "
+                        f"{mib(plan.predicted_peak_bytes)} / {mib(measured)} (budget {mib(plan.budget_bytes)}) | "
+                        f"{100 * plan.predicted_overhead:+.1f}% | {100 * (ms / times[0] - 1):+.1f}% | "
+                        f"{plan.solver_status} {plan.solve_time_s:.1f} s |")
+    if spec:  # the roofline on meta tensors for the bundled spec, against this measured profile
+        estimated = prepare(model, inputs=inputs, loss_fn=loss_fn, device=spec)
+        rows.append(f"| {name} | estimate for {spec} | | {mib(estimated.baseline.peak_bytes)} / "
+                    f"{mib(prepared.baseline.peak_bytes)} (profiled) | step {estimated.profile.step_ms:.2f} ms | "
+                    f"step {prepared.profile.step_ms:.2f} ms (profiled) | |")
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--examples", nargs="+", default=EXAMPLES)
+    parser.add_argument("--budgets", nargs="+", type=int, default=[70, 50, 30])
+    parser.add_argument("--runs", type=int, default=20)
+    parser.add_argument("--spec", default="h200", help="bundled device spec for the roofline row ('' to skip)")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    what = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
+    lines = [f"# ckplan on {what}", "",
+             f"`python bench/gpu_check.py --device {args.device} --examples {' '.join(args.examples)} "
+             f"--budgets {' '.join(map(str, args.budgets))} --runs {args.runs}`, torch {torch.__version__}. "
+             "Peaks in MiB (predicted / measured); overhead = step time / un-checkpointed step - 1.", "",
+             "| example | budget / plan | segments / saves | peak pred / meas | overhead pred | overhead meas | solver |",
+             "|---|---|---|---|---|---|---|"]
+    for name in args.examples:
+        lines += example_rows(name, device, args.budgets, args.runs, out, args.spec)
+        print("\n".join(lines[-1:]), flush=True)
+    (out / "gpu_check.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
