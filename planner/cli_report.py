@@ -123,11 +123,18 @@ def header(plan: Plan, *, model_file: str, solver: str) -> Table:
     grid.add_row("plan", Text.assemble(
         f"{count} checkpointed segment{'' if count == 1 else 's'}{keeps}, solver {solver} ",
         (plan.solver_status, "green" if plan.solver_status == "OPTIMAL" else "yellow"),
-        f" in {plan.solve_time_s:.2f} s, on {plan.device}"))
+        _gap(plan), f" in {plan.solve_time_s:.2f} s, on {plan.device}"))
     grid.add_row("capture", plan.capture_method)
     for note in plan.capture_notes:
         grid.add_row("", Text(note.splitlines()[0][:160], style="dim"))
     return grid
+
+
+def _gap(plan: Plan) -> str:
+    """How far a FEASIBLE plan may be from the best one, from the solver's proven bound ("" if none)."""
+    if plan.solver_status != "FEASIBLE" or plan.recompute_bound_ms <= 0 or plan.recompute_ms <= 0:
+        return ""
+    return f" (at most {100 * (1 - plan.recompute_bound_ms / plan.recompute_ms):.1f}% more recompute than the best plan)"
 
 
 def _section(console: Console, renderable: Table | Text) -> None:

@@ -186,6 +186,7 @@ def plan_from_solution(prepared: Prepared, solution: Solution, budget_bytes: int
         segments=segments,
         solver_status=solution.status,
         solve_time_s=solution.solve_time_s,
+        recompute_bound_ms=min(solution.bound_us, solution.recompute_us) / 1000,
         fingerprint=prepared.captured.fingerprint,
         capture_method=prepared.captured.method,
         capture_notes=prepared.captured.notes,

@@ -76,6 +76,9 @@ class Plan:
     solver_status: str
     """``OPTIMAL`` (proven under the cost model) or ``FEASIBLE`` (time limit hit)."""
     solve_time_s: float
+    recompute_bound_ms: float = 0.0
+    """Proven lower bound on the recompute time of any plan that fits the budget (``recompute_ms``
+    itself when OPTIMAL; 0 when nothing is proven, e.g. a fixed baseline's plan)."""
     fingerprint: str
     """Structure hash of the traced graph the plan refers to."""
     capture_method: str
@@ -140,7 +143,7 @@ class Plan:
         """JSON-ready description (everything but the module)."""
         data = {"format": FORMAT, "version": VERSION}
         for name in ("budget_bytes", "predicted_peak_bytes", "baseline_peak_bytes", "predicted_overhead",
-                     "recompute_ms", "step_ms", "solver_status", "solve_time_s", "fingerprint",
+                     "recompute_ms", "step_ms", "solver_status", "solve_time_s", "recompute_bound_ms", "fingerprint",
                      "capture_method", "capture_notes", "device", "source", "peak_breakdown"):
             data[name] = getattr(self, name)
         data["largest_kept"] = [list(item) for item in self.largest_kept]

@@ -139,6 +139,8 @@ def test_gpt_selective_plans_are_exact_with_dropout(gpt, restore_buffers):
     plan = plan_for(prepared, "30%", selective=True, time_limit_s=10)
     whole = plan_for(prepared, "30%", selective=False)
     assert plan.recompute_ms <= whole.recompute_ms + 1e-9  # the hint is whole's plan: never worse
+    assert whole.solver_status == "OPTIMAL" and whole.recompute_bound_ms == whole.recompute_ms
+    assert 0 <= plan.recompute_bound_ms <= plan.recompute_ms  # the gap the CLI reports
     forced, _ = _forced_saves(prepared, "30%")
     assert "_ckplan_sac_contexts" in forced.source and sum(len(s.saved_nodes) for s in forced.segments) >= 8
     for candidate in (plan, forced):
