@@ -236,3 +236,33 @@ def test_hugging_face_decoder_on_meta_plans_for_h100():
     plan = optimize(model, "50%", inputs={"input_ids": ids, "labels": ids, "use_cache": False}, device="h100")
     assert plan.capture_method.startswith("torch.export") and plan.segments
     assert plan.predicted_peak_bytes <= plan.budget_bytes and plan.step_ms > 0
+
+
+_calls = iter(range(10**6))
+
+
+@torch.fx.wrap
+def _shape_changing(y: torch.Tensor) -> torch.Tensor:
+    return y[: 1 + next(_calls) % 3]  # another shape on every call: a re-run cannot match its forward
+
+
+class _ReRunMismatch(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _shape_changing(self.linear(x)).relu()
+
+
+def test_sac_calibration_measures_and_survives_a_graph_checkpoint_rejects():
+    """sac_op_us is measured on a graph that runs as one checkpointed segment, and is "not measured"
+    (-1), not an error, on one whose re-run checkpoint rejects."""
+    from planner.profile_timing import sac_op_overhead_us
+
+    model = tower()
+    gm = torch.fx.symbolic_trace(model)
+    assert sac_op_overhead_us(gm, as_inputs(model, tower_inputs()), default_loss, torch.device("cpu"), 10) >= 0
+    bad = _ReRunMismatch()
+    gm = torch.fx.symbolic_trace(bad)
+    assert sac_op_overhead_us(gm, as_inputs(bad, (torch.randn(8, 4),)), default_loss, torch.device("cpu"), 5) == -1.0
