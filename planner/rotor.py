@@ -267,7 +267,7 @@ class _ChainDP:
             if s in self.tracked:
                 flags[s] = True
         held = 0
-        for s, _ in variant.held:
+        for s in variant.held:
             if s in flags:
                 flags[s] = False
             size = int(m.size[s])

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from planner.saves import NEVER, cached, partner, until_rerun
+from planner.saves import NEVER, cached, partner, relief_row, until_rerun
 from planner.simulate import MemoryModel
 
 PREFIXES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
@@ -29,10 +29,10 @@ class Variant:
     """Forward time the saves spare the re-run, minus SAC's dispatch cost over the segment."""
     kept: tuple[int, ...]
     """Cached storages some node saves for backward: kept (model release)."""
-    held: tuple[tuple[int, int], ...]
-    """``(storage, o)``: cached storages nobody saves, held by SAC's cache until the re-run."""
+    held: tuple[int, ...]
+    """Cached storages nobody saves, held by SAC's cache until the re-run."""
     relief: np.ndarray
-    """Per node of the segment: bytes the recomputed term no longer counts (``relief_at``)."""
+    """Per node of the segment: bytes the recomputed term no longer counts (``relief_row``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,9 +42,9 @@ class _Candidate:
     cost_us: int
     density: float
     kept: tuple[int, ...]
-    held: tuple[tuple[int, int], ...]
+    held: tuple[int, ...]
     relief: np.ndarray
-    """``relief_at(node, t)`` for every node t (zero before the node)."""
+    """``planner.saves.relief_row`` of the node."""
 
 
 class SaveTable:
@@ -61,7 +61,7 @@ class SaveTable:
                 node=o, partner=partner(model, o), cost_us=int(model.node_cost_us[o]),
                 density=model.node_cost_us[o] / max(1, int(model.size[mine].sum())),
                 kept=tuple(int(s) for s in mine if model.first_saver[s] < NEVER),
-                held=tuple((int(s), o) for s in held), relief=_relief_row(model, mine)))
+                held=tuple(int(s) for s in held), relief=relief_row(model, o)))
         self.items.sort(key=lambda c: (-c.density, c.node))
 
     def variants(self, a: int, b: int) -> list[Variant]:
@@ -83,16 +83,3 @@ class SaveTable:
                                relief=sum(c.relief[lo:hi] for c in chosen)))
         return out
 
-
-def _relief_row(model: MemoryModel, mine: np.ndarray) -> np.ndarray:
-    """``relief_at(o, t)`` for every t, for o's cached storages ``mine``: the saved ones from their first
-    saver on, except at the nodes that save them (what t saves itself is in its measured constant)."""
-    row = np.zeros(model.n_nodes + 1, dtype=np.int64)
-    for s in mine:
-        if model.first_saver[s] < NEVER:
-            row[model.first_saver[s]] += model.size[s]
-    row = np.cumsum(row)[:-1]
-    for s in mine:
-        for u in model.savers[s]:
-            row[u] -= model.size[s]
-    return row

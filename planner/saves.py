@@ -164,16 +164,14 @@ def kept_by_saves(model: MemoryModel, saves: Saves) -> tuple[np.ndarray, np.ndar
 
 def bump_relief(model: MemoryModel, plan: ChunkPlan, saves: Saves) -> np.ndarray:
     """Per node t: bytes the backward at t does not hold although the kept prefix counts them: a save in
-    t's segment hands back its cached storage instead of a recomputed copy (``relief_at``), and a cached
+    t's segment hands back its cached storage instead of a recomputed copy (``relief_row``), and a cached
     storage nobody saves is gone once the segment's re-run has passed (``dropped_at``)."""
     out = np.zeros(model.n_nodes, dtype=np.int64)
     seg = segment_of(model, plan)
     for o in saves:
-        for t in range(o, model.n_nodes):
-            if seg[t] != seg[o]:
-                break
-            out[t] += relief_at(model, o, t)
         first, stop = plan[seg[o]]
+        hi = model.regions.bounds(stop - 1)[1]
+        out[o:hi] += relief_row(model, o)[o:hi]
         rerun = max(int(model.recompute_at[k]) for k in range(first, stop))
         out[o + 1:rerun + 1] += dropped_at(model, o)
     return out
@@ -185,11 +183,20 @@ def dropped_at(model: MemoryModel, o: int) -> int:
     return int(model.size[until_rerun(model, o)].sum())
 
 
-def relief_at(model: MemoryModel, o: int, t: int) -> int:
-    """Bytes of ``o``'s cached storages counted as recomputed at t's backward (first saved at or
-    before t, and not by t itself: what t saves is in the measured constant at t)."""
-    own = set(model.own_saved[t])
-    return int(sum(int(model.size[s]) for s in cached(model, o) if model.first_saver[s] <= t and s not in own))
+def relief_row(model: MemoryModel, o: int) -> np.ndarray:
+    """Per node t: bytes of ``o``'s cached storages counted as recomputed at t's backward (first saved at
+    or before t, and not by t itself: what t saves is in the measured constant at t); zero before o."""
+    mine = cached(model, o)
+    row = np.zeros(model.n_nodes + 1, dtype=np.int64)
+    for s in mine:
+        if model.first_saver[s] < NEVER:
+            row[model.first_saver[s]] += model.size[s]
+    row = np.cumsum(row)[:-1]
+    for s in mine:
+        for u in model.savers[s]:
+            if s in model.own_saved[u]:
+                row[u] -= model.size[s]
+    return row
 
 
 def rerun_parts(model: MemoryModel, first: int, last: int, stop: int,

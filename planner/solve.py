@@ -16,7 +16,7 @@ from ortools.sat.python import cp_model
 from planner.saves import SaveOptions
 from planner.simulate import (ChunkPlan, MemoryModel, prefix_by, recomputed_from, rerun_bytes, rerun_chunk,
                               simulate)
-from planner.solve_selective import (add_saves, cache_items, dropped_terms, objective_relief, relief_terms,
+from planner.solve_selective import (add_saves, backward_reliefs, cache_items, objective_relief, relief_rows,
                                      rerun_limits, sac_overhead, same_segment)
 
 
@@ -55,6 +55,7 @@ class _Vars:
     same: dict = None     # same[o, k]: o is saved and chunk k is in its segment
     sac: object = 0       # time SAC's dispatch modes add to segments with saves (objective term)
     cache: list = None    # (storage, release, save[o]): cached storages nobody saves, kept until the re-run
+    rows: dict = None     # rows[o]: per node, the bytes a save of o keeps from being counted as recomputed
 
 
 def build(model: MemoryModel, *, budget_bytes: int | None,
@@ -108,9 +109,10 @@ def build(model: MemoryModel, *, budget_bytes: int | None,
             reasons.append(v)
         cp.add_bool_or(reasons).only_enforce_if(var)
         kept[int(s)] = var
+    rows = relief_rows(model, save)
     variables = _Vars(segment=segment, covers=covers, ckpt=ckpt, kept=kept, save=save,
-                      same=same_segment(cp, model, save, covers), sac=sac_overhead(cp, model, save, covers),
-                      cache=cache_items(model, save))
+                      same=same_segment(cp, model, save, covers, rows), rows=rows,
+                      sac=sac_overhead(cp, model, save, covers), cache=cache_items(model, save))
     peak = cp.new_int_var(0, _upper_bound(model), "peak") if budget_bytes is None else None
     limit = peak if peak is not None else budget_bytes
     _add_forward_limits(cp, model, variables, limit)
@@ -192,15 +194,14 @@ def _add_backward_limits(cp, model: MemoryModel, variables: _Vars, limit) -> Non
     kept_at = _kept_prefix(cp, model, variables, model.release,
                            times + [int(model.recompute_at[last]) for _, last in reruns], "bwd_kept",
                            cache=[(at, s, var) for s, at, var in variables.cache or ()])
-    dropped = dropped_terms(model, variables.same) if variables.same else {}
+    reliefs = backward_reliefs(model, variables.same, variables.rows) if variables.same else {}
     for t in times:
         k = owner[t]
         bump = sum(int(recomputed[a, t]) * variables.covers[a, k]
                    for a in range(k + 1) if (a, k) in variables.covers and recomputed[a, t]) if k >= 0 else 0
         # what t itself saves is in the measured constant at t, not in the kept prefix
         own = sum(int(model.size[x]) * variables.kept[x] for x in model.own_saved[t] if x in variables.kept)
-        relief = sum(relief_terms(model, variables.same, t, k)) + sum(dropped.get(t, ())) if k >= 0 and variables.same \
-            else 0
+        relief = sum(reliefs.get(t, ()))
         _add_limit(cp, kept_at[t] - own + int(const[t] - own_fixed[t]) + bump - relief, limit)
     # Re-run of segment [a, b): just before the backward of its last saving node t.
     extra = const - model.const_bwd  # always-kept storages released by t

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from planner.saves import NEVER, SaveOptions, cached, dropped_at, pack_chunks, partner, relief_at, rerun_parts, until_rerun
+from planner.saves import (NEVER, SaveOptions, cached, dropped_at, pack_chunks, partner, relief_row, rerun_parts,
+                           until_rerun)
 from planner.simulate import MemoryModel
 
 
@@ -57,9 +58,14 @@ def cache_items(model: MemoryModel, save: dict) -> list[tuple[int, int, object]]
     return [(int(s), o + 1, var) for o, var in save.items() for s in until_rerun(model, o)]
 
 
-def same_segment(cp, model: MemoryModel, save: dict, covers: dict) -> dict:
+def relief_rows(model: MemoryModel, save: dict) -> dict[int, np.ndarray]:
+    """``planner.saves.relief_row`` of every candidate."""
+    return {o: relief_row(model, o) for o in save}
+
+
+def same_segment(cp, model: MemoryModel, save: dict, covers: dict, rows: dict) -> dict:
     """``x[o, k]``: o is saved and chunk k lies in o's segment (``k >= chunk(o)``), for the chunks
-    where o's cached storages would otherwise be counted as recomputed."""
+    where o's cached storages would otherwise be counted as recomputed (``rows``: ``relief_rows``)."""
     owner = model.regions.chunk_of()
     out = {}
     for o, var in save.items():
@@ -70,8 +76,7 @@ def same_segment(cp, model: MemoryModel, save: dict, covers: dict) -> dict:
             if not same:
                 break
             lo, hi = model.regions.bounds(k)
-            if not (dropped_at(model, o) and model.recompute_at[k] >= 0) and not any(
-                    relief_at(model, o, t) for t in range(lo, hi)):
+            if not (dropped_at(model, o) and model.recompute_at[k] >= 0) and not rows[o][lo:hi].any():
                 continue
             x = cp.new_bool_var(f"same_segment[{o},{k}]")
             cp.add(x <= var)
@@ -81,23 +86,18 @@ def same_segment(cp, model: MemoryModel, save: dict, covers: dict) -> dict:
     return out
 
 
-def relief_terms(model: MemoryModel, same: dict, t: int, k: int) -> list:
-    """Terms ``bytes * x`` subtracted from the recomputed bytes at node t (in chunk k)."""
-    terms = []
-    for (o, kk), x in same.items():
-        if kk == k and o <= t:
-            b = relief_at(model, o, t)
-            if b:
-                terms.append(b * x)
-    return terms
-
-
-def dropped_terms(model: MemoryModel, same: dict) -> dict[int, list]:
-    """Per backward node t: terms ``bytes * x`` for the cached storages nobody saves that are gone at t
-    (t after o, and o's segment re-runs past t: it covers ``pack_chunk(t)``)."""
+def backward_reliefs(model: MemoryModel, same: dict, rows: dict) -> dict[int, list]:
+    """Per backward node t: terms ``bytes * x`` subtracted from its bytes. A save in t's segment hands
+    back its cached storage instead of a recomputed copy (``rows[o][t] * same[o, chunk(t)]``), and a
+    cached storage nobody saves is gone at t when t comes after o and o's segment re-runs past t
+    (``dropped_at(o) * same[o, pack_chunk(t)]``)."""
     owner, pack = model.regions.chunk_of(), pack_chunks(model)
     out: dict[int, list] = {}
-    for (o, k), _ in same.items():
+    for (o, k), x in same.items():
+        lo, hi = model.regions.bounds(k)
+        for t in range(max(lo, o), hi):
+            if rows[o][t] and model.has_bwd[t]:
+                out.setdefault(t, []).append(int(rows[o][t]) * x)
         b = dropped_at(model, o)
         if k != owner[o] or not b:
             continue
