@@ -17,8 +17,9 @@ from pathlib import Path
 import torch
 import transformers
 
-from planner.capture import as_inputs, capture
-from planner.profile import profile
+from planner.capture.inputs import as_inputs
+from planner.capture.api import capture
+from planner.profiling.memory_pass import profile
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))

@@ -51,12 +51,12 @@ def mib(nbytes: float) -> str:
 
 
 def strategy_rows(name: str, fractions: list[int], runs: int) -> list[str]:
-    from planner.capture import as_inputs
+    from planner.capture.inputs import as_inputs
     from planner.errors import PlannerError
-    from planner.measure import measure_peak, step_times_ms
-    from planner.optimize import plan_from_solution, prepare
-    from planner.solve import NoSolution
-    from planner.solvers import SOLVERS
+    from planner.profiling.measure import measure_peak, step_times_ms
+    from planner.pipeline import plan_from_solution, prepare
+    from planner.solve.result import NoSolution
+    from planner.solve.registry import SOLVERS
 
     model, inputs, loss_fn = load(name)
     example = as_inputs(model, inputs)
@@ -91,7 +91,7 @@ def worker(name: str, mode: str, fraction: int, runs: int) -> dict:
     """One configuration in a fresh process: RSS growth of one step and median step time."""
     import torch._functorch.config as functorch_config
 
-    from planner.optimize import optimize
+    from planner.pipeline import optimize
 
     model, inputs, loss_fn = load(name)
     module = model

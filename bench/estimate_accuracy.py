@@ -20,8 +20,8 @@ import torch
 
 import planner
 from planner.budget import format_bytes
-from planner.capture import as_inputs
-from planner.measure import measure_peak
+from planner.capture.inputs import as_inputs
+from planner.profiling.measure import measure_peak
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ("seed_cnn", "gpt", "resnet")

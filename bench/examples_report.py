@@ -20,8 +20,8 @@ import torch
 
 from planner import InfeasibleBudget, optimize
 from planner.budget import format_bytes
-from planner.capture import as_inputs
-from planner.measure import measure_peak, step_times_ms
+from planner.capture.inputs import as_inputs
+from planner.profiling.measure import measure_peak, step_times_ms
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ["seed_cnn", "gpt", "resnet"]

@@ -42,9 +42,9 @@ def on_device(name: str, device: torch.device):
 
 def example_rows(name: str, device: torch.device, budgets: list[int], runs: int, out: Path, spec: str) -> list[str]:
     from planner import InfeasibleBudget
-    from planner.capture import as_inputs
-    from planner.measure import measure_peak, step_times_ms
-    from planner.optimize import plan_for, prepare
+    from planner.capture.inputs import as_inputs
+    from planner.profiling.measure import measure_peak, step_times_ms
+    from planner.pipeline import plan_for, prepare
 
     model, inputs, loss_fn = on_device(name, device)
     began = time.perf_counter()

@@ -49,11 +49,11 @@ def mib(nbytes: float) -> str:
 
 
 def rows_for(name: str, fractions: list[int], runs: int) -> list[str]:
-    from planner.capture import as_inputs
+    from planner.capture.inputs import as_inputs
     from planner.errors import PlannerError
-    from planner.measure import measure_peak, step_times_ms
-    from planner.optimize import plan_for, plan_from_solution, prepare
-    from planner.solvers import SOLVERS
+    from planner.profiling.measure import measure_peak, step_times_ms
+    from planner.pipeline import plan_for, plan_from_solution, prepare
+    from planner.solve.registry import SOLVERS
 
     ns = runpy.run_path(str(ROOT / "examples" / f"{name}.py"))
     model, inputs, loss_fn = ns["model"], ns["inputs"], ns["loss_fn"]
@@ -95,9 +95,10 @@ def rows_for(name: str, fractions: list[int], runs: int) -> list[str]:
 def plan_with_every_save(prepared, budget_bytes: int):
     """The whole-segment plan for ``budget_bytes`` with every save its segments allow
     (``planner.selective.every_save``), SAC's dispatch cost not charged."""
-    from planner.optimize import plan_from_solution
-    from planner.selective import every_save
-    from planner.solve import Solution, solve
+    from planner.pipeline import plan_from_solution
+    from planner.rewrite.candidates import every_save
+    from planner.solve.result import Solution
+    from planner.solve.default import solve
 
     memory = prepared.memory
     chunks = solve(memory, budget_bytes).plan
@@ -108,9 +109,9 @@ def plan_with_every_save(prepared, budget_bytes: int):
 
 def uncharged(prepared, budget_bytes: int):
     """The selective plan CP-SAT picks when saves cost no dispatch time (as in compiled code)."""
-    from planner.optimize import plan_from_solution
-    from planner.selective import save_options
-    from planner.solve import solve
+    from planner.pipeline import plan_from_solution
+    from planner.rewrite.candidates import save_options
+    from planner.solve.default import solve
 
     free = dataclasses.replace(prepared.memory, sac_chunk_us=prepared.memory.sac_chunk_us * 0)
     options = save_options(prepared.captured.graph_module, prepared.profile, free)
@@ -121,9 +122,9 @@ def compiled_rows(name: str, fraction: int, runs: int, passes: int) -> list[str]
     """Eager vs compiled rows of one example and budget, one fresh process each (``worker``)."""
     from compare_strategies import load
 
-    from planner.capture import as_inputs
-    from planner.measure import measure_peak
-    from planner.optimize import plan_for, prepare
+    from planner.capture.inputs import as_inputs
+    from planner.profiling.measure import measure_peak
+    from planner.pipeline import plan_for, prepare
 
     model, inputs, loss_fn = load(name)
     prepared = prepare(model, inputs=inputs, loss_fn=loss_fn)
@@ -187,9 +188,10 @@ def worker(name: str, mode: str, fraction: int, runs: int, spec_path: str) -> di
     import torch._functorch.config as functorch_config
     from compare_strategies import load, measure_step
 
-    from planner.capture import as_inputs, capture
-    from planner.profile_api import capture_inputs
-    from planner.rewrite import SegmentSpec, rewrite
+    from planner.capture.inputs import as_inputs
+    from planner.capture.api import capture
+    from planner.profiling.api import capture_inputs
+    from planner.rewrite.graph import SegmentSpec, rewrite
 
     torch.set_num_threads(1)  # the machine is shared: two OpenMP threads on a busy core stall each other
     model, inputs, loss_fn = load(name)

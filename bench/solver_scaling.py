@@ -16,11 +16,11 @@ import os
 import time
 from pathlib import Path
 
-from planner.regions import find_regions
-from planner.simulate import build_model, simulate
-from planner.solve import NoSolution
-from planner.solvers import SOLVERS
-from planner.synthetic import transformer_profile
+from planner.memory.regions import find_regions
+from planner.memory.simulate import build_model, simulate
+from planner.solve.result import NoSolution
+from planner.solve.registry import SOLVERS
+from planner.memory.synthetic import transformer_profile
 
 ROOT = Path(__file__).resolve().parent.parent
 NODES_PER_LAYER = 17

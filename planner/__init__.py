@@ -4,24 +4,38 @@
     plan = optimize(model, "60%", inputs=(x,))
     loss_fn(plan.module(x)).backward()
 
-The pipeline (one module per stage): capture -> profile -> regions -> simulate
--> solve -> rewrite, with measure as the check. See docs/architecture.md.
+The pipeline, one subpackage per stage: capture -> profiling -> memory -> solve -> rewrite;
+``optimize`` wires them, ``report`` holds the views. See docs/architecture.md.
+
+The public names below are imported on first use, so that the torch-free stages
+(``planner.memory``, ``planner.solve``) can be imported without torch.
 """
 
-from planner.budget import parse_budget
-from planner.errors import CaptureError, InfeasibleBudget, PlannerError, ProfileError
-from planner.explore import Tradeoff, sweep
-from planner.optimize import Prepared, optimize, plan_for, prepare
-from planner.plan import Plan, Segment, load_plan
-from planner.costs import Profile
-from planner.devices import device_names
-from planner.errors import ProfileFileError, ProfileMismatch
-from planner.profile_api import profile  # the function; the stage's module stays importable as planner.profile
-from planner.profile_io import load_profile
+import importlib
 
-__all__ = [
-    "optimize", "prepare", "plan_for", "Prepared", "load_plan", "Plan", "Segment", "InfeasibleBudget", "PlannerError", "CaptureError",
-    "ProfileError", "parse_budget", "sweep", "Tradeoff",
-    "profile", "Profile", "load_profile", "ProfileMismatch", "ProfileFileError", "device_names",
-]
+_PUBLIC = {
+    "optimize": "planner.pipeline", "prepare": "planner.pipeline", "plan_for": "planner.pipeline",
+    "Prepared": "planner.pipeline",
+    "Plan": "planner.plan", "Segment": "planner.plan", "load_plan": "planner.plan",
+    "parse_budget": "planner.budget",
+    "PlannerError": "planner.errors", "CaptureError": "planner.errors", "InfeasibleBudget": "planner.errors",
+    "ProfileError": "planner.errors", "ProfileMismatch": "planner.errors", "ProfileFileError": "planner.errors",
+    "profile": "planner.profiling.api", "Profile": "planner.profiling.record", "load_profile": "planner.profiling.record",
+    "device_names": "planner.profiling.devices",
+    "sweep": "planner.report.explore", "Tradeoff": "planner.report.explore",
+    "plot_timeline": "planner.report.plotting",
+}
+__all__ = list(_PUBLIC)
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    if name not in _PUBLIC:
+        raise AttributeError(f"module 'planner' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_PUBLIC[name]), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_PUBLIC])

@@ -2,6 +2,6 @@
 
 import sys
 
-from planner.cli import main
+from planner.report.cli import main
 
 sys.exit(main())

@@ -53,16 +53,18 @@ def _fmt(nbytes: int) -> str:
     return format_bytes(nbytes)
 
 
-_TORCH_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__import__("torch").__file__)))
 _PLANNER_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
 def user_frame(exc: BaseException) -> str | None:
     """``file:line: code`` of the innermost traceback frame in the user's own code."""
+    import torch  # only callers that caught a torch error get here
+
+    torch_dir = os.path.dirname(os.path.dirname(os.path.abspath(torch.__file__)))
     found = None
     for frame in traceback.extract_tb(exc.__traceback__):
         path = os.path.abspath(frame.filename)
-        if path.startswith(_PLANNER_DIR) or path.startswith(_TORCH_DIR) or frame.filename.startswith("<"):
+        if path.startswith(_PLANNER_DIR) or path.startswith(torch_dir) or frame.filename.startswith("<"):
             continue
         if "site-packages" in path or "dist-packages" in path:
             continue

@@ -6,16 +6,18 @@ fresh instance of the same architecture (checked by graph fingerprint).
 
 from __future__ import annotations
 
+import html
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from torch import nn
 
 from planner.budget import format_bytes
-from planner.capture import EXPORT, as_inputs, capture
-from planner.rewrite import SegmentSpec, rewrite
+from planner.capture.api import EXPORT, capture
+from planner.capture.inputs import as_inputs
+from planner.rewrite.graph import SegmentSpec, rewrite
 
 FORMAT = "ckplan-plan"
 VERSION = 1
@@ -155,17 +157,25 @@ class Plan:
         """Writes ``to_dict()`` as JSON; read it back with ``load_plan``."""
         Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
 
-    def plot_timeline(self, ax=None):
-        """Predicted memory over one training step, with and without the plan (a matplotlib
-        Figure; ``ax``: draw into these axes). See ``planner.plotting.plot_timeline``."""
-        from planner.plotting import plot_timeline
-
-        return plot_timeline(self, ax=ax)
-
     def _repr_html_(self) -> str:
-        from planner.explore import plan_html
-
-        return plan_html(self)
+        """A notebook summary: the plan's numbers and its checkpointed segments."""
+        numbers = [
+            ["predicted peak", f"{format_bytes(self.baseline_peak_bytes)} → {format_bytes(self.predicted_peak_bytes)}"],
+            ["budget", format_bytes(self.budget_bytes)],
+            ["overhead", f"+{100 * self.predicted_overhead:.1f}% ({self.recompute_ms:.2f} ms per "
+                         f"{self.step_ms:.2f} ms step)"],
+            ["solver", f"{self.solver_status} in {self.solve_time_s:.2f} s"],
+            ["device", self.device],
+        ]
+        segments = [[str(i), ", ".join(s.module_paths), str(len(s.nodes)), format_bytes(s.freed_bytes),
+                     f"{s.recompute_ms:.2f} ms"] for i, s in enumerate(self.segments)]
+        parts = [f"<div><p><b>ckplan plan</b>: {len(self.segments)} checkpointed segment(s)</p>",
+                 html_table(["", ""], numbers)]
+        if segments:
+            parts.append(html_table(["#", "modules", "nodes", "frees", "recompute"], segments))
+        else:
+            parts.append("<p>nothing checkpointed: the model already fits the budget</p>")
+        return "".join(parts) + "</div>"
 
     def __repr__(self) -> str:
         return (f"Plan(segments={len(self.segments)}, peak {format_bytes(self.predicted_peak_bytes)} of budget "
@@ -205,3 +215,10 @@ def load_plan(path: str | Path) -> Plan:
         timeline = MemoryTimeline(**{k: tuple(v) for k, v in timeline.items()})
     fields["capture_notes"] = tuple(fields.get("capture_notes", ()))
     return Plan(module=None, segments=segments, largest_kept=largest, timeline=timeline, **fields)
+
+
+def html_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """An HTML table of escaped text cells (the notebook summaries of plans and trade-offs)."""
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>" for row in rows)
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"

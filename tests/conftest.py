@@ -42,8 +42,8 @@ def training_step(module: torch.nn.Module, model: torch.nn.Module, inputs, loss_
 def assert_plan_is_exact(model, plan, inputs, loss_fn, restore) -> None:
     """The planned module matches the model (outputs, every gradient, buffers after a step), its
     measured peak fits the budget, and the prediction is within 10% of the measurement."""
-    from planner.capture import as_inputs
-    from planner.measure import measure_peak
+    from planner.capture.inputs import as_inputs
+    from planner.profiling.measure import measure_peak
 
     restore(model)
     expected = training_step(model, model, inputs, loss_fn, seed=7)

@@ -2,12 +2,13 @@
 
 import pytest
 
-from planner.baselines import every_block, no_checkpointing, sqrt_n
-from planner.rotor import rotor
-from planner.simulate import simulate
-from planner.peaks import min_peak
-from planner.solve import NoSolution, solve
-from planner.synthetic import brute_force, memory_model, min_peak_brute, random_profile
+from planner.solve.baselines import every_block, no_checkpointing, sqrt_n
+from planner.solve.rotor import rotor
+from planner.memory.simulate import simulate
+from planner.solve.peaks import min_peak
+from planner.solve.result import NoSolution
+from planner.solve.default import solve
+from planner.memory.synthetic import brute_force, memory_model, min_peak_brute, random_profile
 
 
 @pytest.mark.parametrize("seed", range(8))

@@ -3,11 +3,11 @@ exact smallest peak, and a lower bound that never exceeds the optimum."""
 
 import pytest
 
-from planner import rotor as chain
-from planner.rotor import relaxed, rotor, smallest_peak
-from planner.simulate import simulate
-from planner.solve import NoSolution
-from planner.synthetic import brute_force, memory_model, min_peak_brute, random_profile, transformer_profile
+from planner.solve import rotor as chain
+from planner.solve.rotor import relaxed, rotor, smallest_peak
+from planner.memory.simulate import simulate
+from planner.solve.result import NoSolution
+from planner.memory.synthetic import brute_force, memory_model, min_peak_brute, random_profile, transformer_profile
 
 CASES = [(n, seed, skips) for n, seed in [(6, 5), (8, 6), (9, 7), (9, 8)] for skips in (False, True)]
 
@@ -59,8 +59,8 @@ def test_untracked_storages_keep_plans_feasible_and_bounds_valid(monkeypatch):
 
 def test_transformer_graph_is_proven_optimal_by_the_dps():
     """On a residual stack every storage is tracked: the two DPs meet (solve needs no CP-SAT)."""
-    from planner.regions import find_regions
-    from planner.simulate import build_model
+    from planner.memory.regions import find_regions
+    from planner.memory.simulate import build_model
     profile = transformer_profile(12)
     model = build_model(profile, find_regions(profile, max_chunks=128))
     budget = simulate(model, ()).peak_bytes // 2

@@ -22,8 +22,8 @@ import pytest
 import torch
 
 from planner import load_plan
-from planner.cli import MODEL_MODULE, load_model_file, main
-from planner.solvers import SOLVERS
+from planner.report.cli import MODEL_MODULE, load_model_file, main
+from planner.solve.registry import SOLVERS
 
 ROOT = Path(__file__).resolve().parent.parent
 SEED_CNN = str(ROOT / "examples" / "seed_cnn.py")

@@ -20,10 +20,11 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from models import Tower
 from planner import optimize
-from planner.optimize import plan_for, plan_from_solution, prepare
-from planner.selective import every_save
-from planner.simulate import simulate
-from planner.solve import Solution, solve
+from planner.pipeline import plan_for, plan_from_solution, prepare
+from planner.rewrite.candidates import every_save
+from planner.memory.simulate import simulate
+from planner.solve.result import Solution
+from planner.solve.default import solve
 
 pytestmark = pytest.mark.slow  # inductor compiles C++: ~10 s per model on 2 cores
 

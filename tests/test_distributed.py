@@ -22,11 +22,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from planner import InfeasibleBudget, load_plan, plan_for, prepare
-from planner.distributed import early_gathers, memory_offset, resolve_units, setup, split_at_units
-from planner.distributed_rank import (apply_plan, count_collectives, fully_shard_units, plan_on_rank0,
+from planner.distributed.memory import early_gathers, memory_offset, resolve_units, setup, split_at_units
+from planner.distributed.rank import (apply_plan, count_collectives, fully_shard_units, plan_on_rank0,
                                       rank_peak_bytes, resident_bytes, same_on_all_ranks)
 from planner.plan import Segment
-from planner.solve import Solution
+from planner.solve.result import Solution
 
 WIDTH, DEPTH, ROWS = 64, 4, 1024
 UNITS = [f"blocks.{i}" for i in range(DEPTH)]

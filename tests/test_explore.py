@@ -14,9 +14,9 @@ from hypothesis import strategies as st
 matplotlib.use("Agg")
 
 import planner  # noqa: E402
-from planner import explore  # noqa: E402
-from planner.explore import Tradeoff, TradeoffRow, knee_index, monotone, pareto_front, sweep  # noqa: E402
-from planner.optimize import plan_for  # noqa: E402
+from planner.report import explore  # noqa: E402
+from planner.report.explore import Tradeoff, TradeoffRow, knee_index, monotone, pareto_front, sweep  # noqa: E402
+from planner.pipeline import plan_for  # noqa: E402
 from planner.plan import load_plan  # noqa: E402
 from models import tower, tower_inputs  # noqa: E402
 
@@ -335,7 +335,7 @@ def test_tradeoff_plots(tradeoff, tmp_path):
 
 def test_plan_timeline(tradeoff, tmp_path):
     plan = next(r.plan for r in tradeoff.rows if r.feasible and r.n_segments >= 2)
-    fig = plan.plot_timeline()
+    fig = planner.plot_timeline(plan)
     ax = fig.axes[0]
     lines = {line.get_label(): line for line in ax.get_lines()}
     with_plan = next(line for label, line in lines.items() if label.startswith("with plan"))
@@ -349,15 +349,15 @@ def test_plan_timeline(tradeoff, tmp_path):
 
 def test_timeline_of_empty_and_loaded_plans(tradeoff, tmp_path):
     empty = tradeoff.rows[0].plan
-    empty.plot_timeline().savefig(tmp_path / "empty.png")
+    planner.plot_timeline(empty).savefig(tmp_path / "empty.png")
     assert_png(tmp_path / "empty.png")
     plan = next(r.plan for r in tradeoff.rows if r.feasible and r.n_segments)
     plan.save(tmp_path / "plan.json")
     loaded = load_plan(tmp_path / "plan.json")
-    loaded.plot_timeline().savefig(tmp_path / "loaded.png")
+    planner.plot_timeline(loaded).savefig(tmp_path / "loaded.png")
     assert_png(tmp_path / "loaded.png")
     with pytest.raises(ValueError, match="plan again"):
-        dataclasses.replace(loaded, timeline=None).plot_timeline()
+        planner.plot_timeline(dataclasses.replace(loaded, timeline=None))
 
 
 def test_timeline_into_given_axes(tradeoff, tmp_path):
@@ -365,5 +365,5 @@ def test_timeline_into_given_axes(tradeoff, tmp_path):
 
     fig = Figure()
     left, right = fig.subplots(1, 2)
-    assert tradeoff.rows[2].plan.plot_timeline(ax=right) is fig
+    assert planner.plot_timeline(tradeoff.rows[2].plan, ax=right) is fig
     assert right.get_lines() and not left.get_lines()

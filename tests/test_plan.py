@@ -8,8 +8,8 @@ import torch
 from conftest import training_step
 from models import DictModel, dict_loss, tower, tower_inputs
 from planner import InfeasibleBudget, load_plan, optimize
-from planner.capture import as_inputs
-from planner.measure import measure_peak
+from planner.capture.inputs import as_inputs
+from planner.profiling.measure import measure_peak
 
 
 @pytest.fixture(scope="module")

@@ -19,10 +19,10 @@ import planner
 from conftest import EXAMPLES, assert_plan_is_exact, load_example
 from models import tower, tower_inputs
 from planner import ProfileFileError, ProfileMismatch, load_profile, optimize, sweep
-from planner.capture import as_inputs
-from planner.devices import device_names, load_device
-from planner.estimate import Roofline
-from planner.measure import measure_peak
+from planner.capture.inputs import as_inputs
+from planner.profiling.devices import device_names, load_device
+from planner.profiling.estimate import Roofline
+from planner.profiling.measure import measure_peak
 from planner.step import default_loss
 
 
@@ -58,8 +58,8 @@ def test_planning_from_a_saved_profile_does_not_profile_and_is_deterministic(mea
 
     def no_profiling(*args, **kwargs):
         raise AssertionError("profiled again")
-    monkeypatch.setattr("planner.profile_api.measure", no_profiling)
-    monkeypatch.setattr("planner.profile_api.estimate", no_profiling)
+    monkeypatch.setattr("planner.profiling.api.measure", no_profiling)
+    monkeypatch.setattr("planner.profiling.api.estimate", no_profiling)
     first = optimize(model, "60%", inputs=tower_inputs(), profile=load_profile(tmp_path / "p.json"))
     second = optimize(model, "60%", inputs=tower_inputs(), profile=load_profile(tmp_path / "p.json"))
     assert first.segments and _segments(first) == _segments(second) == _segments(fresh)
@@ -186,7 +186,7 @@ def test_a_meta_model_plans_for_a_gpu_without_allocating():
 
 
 def test_cli_saves_a_profile_and_plans_from_it(tmp_path, capsys):
-    from planner.cli import main
+    from planner.report.cli import main
 
     seed, path = str(EXAMPLES / "seed_cnn.py"), str(tmp_path / "seed.json")
     assert main([seed, "--budget", "100%", "--json", "--save-profile", path]) == 0
@@ -258,7 +258,7 @@ class _ReRunMismatch(nn.Module):
 def test_sac_calibration_measures_and_survives_a_graph_checkpoint_rejects():
     """sac_op_us is measured on a graph that runs as one checkpointed segment, and is "not measured"
     (-1), not an error, on one whose re-run checkpoint rejects."""
-    from planner.profile_timing import sac_op_overhead_us
+    from planner.profiling.timing import sac_op_overhead_us
 
     model = tower()
     gm = torch.fx.symbolic_trace(model)

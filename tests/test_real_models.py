@@ -5,7 +5,7 @@ import torch
 
 from conftest import assert_plan_is_exact
 from planner import InfeasibleBudget, optimize
-from planner.capture import EXPORT
+from planner.capture.api import EXPORT
 
 transformers = pytest.importorskip("transformers")
 

@@ -8,8 +8,8 @@ from torch.utils.checkpoint import checkpoint
 
 from conftest import load_example
 from planner import InfeasibleBudget, ProfileError, optimize
-from planner.capture import as_inputs
-from planner.measure import measure_peak
+from planner.capture.inputs import as_inputs
+from planner.profiling.measure import measure_peak
 
 
 class SeedPlacement(torch.nn.Module):

@@ -11,14 +11,16 @@ from torch.utils.flop_counter import FlopCounterMode
 from conftest import assert_plan_is_exact, load_example
 from models import tower, tower_inputs
 from planner import InfeasibleBudget
-from planner.optimize import plan_for, plan_from_solution, prepare
-from planner.rotor import _ChainDP, rotor_saves
-from planner.saves import SaveOptions, cacheable, check_saves, partner, segment_of
-from planner.simulate import simulate
-from planner.selective import every_save
-from planner.peaks import encoded_peak
-from planner.solve import NoSolution, Solution, search, solve
-from planner.synthetic import all_plans, memory_model, min_peak_brute, random_profile
+from planner.pipeline import plan_for, plan_from_solution, prepare
+from planner.solve.rotor import _ChainDP, rotor_saves
+from planner.memory.saves import SaveOptions, cacheable, check_saves, partner, segment_of
+from planner.memory.simulate import simulate
+from planner.rewrite.candidates import every_save
+from planner.solve.peaks import encoded_peak
+from planner.solve.result import NoSolution, Solution
+from planner.solve.cpsat import search
+from planner.solve.default import solve
+from planner.memory.synthetic import all_plans, memory_model, min_peak_brute, random_profile
 
 
 def _model(seed, n=9):
@@ -197,7 +199,7 @@ inputs = (torch.randn(256, 32),)
 def test_cli_override_errors_exit_2_in_one_line(flags, message, tmp_path, monkeypatch, capsys):
     import sys
 
-    from planner.cli import MODEL_MODULE, main
+    from planner.report.cli import MODEL_MODULE, main
 
     (tmp_path / "model.py").write_text(TINY)
     monkeypatch.chdir(tmp_path)
@@ -211,7 +213,7 @@ def test_cli_override_errors_exit_2_in_one_line(flags, message, tmp_path, monkey
 def test_cli_overrides_that_make_the_budget_infeasible_exit_3(tmp_path, monkeypatch, capsys):
     import sys
 
-    from planner.cli import MODEL_MODULE, main
+    from planner.report.cli import MODEL_MODULE, main
 
     (tmp_path / "model.py").write_text(TINY)
     monkeypatch.chdir(tmp_path)
@@ -225,7 +227,7 @@ def test_cli_overrides_that_make_the_budget_infeasible_exit_3(tmp_path, monkeypa
 def test_cli_whole_segments_and_saves(tmp_path, monkeypatch, capsys):
     import sys
 
-    from planner.cli import MODEL_MODULE, main
+    from planner.report.cli import MODEL_MODULE, main
 
     (tmp_path / "model.py").write_text(TINY)
     monkeypatch.chdir(tmp_path)
@@ -243,7 +245,7 @@ def test_cli_whole_segments_and_saves(tmp_path, monkeypatch, capsys):
 def test_policy_saves_fresh_outputs_of_marked_nodes_and_never_random_ops():
     from torch.utils.checkpoint import CheckpointPolicy
 
-    from planner.sac import policy, sac_mark
+    from planner.rewrite.sac import policy, sac_mark
 
     aten = torch.ops.aten
     save, recompute = CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_RECOMPUTE

@@ -4,10 +4,12 @@ import random
 
 import pytest
 
-from planner.simulate import simulate
-from planner.peaks import encoded_peak, min_peak
-from planner.solve import NoSolution, search, solve
-from planner.synthetic import all_plans, brute_force, memory_model, min_peak_brute, random_profile
+from planner.memory.simulate import simulate
+from planner.solve.peaks import encoded_peak, min_peak
+from planner.solve.result import NoSolution
+from planner.solve.cpsat import search
+from planner.solve.default import solve
+from planner.memory.synthetic import all_plans, brute_force, memory_model, min_peak_brute, random_profile
 
 CASES = [(n, seed, skips) for n, seed in [(6, 0), (8, 1), (9, 2), (10, 3), (10, 4)] for skips in (False, True)]
 

@@ -3,10 +3,11 @@
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from planner.simulate import simulate
-from planner.peaks import min_peak
-from planner.solve import NoSolution, solve
-from planner.synthetic import memory_model, random_profile
+from planner.memory.simulate import simulate
+from planner.solve.peaks import min_peak
+from planner.solve.result import NoSolution
+from planner.solve.default import solve
+from planner.memory.synthetic import memory_model, random_profile
 
 graphs = st.builds(lambda n, seed, skips: memory_model(random_profile(n, seed, skip_connections=skips)),
                    st.integers(4, 12), st.integers(0, 10_000), st.booleans())

@@ -5,7 +5,7 @@ import torch
 
 from conftest import assert_plan_is_exact
 from planner import InfeasibleBudget, optimize
-from planner.capture import FX
+from planner.capture.api import FX
 from zoo import MobileNetV2, ResNet18, ViT, images, labels_loss
 
 # (builder, batch, image size, reaches 50%): ResNet-18's stride-2 stem makes its first activations and
@@ -63,7 +63,7 @@ def test_autocast_bf16_profile_sees_the_saved_bf16_activations(restore_buffers):
 def test_untraceable_blocks_are_planned_as_opaque_calls(budget, restore_buffers):
     """Neither fx nor torch.export can trace the blocks (value-dependent branch): the model is
     captured with its blocks as single calls, and whole blocks are checkpointed."""
-    from planner.capture import FX_BLOCKS
+    from planner.capture.api import FX_BLOCKS
     from zoo import GatedTower
 
     torch.manual_seed(0)

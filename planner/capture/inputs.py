@@ -1,0 +1,49 @@
+"""The example inputs of ``model(...)``, normalised once: positional and keyword arguments."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Inputs:
+    """Example inputs of ``model(...)``, split into positional and keyword arguments."""
+
+    args: tuple
+    kwargs: dict[str, Any]
+
+    def describe(self) -> tuple[str, ...]:
+        """``name: dtype[shape]`` of each tensor input, for profiles and errors."""
+        items = [(f"arg{i}", v) for i, v in enumerate(self.args)] + list(self.kwargs.items())
+        return tuple(
+            f"{name}: {str(v.dtype).removeprefix('torch.')}{list(v.shape)}" if isinstance(v, torch.Tensor)
+            else f"{name}: {type(v).__name__}"
+            for name, v in items
+        )
+
+
+def as_inputs(model: nn.Module, inputs: tuple | Mapping | torch.Tensor | None) -> Inputs:
+    """Normalises ``inputs=`` (tuple, dict, single tensor, or the model's ``example_inputs``)."""
+    if inputs is None:
+        inputs = getattr(model, "example_inputs", None)
+        if callable(inputs):
+            inputs = inputs()
+        if inputs is None:
+            raise TypeError(
+                f"no example inputs for {type(model).__name__}: pass inputs=(x,) or inputs={{'name': x}} "
+                "to optimize(), or give the model an `example_inputs` attribute"
+            )
+    if isinstance(inputs, torch.Tensor):
+        return Inputs(args=(inputs,), kwargs={})
+    if isinstance(inputs, Mapping):
+        return Inputs(args=(), kwargs=dict(inputs))
+    if isinstance(inputs, (tuple, list)):
+        return Inputs(args=tuple(inputs), kwargs={})
+    raise TypeError(
+        f"inputs must be a tuple of positional arguments or a dict of keyword arguments, "
+        f"got {type(inputs).__name__}"
+    )

@@ -1,0 +1,294 @@
+"""Planning for one rank of a data-parallel job (FSDP2 or DDP): the per-device memory model.
+
+The profile measures an un-sharded step: full parameters, gradients as autograd creates them,
+no optimizer state. ``memory_offset`` turns that into one rank's memory as a plan-independent
+per-node offset (added to the simulator's constants): under FSDP2 parameters, gradients and
+optimizer state are sharded 1/N, plus the all-gathered parameters of the units in flight and
+the reduce-scattered gradients in flight; under DDP the replicas stay whole and the gradient
+buckets are added. ``docs/distributed.md`` derives it. ``split_at_units`` cuts segments so each
+re-runs at most one FSDP unit: a unit re-run before its own backward stays gathered until then.
+What runs inside the job (rank agreement, sharding, counting) is in ``distributed_rank.py``.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+from dataclasses import dataclass, replace
+from typing import Callable, Sequence
+
+import numpy as np
+from torch import nn
+
+from planner.profiling.record import Profile
+from planner.errors import InfeasibleBudget
+from planner.memory.simulate import ChunkPlan, MemoryModel, simulate
+from planner.solve.peaks import min_peak
+from planner.solve.result import Solution
+from planner.capture.scope import path_of
+
+PARALLEL = ("fsdp", "ddp")
+"""Data-parallel engines a plan can budget for."""
+OPTIMIZER_STATES = {"sgd": 0, "sgd-momentum": 1, "adam": 2, "adamw": 2}
+"""Optimizer state kept per parameter, in multiples of the parameter's bytes."""
+ROOT = ""
+"""Unit name of the root module: the parameters outside every named unit."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Distributed:
+    """How one rank's memory differs from the profiled un-sharded step."""
+
+    world_size: int
+    """Number of ranks N the parameters are sharded over (FSDP) or replicated on (DDP)."""
+    parallel: str | None
+    """``fsdp``, ``ddp``, or None on a single device (only the optimizer state is added)."""
+    units: tuple[str, ...] = ()
+    """Module paths of the FSDP units (``fully_shard`` targets besides the root), in model order."""
+    unit_bytes: dict[str, int]
+    """Per unit (``""`` for the root): parameter bytes as all-gathered, padded to N shards."""
+    shard_bytes: dict[str, int]
+    """Per unit: parameter bytes one rank keeps between steps (its padded shard; all under DDP)."""
+    grad_bytes: dict[str, int]
+    """Per unit: bytes of the gradients of its trainable parameters, un-sharded."""
+    param_bytes: int
+    """All parameters, un-sharded, bytes (what the profile counted)."""
+    optimizer_bytes: int
+    """Optimizer state on one rank, bytes (sharded 1/N under FSDP)."""
+
+    @property
+    def opaque(self) -> frozenset[str]:
+        """Modules to capture as single calls: FSDP2 gathers a unit in its forward's hooks."""
+        return frozenset(self.units)
+
+
+def setup(model: nn.Module, *, world_size: int = 1, parallel: str | None = None,
+          units: Sequence[str] | None = None, optimizer: str | int | None = None) -> Distributed | None:
+    """Checks the distributed arguments of ``optimize`` and measures the model's parameters.
+
+    Returns None for a plain single-device plan (world_size 1, no parallel engine, no optimizer).
+
+    Raises:
+        ValueError: world_size below 1, an unknown engine or optimizer, or units that name no module.
+    """
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be an integer >= 1 (the number of ranks), got {world_size!r}")
+    if parallel is None and world_size > 1:
+        parallel = "fsdp"
+    if parallel is not None and parallel not in PARALLEL:
+        raise ValueError(f"unknown parallel={parallel!r}: use one of {', '.join(PARALLEL)} "
+                         "(ckplan --parallel fsdp|ddp)")
+    if units is not None and parallel != "fsdp":
+        raise ValueError(f"units= names FSDP units, but parallel is {parallel!r}: pass parallel='fsdp' or drop units")
+    if parallel is None and optimizer is None:
+        return None
+    found = resolve_units(model, units) if parallel == "fsdp" else ()
+    n = world_size if parallel == "fsdp" else 1
+    unit_bytes, shard_bytes, grad_bytes = {ROOT: 0}, {ROOT: 0}, {ROOT: 0}
+    for u in found:
+        unit_bytes[u] = shard_bytes[u] = grad_bytes[u] = 0
+    seen, full, state = set(), 0, 0
+    for name, p in model.named_parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        owner = next((u for u in found if name.startswith(u + ".")), ROOT)
+        shard = _shard_bytes(p, n)
+        unit_bytes[owner] += shard * n
+        shard_bytes[owner] += shard
+        full += p.numel() * p.element_size()
+        if p.requires_grad:
+            grad_bytes[owner] += p.numel() * p.element_size()
+            state += shard
+    return Distributed(world_size=world_size, parallel=parallel, units=found, unit_bytes=unit_bytes,
+                       shard_bytes=shard_bytes, grad_bytes=grad_bytes, param_bytes=full,
+                       optimizer_bytes=_optimizer_bytes(optimizer, state, n))
+
+
+def _shard_bytes(p: nn.Parameter, n: int) -> int:
+    """One rank's shard of ``p``: FSDP2 splits dim 0 into N chunks padded to the largest."""
+    if n == 1 or p.dim() == 0:
+        return p.numel() * p.element_size()
+    return math.ceil(p.shape[0] / n) * (p.numel() // max(p.shape[0], 1)) * p.element_size()
+
+
+def _optimizer_bytes(optimizer: str | int | None, trainable_shard_bytes: int, n: int) -> int:
+    if optimizer is None:
+        return 0
+    if isinstance(optimizer, str) and optimizer.lower() in OPTIMIZER_STATES:
+        return OPTIMIZER_STATES[optimizer.lower()] * trainable_shard_bytes
+    if isinstance(optimizer, int) and not isinstance(optimizer, bool) and optimizer >= 0:
+        return -(-optimizer // n)  # a total for all parameters: one rank holds its share
+    raise ValueError(f"unknown optimizer={optimizer!r}: use one of {', '.join(OPTIMIZER_STATES)} or the bytes "
+                     "of its state for the whole model (an int >= 0)")
+
+
+def resolve_units(model: nn.Module, units: Sequence[str] | None) -> tuple[str, ...]:
+    """FSDP units as module paths in model order: ``units`` (paths or per-part globs such as
+    ``layers.*``), default the children of the largest container of numbered submodules.
+
+    Raises:
+        ValueError: a pattern matches no submodule, units are nested, or there is no default.
+    """
+    names = [name for name, _ in model.named_modules() if name]
+    if units is None:
+        children: dict[str, list[str]] = {}
+        for name in names:
+            parent, _, last = name.rpartition(".")
+            if last.isdigit():
+                children.setdefault(parent, []).append(name)
+        if not children:
+            raise ValueError(f"{type(model).__name__} has no container of numbered blocks to shard: pass "
+                             "units=['path.of.block', ...] (module paths or globs such as 'layers.*')")
+        return tuple(max(children.values(), key=len))
+    if isinstance(units, str):
+        units = [units]
+    found: dict[str, None] = {}
+    for pattern in units:
+        parts = pattern.split(".")
+        matched = [n for n in names if len(n.split(".")) == len(parts)
+                   and all(fnmatch.fnmatchcase(a, b) for a, b in zip(n.split("."), parts))]
+        if not matched:
+            raise ValueError(f"unit {pattern!r} matches no submodule of {type(model).__name__}: name modules as "
+                             "model.named_modules() does, e.g. 'blocks.0' or 'blocks.*'")
+        found.update(dict.fromkeys(matched))
+    for a in found:
+        for b in found:
+            if b.startswith(a + "."):
+                raise ValueError(f"unit {b!r} is inside unit {a!r}: name disjoint modules as units")
+    order = {name: i for i, name in enumerate(names)}
+    return tuple(sorted(found, key=order.__getitem__))
+
+
+def unit_of_nodes(profile: Profile, units: Sequence[str]) -> list[str]:
+    """The FSDP unit each node runs in (``""``: the root's own code)."""
+    wanted = set(units)
+    out = []
+    for node in profile.nodes:
+        paths = (path_of(entry) for entry in node.scope)
+        out.append(next((p for p in paths if p in wanted), ROOT))
+    return out
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MemoryOffset:
+    """Plan-independent bytes added to every node's forward and backward constant."""
+
+    fwd_bytes: np.ndarray
+    bwd_bytes: np.ndarray
+    param_bytes: int
+    """Parameter and buffer bytes one rank keeps (shards under FSDP), for the peak's breakdown."""
+
+
+def memory_offset(profile: Profile, dist: Distributed) -> MemoryOffset:
+    """One rank's memory minus the profiled un-sharded step's, per node (docs/distributed.md)."""
+    n_nodes = len(profile.nodes)
+    resident = sum(dist.shard_bytes.values()) + dist.optimizer_bytes - dist.param_bytes
+    if dist.parallel != "fsdp":  # full replicas; DDP adds its flat gradient buckets
+        extra = resident + (sum(dist.grad_bytes.values()) if dist.parallel == "ddp" else 0)
+        return MemoryOffset(fwd_bytes=np.full(n_nodes, extra, dtype=np.int64),
+                            bwd_bytes=np.full(n_nodes, extra, dtype=np.int64),
+                            param_bytes=profile.param_bytes - dist.param_bytes + sum(dist.shard_bytes.values()))
+    owner = unit_of_nodes(profile, dist.units)
+    gathered, n = dist.unit_bytes, dist.world_size
+    first = {u: owner.index(u) for u in dist.units if u in owner}
+    last = {u: n_nodes - 1 - owner[::-1].index(u) for u in first}
+    order = sorted(first, key=first.__getitem__)
+    fwd = np.zeros(n_nodes, dtype=np.int64)
+    bwd = np.zeros(n_nodes, dtype=np.int64)
+    for t, u in enumerate(owner):
+        nxt = next((v for v in order if first[v] > t), None)
+        prev = next((v for v in reversed(order) if last[v] < t), None)
+        fwd[t] = resident + _in_flight(gathered, u, nxt)
+        done = [v for v in order if first[v] > t]  # units whose backward has finished
+        # finished units keep a 1/N shard of their gradients; the latest one's reduce-scatter may
+        # still be in flight (un-sharded input and sharded output both alive)
+        shrink = sum(dist.grad_bytes[v] for v in done[1:]) * (n - 1) // n
+        in_flight_rs = dist.grad_bytes[done[0]] // n if done else 0
+        bwd[t] = resident + _in_flight(gathered, u, prev) - shrink + in_flight_rs
+    return MemoryOffset(fwd_bytes=fwd, bwd_bytes=bwd,
+                        param_bytes=profile.param_bytes - dist.param_bytes + sum(dist.shard_bytes.values()))
+
+
+def _in_flight(gathered: dict[str, int], unit: str, neighbour: str | None) -> int:
+    """All-gathered parameter bytes while a node of ``unit`` runs: the root's (never resharded
+    before backward), the unit's, and the larger of the unit's all-gather buffer (before copy-out)
+    and the neighbour unit being prefetched."""
+    own = gathered[unit] if unit != ROOT else 0
+    return gathered[ROOT] + own + max(own, gathered[neighbour] if neighbour else 0)
+
+
+def split_at_units(memory: MemoryModel, solution: Solution, budget_bytes: int, dist: Distributed,
+                   profile: Profile, *, resolve: Callable[[int], Solution] | None = None,
+                   time_limit_s: float = 30.0, attempts: int = 4) -> Solution:
+    """Cuts segments between the FSDP units they contain, so a segment re-runs at most one unit.
+
+    A segment re-runs when its backward first unpacks a saved tensor. FSDP2 (torch >= 2.4) does
+    not reshard a unit re-run during backward, so a unit re-run before its own backward stays
+    gathered from the re-run until its post-backward: the all-gather moves earlier (the count does
+    not change), and memory holds one more unit. The memory model counts one such unit (the
+    neighbour term of ``_in_flight``), which is what one unit per segment can need.
+
+    Cutting keeps the cut points' tensors, so the cut plan may exceed the budget: then the plan is
+    solved again (``resolve(budget)``) for a budget lowered by the excess, up to ``attempts`` times,
+    and last the cut smallest-peak plan is tried.
+
+    Raises:
+        InfeasibleBudget: no cut plan found fits the budget.
+    """
+    if not dist.units or not solution.plan:
+        return solution
+    unit_nodes = [u != ROOT for u in unit_of_nodes(profile, dist.units)]
+    target, tried = budget_bytes, []
+    for _ in range(attempts):
+        predicted = simulate(memory, _cut(memory, solution.plan, unit_nodes))
+        tried.append(predicted)
+        if predicted.peak_bytes <= budget_bytes:
+            if predicted.plan == solution.plan:
+                return solution
+            status = solution.status if target == budget_bytes else "FEASIBLE"  # optimal for a lower budget only
+            return replace(solution, plan=predicted.plan, status=status, recompute_us=predicted.recompute_us)
+        target -= predicted.peak_bytes - budget_bytes
+        try:
+            solution = resolve(target) if resolve is not None and target > 0 else None
+        except InfeasibleBudget:
+            solution = None
+        if solution is None or not solution.plan:
+            break
+    smallest = simulate(memory, _cut(memory, min_peak(memory, time_limit_s=time_limit_s), unit_nodes))
+    if smallest.peak_bytes <= budget_bytes:
+        return Solution(plan=smallest.plan, status="FEASIBLE", recompute_us=smallest.recompute_us, bound_us=0,
+                        solve_time_s=0.0)
+    best = min([*tried, smallest], key=lambda t: t.peak_bytes)
+    raise InfeasibleBudget(budget_bytes, best.peak_bytes, best.breakdown)
+
+
+def _cut(memory: MemoryModel, plan: ChunkPlan, unit_nodes: Sequence[bool]) -> ChunkPlan:
+    """Each segment cut after every chunk holding a unit that another unit follows in the segment
+    (ops between two units go with the second; ops after the last unit stay with it)."""
+    has_unit = [any(unit_nodes[slice(*memory.regions.bounds(k))]) for k in range(memory.n_chunks)]
+    out = []
+    for first, stop in plan:
+        start = first
+        for k in range(first, stop - 1):
+            if has_unit[k] and any(has_unit[k + 1:stop]):
+                out.append((start, k + 1))
+                start = k + 1
+        out.append((start, stop))
+    return tuple(out)
+
+
+def early_gathers(segments: Sequence, units: Sequence[str]) -> int:
+    """Units a plan's re-runs gather before their own backward, per step (FSDP2): in each segment
+    every unit but the last, and the last too when ops follow it in the segment. Each stays
+    gathered until its post-backward; the number of all-gathers does not change. Conservative:
+    an op after the last unit that saves nothing does not start the re-run early."""
+    wanted = set(units)
+    early = 0
+    for seg in segments:
+        paths = list(seg.module_paths)
+        inside = [i for i, p in enumerate(paths) if p in wanted]
+        if inside:
+            early += len(inside) - 1 + (1 if inside[-1] < len(paths) - 1 else 0)
+    return early
+

@@ -1,0 +1,214 @@
+"""What each rank of a ``torch.distributed`` job does with a plan: agree on it, shard, count, measure.
+
+Ranks that recompute different segments issue different FSDP collectives and hang, and
+timings (hence optimal plans) differ from rank to rank. ``plan_on_rank0`` therefore plans
+once, on one rank, broadcasts the plan (its segments' node names; never the module) with
+``broadcast_object_list``, and every other rank rewrites its own model locally from it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import functools
+import pickle
+from collections import Counter
+from dataclasses import replace
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from planner.capture.api import FX_UNITS, capture
+from planner.distributed.memory import resolve_units
+from planner.errors import InfeasibleBudget, PlannerError
+from planner.plan import Plan
+from planner.rewrite.graph import SegmentSpec, rewrite
+
+COLLECTIVES = ("all_gather_single", "all_gather_into_tensor", "reduce_scatter_single", "reduce_scatter_tensor",
+               "all_reduce")
+"""``torch.distributed`` functions ``count_collectives`` counts (FSDP2 calls the first and third)."""
+
+
+def plan_on_rank0(model: nn.Module, budget: int | str, *, src: int = 0, group: dist.ProcessGroup | None = None,
+                  **optimize_kwargs: Any) -> Plan:
+    """``optimize()`` on rank ``src`` only; every rank gets the same plan and its own planned module.
+
+    Call it on every rank, before sharding, with the same arguments and an identical model
+    (built from the same seed or checkpoint). ``world_size`` defaults to the group's size.
+    A planning error on ``src`` is raised on every rank, so no rank waits forever.
+
+    Example:
+        >>> plan = plan_on_rank0(model, "60%", inputs=(x,), loss_fn=loss_fn)   # doctest: +SKIP
+        >>> for block in plan.module.blocks: fully_shard(block)                 # doctest: +SKIP
+        >>> fully_shard(plan.module)                                             # doctest: +SKIP
+    """
+    from planner.pipeline import optimize
+
+    if not dist.is_initialized():
+        raise RuntimeError("plan_on_rank0 needs torch.distributed: call dist.init_process_group(...) first, "
+                           "or use planner.optimize on a single process")
+    optimize_kwargs.setdefault("world_size", dist.get_world_size(group))
+    payload: list[Any] = [None]
+    plan = None
+    if dist.get_rank() == src:
+        try:
+            plan = optimize(model, budget, **optimize_kwargs)
+            payload[0] = ("plan", replace(plan, module=None))
+        except Exception as exc:  # noqa: BLE001 - re-raised below, on every rank
+            payload[0] = ("error", _portable(exc))
+    dist.broadcast_object_list(payload, src=src, group=group)
+    kind, value = payload[0]
+    if kind == "error":
+        cls, args = value
+        raise cls(*args)
+    if plan is not None:
+        return plan
+    module = apply_plan(value, model, units=optimize_kwargs.get("units"), inputs=optimize_kwargs.get("inputs"))
+    return replace(value, module=module)
+
+
+def _portable(exc: Exception) -> tuple:
+    """How to raise ``exc`` again on another rank: ``(class, constructor args)``."""
+    if isinstance(exc, InfeasibleBudget):  # its args are the message, not the constructor's
+        return InfeasibleBudget, (exc.budget_bytes, exc.min_peak_bytes, exc.breakdown)
+    try:
+        pickle.loads(pickle.dumps(exc))
+        return type(exc), exc.args
+    except Exception:  # noqa: BLE001 - any exception type that cannot travel
+        return PlannerError, (f"{type(exc).__name__}: {exc}",)
+
+
+def apply_plan(plan: Plan, model: nn.Module, *, units: Sequence[str] | None = None, inputs=None) -> nn.Module:
+    """``plan.apply(model)`` that also rebuilds plans made for FSDP (captured with units as calls).
+
+    Raises:
+        ValueError: ``model`` does not trace to the graph the plan was made for.
+    """
+    if plan.capture_method != FX_UNITS:
+        return plan.apply(model, inputs=inputs)
+    captured = capture(model, units=frozenset(resolve_units(model, units)))
+    if captured.fingerprint != plan.fingerprint:
+        raise ValueError(f"this plan was made for a graph with fingerprint {plan.fingerprint}, but "
+                         f"{type(model).__name__} with these units traces to {captured.fingerprint}: pass the "
+                         "units= the plan was made with, on the same architecture")
+    specs = [SegmentSpec(nodes=s.nodes, restore_buffers=s.restore_buffers) for s in plan.segments]
+    return rewrite(model, captured, specs).module
+
+
+def fully_shard_units(module: nn.Module, units: Sequence[str] | None = None, **fully_shard_kwargs: Any) -> nn.Module:
+    """Applies FSDP2's ``fully_shard`` to each unit (default the repeated blocks), then the root,
+    as torchtitan does; returns the root. Pass the same ``units`` the plan was made with."""
+    from torch.distributed.fsdp import fully_shard
+
+    for path in resolve_units(module, units):
+        fully_shard(module.get_submodule(path), **fully_shard_kwargs)
+    return fully_shard(module, **fully_shard_kwargs)
+
+
+@contextlib.contextmanager
+def count_collectives() -> Iterator[Counter]:
+    """Counts calls of ``torch.distributed`` collectives (``COLLECTIVES``) made from Python, by name.
+
+    FSDP2 issues one ``all_gather_single`` per unit it unshards and one ``reduce_scatter_single``
+    per unit it reduces. DDP's all-reduces run inside its C++ reducer and are not counted.
+    """
+    counts: Counter = Counter()
+    originals = {name: getattr(dist, name) for name in COLLECTIVES}
+
+    def counting(name: str, fn: Callable) -> Callable:
+        def wrapper(*args, **kwargs):
+            counts[name] += 1
+            return fn(*args, **kwargs)
+        return wrapper
+
+    for name, fn in originals.items():
+        setattr(dist, name, counting(name, fn))
+    try:
+        yield counts
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+                 "keepcost")]
+
+
+@functools.cache
+def _mallinfo2() -> Callable[[], _MallInfo2]:
+    fn = ctypes.CDLL("libc.so.6").mallinfo2
+    fn.restype = _MallInfo2
+    return fn
+
+
+def heap_in_use() -> int:
+    """Bytes glibc's allocator has handed out (all arenas, mmapped chunks included); glibc >= 2.33."""
+    info = _mallinfo2()()
+    return int(info.uordblks + info.hblkhd)
+
+
+class HeapPeak(TorchDispatchMode):
+    """Highest ``heap_in_use()`` after any op while active: one CPU rank's peak, whatever allocates
+    (FSDP2 resizes storages in place, DDP's reducer allocates in C++: a storage counter misses both).
+    Includes small allocator and Python overhead, so it reads a little high."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.peak_bytes = heap_in_use()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.peak_bytes = max(self.peak_bytes, heap_in_use())
+        return out
+
+
+def resident_bytes(*holders: Any) -> int:
+    """Bytes of the distinct storages behind the tensors in ``holders`` (modules: parameters,
+    gradients and buffers; optimizers: their state; tensors, tuples, lists and dicts of them),
+    counting one rank's local shard of a DTensor."""
+    seen: dict[int, int] = {}
+
+    def add(t: Any) -> None:
+        if isinstance(t, torch.Tensor):
+            local = getattr(t, "_local_tensor", t)
+            seen[local.untyped_storage().data_ptr()] = local.untyped_storage().nbytes()
+            if t.grad is not None:
+                add(t.grad)
+        elif isinstance(t, nn.Module):
+            for x in [*t.parameters(), *t.buffers()]:
+                add(x)
+        elif isinstance(t, torch.optim.Optimizer):
+            for state in t.state.values():
+                add(state)
+        elif isinstance(t, dict):
+            for x in t.values():
+                add(x)
+        elif isinstance(t, (list, tuple)):
+            for x in t:
+                add(x)
+
+    for holder in holders:
+        add(holder)
+    return sum(seen.values())
+
+
+def rank_peak_bytes(step: Callable[[], Any], resident: int) -> int:
+    """One rank's peak bytes during ``step()`` (a training step on CPU): ``resident`` (the bytes
+    alive before it, from ``resident_bytes``) plus the highest rise of glibc's heap while it runs.
+    The heap's rise also holds autograd's and the process group's own small allocations."""
+    start = heap_in_use()
+    with HeapPeak() as tracker:
+        step()
+    return resident + tracker.peak_bytes - start
+
+
+def same_on_all_ranks(value: Any, group: dist.ProcessGroup | None = None) -> bool:
+    """True when every rank holds an equal ``value`` (e.g. the node names of a plan's segments)."""
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, value, group=group)
+    return all(v == gathered[0] for v in gathered)

@@ -1,0 +1,151 @@
+"""Cuts the graph into chunks: the places where a checkpointed segment may start or end.
+
+A segment is a run of consecutive chunks. Cut positions are chosen at module
+boundaries first (between blocks, then between the submodules of a block), and
+among positions of equal depth those where the fewest activation bytes cross
+the cut, because a segment keeps everything that crosses into it. A position
+is never a cut when a tensor crossing it is modified in place later: the
+segment would be recomputed from the modified value.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from planner.profiling.record import Profile
+from planner.capture.scope import path_of
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Regions:
+    """Chunks of the graph, in execution order."""
+
+    starts: tuple[int, ...]
+    """Node index at which each chunk starts; chunk ``k`` is ``starts[k]:starts[k+1]``."""
+    end: int
+    """One past the last node that may be checkpointed (the loss comes after)."""
+    checkpointable: tuple[bool, ...]
+    """Per chunk: False when checkpointing it would recompute from mutated inputs."""
+    blocks: tuple[tuple[int, int], ...] = ()
+    """Chunk ranges ``(first, stop)`` of the calls of the model's repeated blocks, if any."""
+    block_paths: tuple[str, ...] = ()
+    """Module path of each block (children of the largest container of numbered submodules)."""
+
+    @property
+    def n_chunks(self) -> int:
+        return len(self.starts)
+
+    def bounds(self, chunk: int) -> tuple[int, int]:
+        """Node range ``[first, stop)`` of a chunk."""
+        stop = self.starts[chunk + 1] if chunk + 1 < len(self.starts) else self.end
+        return self.starts[chunk], stop
+
+    def chunk_of(self) -> list[int]:
+        """Chunk index of every node (``-1`` for nodes after ``end``)."""
+        owner = [-1] * self.end
+        for k in range(self.n_chunks):
+            first, stop = self.bounds(k)
+            owner[first:stop] = [k] * (stop - first)
+        return owner
+
+
+def find_regions(profile: Profile, *, max_chunks: int = 64) -> Regions:
+    """Chooses at most ``max_chunks`` chunks for ``profile``'s graph.
+
+    Args:
+        profile: the profiled step.
+        max_chunks: upper bound on the number of chunks (the solver's size grows
+            with its square).
+    """
+    nodes = profile.nodes
+    end = next((i for i, n in enumerate(nodes) if not n.checkpointable), len(nodes))
+    if end == 0:
+        return Regions(starts=(), end=0, checkpointable=())
+    last_use = _last_use(profile)
+    mutated_after = _mutation_spans(profile)
+    crossing = np.zeros(end + 2, dtype=np.int64)  # bytes of activations live across each position
+    for s, storage in enumerate(profile.storages):
+        if storage.producer >= 0 and storage.producer < end:
+            crossing[storage.producer + 1] += storage.nbytes
+            crossing[min(last_use[s], end) + 1] -= storage.nbytes
+    crossing = np.cumsum(crossing)
+    block_paths, block_nodes = find_blocks(profile, end)
+    block_edges = {b for first, stop in block_nodes for b in (first, stop)}
+    # Rank cut positions: block edges, then shallower module boundaries, then, within each block,
+    # fewer crossing bytes first; a block's k-th best cut comes before any block's (k+1)-th.
+    groups: dict[tuple[int, int], list[tuple[int, int]]] = {}
+    for b in range(1, end):
+        if any(p < b <= m for p, m in mutated_after):
+            continue
+        depth = -1 if b in block_edges else _common_depth(nodes[b - 1].scope, nodes[b].scope)
+        block = next((i for i, (lo, hi) in enumerate(block_nodes) if lo < b < hi), -1)
+        groups.setdefault((depth, block), []).append((int(crossing[b]), b))
+    candidates = []
+    for (depth, _), members in groups.items():
+        for rank, (cross, b) in enumerate(sorted(members)):
+            candidates.append((depth, rank, cross, b))
+    chosen = sorted(c[-1] for c in sorted(candidates)[: max(0, max_chunks - 1)])
+    starts = (0, *chosen)
+    stops = (*chosen, end)
+    checkpointable = tuple(
+        not any(p < first and first <= m < stop for p, m in mutated_after)
+        for first, stop in zip(starts, stops)
+    )
+    index = {b: k for k, b in enumerate(starts)} | {end: len(starts)}
+    blocks = tuple((index[first], index[stop]) for first, stop in block_nodes
+                   if first in index and stop in index)
+    if len(blocks) != len(block_nodes):  # a block edge could not be cut (in-place hazard)
+        blocks, block_paths = (), ()
+    return Regions(starts=starts, end=end, checkpointable=checkpointable, blocks=blocks, block_paths=block_paths)
+
+
+def find_blocks(profile: Profile, end: int) -> tuple[tuple[str, ...], list[tuple[int, int]]]:
+    """The model's repeated blocks: children ``<container>.<i>`` of the container with the most
+    numbered children called in the graph (``blocks.0``, ``layers.3``, ``transformer.h.11``).
+
+    Returns their paths and node ranges ``[first, stop)``, or nothing when there is no such
+    container or its children's calls are not contiguous, disjoint runs of nodes.
+    """
+    calls: dict[str, list[int]] = {}
+    for i, node in enumerate(profile.nodes[:end]):
+        for entry in node.scope:
+            calls.setdefault(path_of(entry), []).append(i)
+    children: dict[str, list[str]] = {}
+    for path in calls:
+        parent, _, last = path.rpartition(".")
+        if last.isdigit():
+            children.setdefault(parent, []).append(path)
+    if not children:
+        return (), []
+    parent = max(children, key=lambda p: (len(children[p]), sum(len(calls[c]) for c in children[p])))
+    if len(children[parent]) < 2:
+        return (), []
+    paths = sorted(children[parent], key=lambda c: calls[c][0])
+    ranges = [(calls[c][0], calls[c][-1] + 1) for c in paths]
+    contiguous = all(len(calls[c]) == hi - lo for c, (lo, hi) in zip(paths, ranges))
+    disjoint = all(a[1] <= b[0] for a, b in zip(ranges, ranges[1:]))
+    return (tuple(paths), ranges) if contiguous and disjoint else ((), [])
+
+
+def _last_use(profile: Profile) -> list[int]:
+    last = [s.producer for s in profile.storages]
+    for i, node in enumerate(profile.nodes):
+        for s in node.inputs:
+            last[s] = max(last[s], i)
+    return last
+
+
+def _mutation_spans(profile: Profile) -> list[tuple[int, int]]:
+    """``(producer, mutating node)`` for every in-place modification of an activation."""
+    return [(profile.storages[s].producer, i) for i, node in enumerate(profile.nodes) for s in node.mutates]
+
+
+def _common_depth(a: tuple[str, ...], b: tuple[str, ...]) -> int:
+    depth = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        depth += 1
+    return depth

@@ -1,0 +1,293 @@
+"""``optimize()``: the whole pipeline, stage after stage, and nothing else."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Mapping, Sequence
+
+import torch
+from torch import nn
+
+from planner.budget import format_bytes, parse_budget
+from planner.capture.api import Captured, capture
+from planner.capture.inputs import as_inputs
+from planner.profiling.record import Profile
+from planner.distributed.memory import Distributed, memory_offset, setup, split_at_units
+from planner.errors import InfeasibleBudget, PlannerError
+from planner.plan import MemoryTimeline, Plan, Segment
+from planner.profiling.api import capture_inputs, profile_for
+from planner.memory.regions import Regions, find_regions
+from planner.rewrite.graph import SegmentSpec, rewrite
+from planner.rewrite.sac import dispatch_overhead_us
+from planner.memory.saves import SaveOptions
+from planner.memory.simulate import ChunkPlan, MemoryModel, Timeline, build_model, freed_bytes, simulate
+from planner.solve.peaks import min_peak_saves
+from planner.solve.result import NoSolution, Solution
+from planner.solve.registry import get_solver
+from planner.step import LossFn
+from planner.capture.scope import path_of
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Prepared:
+    """A model captured and profiled once, ready to be planned for any budget."""
+
+    model: nn.Module
+    captured: Captured
+    profile: Profile
+    regions: Regions
+    memory: MemoryModel
+    baseline: Timeline
+    """Predicted memory without checkpointing."""
+    distributed: Distributed | None = None
+    """One rank of a data-parallel job (``world_size``, ``parallel``...), or None for one device."""
+
+
+def optimize(
+    model: nn.Module,
+    budget: int | str,
+    *,
+    inputs: tuple | Mapping | torch.Tensor | None = None,
+    loss_fn: LossFn | None = None,
+    time_limit_s: float = 30.0,
+    solver: str = "cpsat",
+    progress: Callable[[str], None] | None = None,
+    profile: Profile | None = None,
+    device: str | torch.device | None = None,
+    world_size: int = 1,
+    parallel: str | None = None,
+    units: Sequence[str] | None = None,
+    optimizer: str | int | None = None,
+    selective: bool = True,
+    must_save: Sequence[str] = (),
+    must_recompute: Sequence[str] = (),
+    max_chunks: int = 64,
+) -> Plan:
+    """Plans activation checkpointing so one training step of ``model`` fits ``budget``.
+
+    Args:
+        model: the model to train (not modified; ``plan.module`` shares its parameters).
+        budget: peak memory of one training step: int bytes, ``"4GB"``, ``"4GiB"``,
+            ``"512MB"``, ``"512MiB"`` or ``"60%"`` of the un-checkpointed peak.
+        inputs: positional arguments (tuple) or keyword arguments (dict) for ``model``;
+            default ``model.example_inputs``.
+        loss_fn: ``output -> scalar`` differentiated by a step; default ``output.loss``
+            or the sum of the floating outputs.
+        time_limit_s: CP-SAT time limit; past it the best plan found is returned as FEASIBLE.
+        solver: which planner chooses the segments; one of ``planner.solvers.SOLVERS``
+            (``cpsat``, the default, is optimal under the cost model).
+        max_chunks: most cut positions segments may start or end at (``regions.find_regions``);
+            more give finer plans and a slower solve (docs/solver.md).
+        progress: called with the name of each stage as it starts (``capture``, ``profile``,
+            ``solve``, ``rewrite``), for progress displays.
+        profile: a saved ``Profile`` (``planner.load_profile``) to plan from instead of profiling;
+            the model is still captured, and must match it (``ProfileMismatch`` names what differs).
+        device: plan for this device without it: a spec name (``"h100"``, ``planner.device_names()``)
+            or spec file; memory from meta tensors, times from a roofline (docs/profiles.md).
+        world_size: plan for one rank of a job on this many ranks (docs/distributed.md).
+        parallel: ``fsdp`` (default when world_size > 1: parameters, gradients and optimizer
+            state sharded 1/N, plus the all-gathered units in flight) or ``ddp`` (full replicas
+            plus gradient buckets).
+        units: FSDP units (module paths or globs like ``blocks.*``; default the repeated blocks),
+            captured as calls so FSDP2's hooks run; segments consist of whole units.
+        optimizer: count its state in the budget: ``adamw``, ``adam``, ``sgd``, ``sgd-momentum``,
+            or the bytes of the whole model's state (sharded 1/N under FSDP).
+        selective: let checkpointed segments keep chosen op outputs and re-run the rest (torch's
+            selective checkpointing, docs/selective.md); False re-runs whole segments.
+        must_save: module paths or op names (glob patterns) never re-run in backward.
+        must_recompute: module paths or op names (glob patterns) re-run in backward, never kept.
+
+    Returns:
+        The least-recompute ``Plan`` whose predicted peak fits the budget.
+
+    Raises:
+        InfeasibleBudget: no plan fits (under the overrides); carries the smallest reachable peak.
+        ValueError: malformed budget, unknown solver, a pattern matching nothing. TypeError: no inputs.
+        CaptureError, ProfileError: the model could not be traced or run.
+
+    Example:
+        >>> plan = optimize(model, "60%", inputs=(x,))          # doctest: +SKIP
+        >>> loss_fn(plan.module(x)).backward()                   # doctest: +SKIP
+    """
+    parse_budget(budget, baseline_peak_bytes=1)  # reject a malformed budget before any work
+    get_solver(solver)  # reject an unknown solver before any work
+    prepared = prepare(model, inputs=inputs, loss_fn=loss_fn, progress=progress, profile=profile, device=device,
+                       world_size=world_size, parallel=parallel, units=units, optimizer=optimizer,
+                       max_chunks=max_chunks)
+    return plan_for(prepared, budget, solver=solver, time_limit_s=time_limit_s, progress=progress,
+                    selective=selective, must_save=must_save, must_recompute=must_recompute)
+
+
+def prepare(model: nn.Module, *, inputs: tuple | Mapping | torch.Tensor | None = None,
+            loss_fn: LossFn | None = None, progress: Callable[[str], None] | None = None,
+            profile: Profile | None = None, device: str | torch.device | None = None,
+            world_size: int = 1, parallel: str | None = None, units: Sequence[str] | None = None,
+            optimizer: str | int | None = None, max_chunks: int = 64) -> Prepared:
+    """Captures and profiles ``model`` once (arguments as for ``optimize``)."""
+    if isinstance(max_chunks, bool) or not isinstance(max_chunks, int) or max_chunks < 1:
+        raise ValueError(f"max_chunks must be an int >= 1 (got {max_chunks!r}); e.g. max_chunks=128 for finer plans")
+    stage = progress or (lambda name: None)
+    dist = setup(model, world_size=world_size, parallel=parallel, units=units, optimizer=optimizer)
+    example = as_inputs(model, inputs)
+    stage("capture")
+    captured = capture(model, capture_inputs(model, example),   # graph + module scopes (meta inputs
+                       units=dist.opaque if dist else frozenset())  # for a meta model)
+    stage("profile")
+    measured = profile_for(captured, model, example, loss_fn=loss_fn,  # one real step node by node,
+                           device=device, saved=profile)        # or a saved or estimated profile
+    regions = find_regions(measured, max_chunks=max_chunks)     # where segments may start and end
+    memory = build_model(measured, regions,                     # the cost model the solver optimises
+                         offset=dist and memory_offset(measured, dist),  # one rank's share of the job
+                         sac_op_us=max(measured.sac_op_us, dispatch_overhead_us()))  # what selective
+    # checkpointing adds per op: measured on the model, never below the tiny-op floor (a noisy machine
+    # can make the model's measurement small)
+    return Prepared(model=model, captured=captured, profile=measured, regions=regions, memory=memory,
+                    baseline=simulate(memory, ()), distributed=dist)
+
+
+def plan_for(prepared: Prepared, budget: int | str, *, solver: str = "cpsat", time_limit_s: float = 30.0,
+             progress: Callable[[str], None] | None = None, selective: bool = True,
+             must_save: Sequence[str] = (), must_recompute: Sequence[str] = ()) -> Plan:
+    """Solves and rewrites a prepared model for one budget (arguments as for ``optimize``)."""
+    from planner.rewrite.candidates import save_options
+
+    stage = progress or (lambda name: None)
+    memory, baseline = prepared.memory, prepared.baseline
+    budget_bytes = parse_budget(budget, baseline_peak_bytes=baseline.peak_bytes)
+    options = save_options(prepared.captured.graph_module, prepared.profile, memory, must_save=must_save,
+                           must_recompute=must_recompute,  # FSDP plans cut whole units: no saves there
+                           selective=selective and solver == "cpsat" and prepared.distributed is None)
+    if (options.must_save or options.must_recompute) and solver != "cpsat":
+        raise ValueError(f"must_save/must_recompute need the cpsat solver, not {solver!r}")
+    stage("solve")
+    solution = _solve(solver, memory, budget_bytes, baseline.peak_bytes, time_limit_s, options)
+    if prepared.distributed is not None:  # FSDP: at most one unit per segment (docs/distributed.md)
+        solution = split_at_units(memory, solution, budget_bytes, prepared.distributed, prepared.profile,
+                                  time_limit_s=time_limit_s,
+                                  resolve=lambda b: _solve(solver, memory, b, baseline.peak_bytes, time_limit_s))
+    stage("rewrite")
+    return plan_from_solution(prepared, solution, budget_bytes)
+
+
+def plan_from_solution(prepared: Prepared, solution: Solution, budget_bytes: int) -> Plan:
+    """The Plan (rewritten module included) for any strategy's solution of a prepared model."""
+    memory, baseline = prepared.memory, prepared.baseline
+    segments = _segments(prepared.profile, prepared.regions, memory, solution.plan, solution.saves)
+    rewritten = rewrite(prepared.model, prepared.captured,
+                        [SegmentSpec(nodes=s.nodes, restore_buffers=s.restore_buffers, saved_nodes=s.saved_nodes)
+                         for s in segments])
+    predicted = simulate(memory, solution.plan, solution.saves)
+    return Plan(
+        module=rewritten.module,
+        budget_bytes=budget_bytes,
+        predicted_peak_bytes=predicted.peak_bytes,
+        baseline_peak_bytes=baseline.peak_bytes,
+        predicted_overhead=solution.recompute_us / memory.step_us,
+        recompute_ms=solution.recompute_us / 1000,
+        step_ms=prepared.profile.step_ms,
+        segments=segments,
+        solver_status=solution.status,
+        solve_time_s=solution.solve_time_s,
+        recompute_bound_ms=min(solution.bound_us, solution.recompute_us) / 1000,
+        fingerprint=prepared.captured.fingerprint,
+        capture_method=prepared.captured.method,
+        capture_notes=prepared.captured.notes,
+        device=prepared.profile.device,
+        source=rewritten.source,
+        peak_breakdown=predicted.breakdown,
+        largest_kept=predicted.largest_kept,
+        timeline=MemoryTimeline(
+            nodes=memory.node_names,
+            forward_bytes=tuple(int(b) for b in predicted.fwd_bytes),
+            backward_bytes=tuple(int(b) if ok else None for b, ok in zip(predicted.bwd_bytes, memory.has_bwd)),
+            baseline_forward_bytes=tuple(int(b) for b in baseline.fwd_bytes),
+            baseline_backward_bytes=tuple(int(b) if ok else None for b, ok in zip(baseline.bwd_bytes, memory.has_bwd)),
+        ),
+    )
+
+
+def _solve(solver: str, memory: MemoryModel, budget_bytes: int, baseline_peak: int,
+           time_limit_s: float, options: SaveOptions | None = None) -> Solution:
+    """The plan for a budget: empty when it already fits, else the strategy's, checked against the budget."""
+    overrides = options is not None and bool(options.must_save or options.must_recompute)
+    if budget_bytes >= baseline_peak and not (overrides and options.must_recompute):
+        return Solution(plan=(), status="OPTIMAL", recompute_us=0, bound_us=0, solve_time_s=0.0)
+    try:
+        if options is not None and not options.trivial:
+            solution = get_solver(solver)(memory, budget_bytes, time_limit_s=time_limit_s, options=options)
+        else:
+            solution = get_solver(solver)(memory, budget_bytes, time_limit_s=time_limit_s)
+    except NoSolution as exc:
+        if not exc.infeasible:
+            raise PlannerError(str(exc)) from exc
+        solution = None
+    if solution is not None and simulate(memory, solution.plan, solution.saves).peak_bytes <= budget_bytes:
+        return solution
+    if overrides:
+        _infeasible_overrides(memory, budget_bytes, options, time_limit_s)
+    best = simulate(memory, *min_peak_saves(memory, time_limit_s=time_limit_s))
+    if best.peak_bytes <= budget_bytes:  # a fixed or conservative strategy missed what cpsat can do
+        peak = "no plan" if solution is None else f"a plan peaking at {simulate(memory, solution.plan).peak_bytes} B"
+        raise PlannerError(f"solver {solver!r} finds {peak} for a budget of {budget_bytes} B, which plans down to "
+                           f"{best.peak_bytes} B fit; use the cpsat solver (solver='cpsat', ckplan --solver cpsat)")
+    breakdown = dict(best.breakdown)
+    for name, nbytes, _ in best.largest_kept:
+        breakdown[f"largest kept activation: {name}"] = nbytes
+    raise InfeasibleBudget(budget_bytes, best.peak_bytes, breakdown)
+
+
+def _infeasible_overrides(memory: MemoryModel, budget_bytes: int, options: SaveOptions, time_limit_s: float):
+    """Raises InfeasibleBudget saying the user's overrides are what makes the budget infeasible."""
+    overrides = SaveOptions(must_save=options.must_save, must_recompute=options.must_recompute)
+    try:
+        best = simulate(memory, *min_peak_saves(memory, time_limit_s=time_limit_s, options=overrides))
+    except NoSolution:
+        raise _because(InfeasibleBudget(budget_bytes, budget_bytes + 1, {}), "must_save/must_recompute contradict "
+                       "each other (a node must be re-run in a chunk where another must not be)") from None
+    free = simulate(memory, *min_peak_saves(memory, time_limit_s=time_limit_s)).peak_bytes
+    if free <= budget_bytes:
+        raise _because(InfeasibleBudget(budget_bytes, best.peak_bytes, dict(best.breakdown)),
+                       f"must_save/must_recompute make the budget infeasible (without them plans reach "
+                       f"{format_bytes(free)})")
+
+
+def _because(exc: InfeasibleBudget, reason: str) -> InfeasibleBudget:
+    exc.args = (f"{reason}: {exc.args[0]}",)
+    exc.reason = reason
+    return exc
+
+
+def _segments(prof: Profile, regions: Regions, memory: MemoryModel, plan: ChunkPlan,
+              saves: frozenset = frozenset()) -> tuple[Segment, ...]:
+    out = []
+    for (first, stop), freed in zip(plan, freed_bytes(memory, plan)):
+        lo, hi = regions.starts[first], regions.bounds(stop - 1)[1]
+        nodes = prof.nodes[lo:hi]
+        mine = sorted(o for o in saves if lo <= o < hi)
+        out.append(Segment(
+            nodes=tuple(n.name for n in nodes),
+            module_paths=_covering_paths(prof, lo, hi),
+            recompute_ms=(int(memory.chunk_cost_us[first:stop].sum()) + memory.segment_cost_us
+                          - sum(int(memory.node_cost_us[o]) for o in mine)
+                          + (int(memory.sac_chunk_us[first:stop].sum()) if mine else 0)) / 1000,
+            freed_bytes=freed,
+            restore_buffers=tuple(dict.fromkeys(b for n in nodes for b in n.mutated_buffers)),
+            saved_nodes=tuple(prof.nodes[o].name for o in mine),
+        ))
+    return tuple(out)
+
+
+def _covering_paths(prof: Profile, lo: int, hi: int) -> tuple[str, ...]:
+    """Outermost module calls wholly inside nodes ``lo:hi``, and ``path:op`` for ops outside them."""
+    inside: dict[str, bool] = {}
+    for i, node in enumerate(prof.nodes):
+        for entry in node.scope:
+            inside[entry] = inside.get(entry, True) and lo <= i < hi
+    paths: dict[str, None] = {}
+    for node in prof.nodes[lo:hi]:
+        whole = next((e for e in node.scope if inside[e]), None)
+        if whole is not None:
+            paths.setdefault(path_of(whole), None)
+        elif node.kind != "get_attr":
+            paths.setdefault(f"{node.module_path or '<root>'}:{node.target.rsplit('.', 1)[-1]}", None)
+    return tuple(paths)

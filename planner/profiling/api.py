@@ -1,0 +1,127 @@
+"""The profile stage's public entry points: profile a model (measured here, or estimated for a
+device spec), and check that a saved profile belongs to the model and inputs it is used with.
+
+``planner.profile(model, inputs=...)`` is this module's ``profile``; ``optimize(..., profile=,
+device=)`` goes through ``profile_for``. Saving and loading live in ``profile_io``.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+from torch import nn
+
+from planner.capture.api import Captured, capture
+from planner.capture.inputs import Inputs, as_inputs
+from planner.profiling.record import Profile
+from planner.profiling.devices import DeviceSpec, device_names, is_device_spec, load_device
+from planner.errors import ProfileMismatch
+from planner.profiling.memory_pass import profile as measure
+from planner.profiling.meta import estimate, to_meta
+from planner.step import LossFn
+
+Device = str | torch.device | None
+
+
+def profile(model: nn.Module, *, inputs: tuple | Mapping | torch.Tensor | None = None,
+            loss_fn: LossFn | None = None, device: Device = None) -> Profile:
+    """Profiles one training step of ``model``: what each node costs in time and memory.
+
+    Args:
+        model: the model (left as it was found).
+        inputs: positional (tuple) or keyword (dict) arguments; default ``model.example_inputs``.
+        loss_fn: ``output -> scalar``; default ``output.loss`` or the sum of the floating outputs.
+        device: ``None`` (or the device the model is on) to measure a real step there; the name
+            of a device spec (``"h100"``, see ``planner.device_names()``) or a spec file to
+            estimate the step for that device from meta tensors and a roofline, allocating nothing.
+            A model on the meta device needs a spec.
+
+    Returns:
+        The ``Profile``; ``prof.save(path)`` writes it, ``load_profile(path)`` reads it back and
+        ``optimize(model, budget, inputs=..., profile=prof)`` plans from it without profiling.
+
+    Example:
+        >>> prof = profile(model, inputs=(x,), device="h100")      # doctest: +SKIP
+        >>> prof.save("profiles/mymodel-h100.json")                 # doctest: +SKIP
+    """
+    example = as_inputs(model, inputs)
+    captured = capture(model, capture_inputs(model, example))
+    return profile_for(captured, model, example, loss_fn=loss_fn, device=device)
+
+
+def profile_for(captured: Captured, model: nn.Module, example: Inputs, *, loss_fn: LossFn | None = None,
+                device: Device = None, saved: Profile | None = None) -> Profile:
+    """The profile to plan ``captured`` with: ``saved`` once checked against it, else measured
+    where the model is (``device`` None) or estimated for the device spec ``device``."""
+    if saved is not None:
+        if not isinstance(saved, Profile):
+            raise TypeError(f"profile= takes a planner.Profile (from planner.profiling.memory_pass or planner.load_profile), "
+                            f"not {type(saved).__name__}")
+        if device is not None:
+            raise ValueError(f"pass profile= or device=, not both: the profile already says its device "
+                             f"({saved.device})")
+        check_profile(saved, captured, example)
+        return saved
+    spec = resolve_device(model, device)
+    if spec is None:
+        return measure(captured, model, example, loss_fn=loss_fn)
+    return estimate(captured, model, example, spec=spec, loss_fn=loss_fn)
+
+
+def is_meta_model(model: nn.Module) -> bool:
+    return any(t.is_meta for t in list(model.parameters()) + list(model.buffers()))
+
+
+def capture_inputs(model: nn.Module, example: Inputs) -> Inputs:
+    """The inputs to capture with: meta copies for a model on the meta device."""
+    if not is_meta_model(model):
+        return example
+    return Inputs(args=tuple(to_meta(v) for v in example.args),
+                  kwargs={k: to_meta(v) for k, v in example.kwargs.items()})
+
+
+def resolve_device(model: nn.Module, device: Device) -> DeviceSpec | None:
+    """The device spec to estimate for, or None to measure where the model is.
+
+    Raises:
+        ValueError: a meta model without a spec, a torch device the model is not on, or an
+            unknown name.
+    """
+    known = ", ".join(device_names())
+    if device is None:
+        if is_meta_model(model):
+            raise ValueError(f"the model is on the meta device, so it cannot be run here: pass device= with a "
+                             f"device spec to estimate for ({known})")
+        return None
+    if is_device_spec(device):
+        return load_device(device)
+    try:
+        wanted = torch.device(device)
+    except (RuntimeError, TypeError):
+        return load_device(str(device))  # raises ValueError listing the known specs
+    here = next((t.device for t in model.parameters()), torch.device("cpu"))
+    if wanted.type != here.type or (wanted.index is not None and wanted != here):
+        raise ValueError(f"device={str(device)!r} but the model is on {here}: to measure there, move the model "
+                         f"and inputs with .to({str(device)!r}); to estimate for a device that is not here, "
+                         f"name its spec ({known})")
+    return None
+
+
+def check_profile(prof: Profile, captured: Captured, example: Inputs) -> None:
+    """Raises ProfileMismatch naming every difference between ``prof`` and this model and inputs."""
+    differences = []
+    if prof.fingerprint != captured.fingerprint:
+        how = "" if prof.capture_method == captured.method else \
+            f" (captured with {prof.capture_method or 'an unknown method'}, now with {captured.method})"
+        differences.append(f"graph fingerprint {prof.fingerprint or '(none)'} vs {captured.fingerprint} of this "
+                           f"model{how}: another architecture or configuration")
+    given = example.describe()
+    if tuple(prof.input_shapes) != given:
+        pairs = [f"{a} vs {b}" for a, b in zip(prof.input_shapes, given) if a != b]
+        if len(prof.input_shapes) != len(given):
+            pairs.append(f"{len(prof.input_shapes)} inputs vs {len(given)}")
+        differences.append("inputs " + "; ".join(pairs))
+    if differences:
+        raise ProfileMismatch("the profile does not match this model and inputs: " + "; ".join(differences)
+                              + "; profile this model again (planner.profile(model, inputs=...))")

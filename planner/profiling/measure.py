@@ -1,0 +1,89 @@
+"""Measures what one real training step of any module costs: peak memory and time.
+
+The check on every prediction. On CPU the peak is counted by ``LiveStorages``
+(the same ruler the profiler uses); on CUDA it is ``torch.cuda.max_memory_allocated``.
+The module's gradients, buffers and RNG state are restored afterwards.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_leaves
+
+from planner.capture.inputs import Inputs
+from planner.profiling.memtrack import LiveStorages
+from planner.step import backward, default_loss, sync as _sync, untouched
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Measurement:
+    """One module's measured training step."""
+
+    peak_bytes: int
+    """Peak live bytes on the device during forward + backward (parameters included)."""
+    step_ms: float
+    """Median wall time of a step (forward, loss, backward), ms."""
+
+
+def measure_peak(module: nn.Module, inputs: Inputs, loss_fn: Callable[[Any], torch.Tensor] | None = None) -> int:
+    """Peak bytes of one training step, starting with no gradients allocated.
+
+    The step is ``output = module(*inputs); backward(loss_fn(output))`` with ``output``
+    referenced until backward ends, as in the usual training loop."""
+    loss_fn = loss_fn or default_loss
+    device = next(module.parameters()).device
+    with untouched(module):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            output = module(*inputs.args, **inputs.kwargs)  # kept alive through backward, as a training loop does
+            backward(loss_fn(output))
+            torch.cuda.synchronize(device)
+            return torch.cuda.max_memory_allocated(device)
+        tracker = LiveStorages(device)
+        for t in list(module.parameters()) + list(module.buffers()) + list(tree_leaves((inputs.args, inputs.kwargs))):
+            if isinstance(t, torch.Tensor):
+                tracker.track(t)
+        with tracker:
+            output = module(*inputs.args, **inputs.kwargs)  # kept alive through backward, as a training loop does
+            backward(loss_fn(output))
+        del output
+        return tracker.peak_bytes
+
+
+def step_times_ms(modules: Sequence[nn.Module], inputs: Inputs, loss_fn: Callable[[Any], torch.Tensor] | None = None,
+                  *, runs: int = 5) -> list[float]:
+    """Median step time of each module, measured interleaved (a step of each, ``runs`` times)."""
+    loss_fn = loss_fn or default_loss
+    samples: list[list[float]] = [[] for _ in modules]
+    contexts = [untouched(m) for m in modules]
+    for ctx in contexts:
+        ctx.__enter__()
+    try:
+        for _ in range(runs + 1):  # the first round warms up
+            for i, module in enumerate(modules):
+                device = next(module.parameters()).device
+                _sync(device)
+                start = time.perf_counter()
+                backward(loss_fn(module(*inputs.args, **inputs.kwargs)))
+                _sync(device)
+                samples[i].append((time.perf_counter() - start) * 1e3)
+                for p in module.parameters():
+                    p.grad = None
+    finally:
+        for ctx in reversed(contexts):
+            ctx.__exit__(None, None, None)
+    return [statistics.median(s[1:]) for s in samples]
+
+
+def measure(module: nn.Module, inputs: Inputs, loss_fn: Callable[[Any], torch.Tensor] | None = None,
+            *, runs: int = 5) -> Measurement:
+    """Peak memory of one step and median time of ``runs`` steps."""
+    return Measurement(peak_bytes=measure_peak(module, inputs, loss_fn),
+                       step_ms=step_times_ms([module], inputs, loss_fn, runs=runs)[0])

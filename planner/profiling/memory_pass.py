@@ -1,0 +1,328 @@
+"""Runs one real training step node by node and records what each node costs.
+
+For every graph node: the storages it allocates, the ones autograd saves for its
+backward (counted per storage, parameters excluded), in-place mutations, the peak
+live bytes during its forward and backward, and its forward/backward time. The
+result is a plain ``Profile``; nothing of the user's model is changed (buffers,
+gradients, RNG state and train/eval mode are restored afterwards).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import defaultdict
+from dataclasses import dataclass, replace
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+from torch import nn
+from torch.utils._pytree import tree_leaves
+from torch.utils._python_dispatch import _disable_current_modes
+
+from planner.capture.api import FX, Captured, target_text
+from planner.capture.scope import SCOPE_KEY, call_module_path
+from planner.capture.inputs import Inputs
+from planner.profiling.record import LOSS_NODE, NodeCost, Profile, StorageCost
+from planner.errors import ProfileError
+from planner.profiling.memtrack import LiveStorages, storage_key
+from planner.profiling.eager import eager_excess, eager_forward_trace
+from planner.profiling.runner import StepRunner
+from planner.profiling.timing import Timer, checkpoint_overhead_ms, sac_op_overhead_us, time_plain_steps
+from planner.step import LossFn, default_loss, sync, untouched
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StepTimes:
+    """Per-node and whole-step times of one step, measured or estimated (ms)."""
+
+    fwd_ms: list[float]
+    bwd_ms: list[float]
+    step_fwd_ms: float
+    step_bwd_ms: float
+    checkpoint_overhead_ms: float
+    sac_op_us: float = -1.0
+
+
+def profile(
+    captured: Captured,
+    model: nn.Module,
+    inputs: Inputs,
+    *,
+    loss_fn: LossFn | None = None,
+    timing_runs: int = 3,
+) -> Profile:
+    """Profiles one training step of ``captured`` (a trace of ``model``) where the model is.
+
+    Args:
+        captured: the traced model.
+        model: the model itself (its buffers, gradients and RNG state are restored).
+        inputs: example inputs.
+        loss_fn: ``output -> scalar``; default ``default_loss``.
+        timing_runs: how many timed steps the per-node times are the median of.
+
+    Returns:
+        The step's ``Profile``.
+
+    Raises:
+        ProfileError: a node failed (naming it, the user's line and the input shapes),
+            or the model has nothing to differentiate.
+    """
+    loss_fn = loss_fn or default_loss
+    device = _device_of(model, inputs)
+    check_trainable(model)
+    with untouched(model):
+        recorder = MemoryRecorder(captured.graph_module, model, device)
+        recorder.step(inputs, loss_fn)
+        excess = eager_excess_of(recorder, captured, model, inputs)
+        timer = Timer(captured.graph_module, device)
+        for _ in range(timing_runs):
+            timer.step(inputs, loss_fn)
+        step_fwd, step_bwd = time_plain_steps(captured.graph_module, inputs, loss_fn, device, timing_runs)
+        ops = sum(rec["ops"][1] - rec["ops"][0] for rec in recorder.records if rec["kind"] != LOSS_NODE)
+        times = StepTimes(fwd_ms=[timer.fwd_ms(i) for i in range(len(recorder.records))],
+                          bwd_ms=[timer.bwd_ms(i) for i in range(len(recorder.records))],
+                          step_fwd_ms=step_fwd, step_bwd_ms=step_bwd,
+                          checkpoint_overhead_ms=checkpoint_overhead_ms(device),
+                          sac_op_us=sac_op_overhead_us(captured.graph_module, inputs, loss_fn, device, ops))
+    return assemble(recorder, captured, model, inputs, times=times, excess=excess, device=str(device))
+
+
+def check_trainable(model: nn.Module) -> None:
+    """Raises ProfileError when no parameter of ``model`` requires grad."""
+    if not any(p.requires_grad for p in model.parameters()):
+        raise ProfileError(
+            f"{type(model).__name__} has no parameter that requires grad: there is no training step "
+            "to plan; call requires_grad_() on the parameters you train"
+        )
+
+
+def eager_excess_of(recorder: "MemoryRecorder", captured: Captured, model: nn.Module,
+                    inputs: Inputs) -> list[int] | None:
+    """Per node, what the model's own forward keeps alive beyond the traced graph (fx captures only:
+    the planned module calls the user's modules outside segments)."""
+    if captured.method != FX:
+        return None
+    return eager_excess(recorder.forward_trace(), eager_forward_trace(model, inputs, recorder.device),
+                        [rec["ops"] for rec in recorder.records])
+
+
+def assemble(recorder: "MemoryRecorder", captured: Captured, model: nn.Module, inputs: Inputs, *,
+             times: StepTimes, excess: list[int] | None, device: str, estimated_for: str = "") -> Profile:
+    """The ``Profile`` of a recorded step with its times (measured or estimated)."""
+    nodes = tuple(
+        NodeCost(
+            name=rec["name"], kind=rec["kind"], target=rec["target"], scope=rec["scope"],
+            module_path=call_module_path(rec["scope"]),
+            fwd_ms=times.fwd_ms[i], bwd_ms=times.bwd_ms[i],
+            fwd_start_bytes=rec["fwd_start"], fwd_peak_bytes=rec["fwd_peak"],
+            bwd_start_bytes=recorder.bwd_start.get(i), bwd_peak_bytes=recorder.bwd_peak.get(i),
+            inputs=tuple(sorted(rec["inputs"])), outputs=tuple(sorted(rec["outputs"])),
+            saves=tuple(sorted(rec["saves"])), mutates=tuple(sorted(rec["mutates"])),
+            mutated_buffers=tuple(rec["buffers"]), checkpointable=rec["kind"] != LOSS_NODE,
+            mutated_buffer_bytes=sum(recorder.buffer_bytes[name] for name in rec["buffers"]),
+            eager_excess_bytes=excess[i] if excess else 0, aten_ops=rec["ops"][1] - rec["ops"][0],
+        )
+        for i, rec in enumerate(recorder.records)
+    )
+    return Profile(
+        nodes=nodes,
+        storages=tuple(replace(st, autocast_cached=True) if i in recorder._cached else st
+                       for i, st in enumerate(recorder.storages)),
+        device=device,
+        torch_version=torch.__version__,
+        input_shapes=inputs.describe(),
+        param_bytes=recorder.param_bytes,
+        grad_bytes=sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad),
+        step_fwd_ms=times.step_fwd_ms,
+        step_bwd_ms=times.step_bwd_ms,
+        checkpoint_overhead_ms=times.checkpoint_overhead_ms, sac_op_us=times.sac_op_us,
+        baseline_peak_bytes=recorder.tracker.peak_bytes,
+        fingerprint=captured.fingerprint,
+        capture_method=captured.method,
+        estimated_for=estimated_for,
+    )
+
+
+def _device_of(model: nn.Module, inputs: Inputs) -> torch.device:
+    devices = {p.device for p in model.parameters()} | {b.device for b in model.buffers()}
+    if len(devices) > 1:
+        raise ProfileError(f"the model's parameters are on several devices {sorted(map(str, devices))}; "
+                           "ckplan plans for one device: move the model with .to(device)")
+    device = devices.pop() if devices else torch.device("cpu")
+    for value in tree_leaves((inputs.args, inputs.kwargs)):
+        if isinstance(value, torch.Tensor) and value.device != device:
+            raise ProfileError(f"an input is on {value.device} but the model's parameters are on {device}; "
+                               f"move the inputs with .to('{device}')")
+    return device
+
+
+_BATCH_NORMS = (torch.ops.aten.native_batch_norm.default, torch.ops.aten._native_batch_norm_legit.default)
+"""Ops that update running statistics (args 3 and 4) when training (arg 5) without saying so in their schema."""
+
+
+class MemoryRecorder(StepRunner):
+    """One instrumented step: storages, saved tensors, mutations and per-node peaks."""
+
+    def __init__(self, gm: fx.GraphModule, model: nn.Module, device: torch.device,
+                 op_ms: Callable[[Any, tuple, Any], float] | None = None) -> None:
+        super().__init__(gm, device)
+        self.model = model
+        self.op_ms = op_ms
+        """Optional ``(func, args, out) -> ms`` estimate of each op (the roofline on meta tensors)."""
+        self.est_fwd_ms: defaultdict[int, float] = defaultdict(float)
+        self.est_bwd_ms: defaultdict[int, float] = defaultdict(float)
+        self.tracker = LiveStorages(device)
+        self.storages: list[StorageCost] = []
+        self.records: list[dict] = []
+        self.bwd_start: dict[int, int] = {}
+        self.bwd_peak: dict[int, int] = {}
+        self._index_of: dict[int, int] = {}
+        self._producer = -1
+        self._current: dict | None = None
+        self._open: int | None = None
+        self._buffers = list(model.named_buffers())
+        for tensor in list(model.parameters()) + [b for _, b in self._buffers]:
+            self.tracker.track(tensor)
+        self.param_bytes = self.tracker.live_bytes
+        self.tracker.on_new_storage = self._new_storage
+        self.tracker.on_write = self._written
+        self.tracker.on_op = self._op
+        self._param_keys = {storage_key(p) for p in model.parameters()}
+        self._cached: set[int] = set()
+        self._buffer_of = {storage_key(b): name for name, b in self._buffers}
+        self.buffer_bytes = {name: b.untyped_storage().nbytes() for name, b in self._buffers}
+        self._writes: set[int] = set()
+
+    def step(self, inputs: Inputs, loss_fn: LossFn) -> None:
+        for value in tree_leaves((inputs.args, inputs.kwargs)):
+            if isinstance(value, torch.Tensor):
+                if not self.tracker.track(value):  # already counted (e.g. shares a parameter's storage)
+                    continue
+        self.tracker.trace = []
+        with self.tracker, torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t):
+            super().step(inputs, loss_fn)
+            self._close_window()
+
+    def before_backward(self) -> None:
+        # A tensor "saved" by an autograd node outside the loss's graph (a side branch such as
+        # `if h.abs().mean() > 1`) is freed with that branch: only what is alive now is kept.
+        alive = set(self._index_of.values())
+        for record in self.records:
+            record["saves"] &= alive
+
+    def forward_trace(self) -> list[tuple[str, int]]:
+        """The ops of the graph's forward (the loss excluded), with live bytes after each."""
+        return self.tracker.trace[: self.records[-1]["ops"][0]]
+
+    def _new_storage(self, key: int, tensor: torch.Tensor) -> None:
+        index = len(self.storages)
+        self.storages.append(StorageCost(nbytes=tensor.untyped_storage().nbytes(), producer=self._producer))
+        self._index_of[key] = index
+        weakref.finalize(tensor.untyped_storage(), self._index_of.pop, key, None)
+
+    def _touchable_buffers(self, node: fx.Node | None, values: list) -> list[tuple[str, torch.Tensor]]:
+        """Copies of the buffers a node could modify: those passed to it and those of the module it
+        calls. Op schemas do not always say (``native_batch_norm`` updates running stats unannotated)."""
+        names = {self._buffer_of[storage_key(v)] for v in values
+                 if self._here(v) and storage_key(v) in self._buffer_of}
+        if node is not None and node.op == "call_module":
+            names |= {self._buffer_of[storage_key(b)] for b in self.module.get_submodule(node.target).buffers()
+                      if storage_key(b) in self._buffer_of}
+        with _disable_current_modes():  # profiling's own copies are not the model's memory
+            return [(name, self.model.get_buffer(name).detach().clone()) for name in sorted(names)]
+
+    def _here(self, value: Any) -> bool:
+        """A tensor on the profiled device (meta tensors count only when that is the meta device)."""
+        return (isinstance(value, torch.Tensor) and value.device.type == self.device.type
+                and (self.device.type == "meta" or not value.is_meta))
+
+    def _op(self, func, args, out) -> None:
+        """Notes casts of parameters that autocast keeps in its cache, BatchNorm's running-stat
+        updates (unannotated in its schema), and each op's estimated time when estimating."""
+        if func in _BATCH_NORMS and len(args) > 5 and args[5] is True:
+            for stat in args[3:5]:
+                if isinstance(stat, torch.Tensor):
+                    self._written(stat)
+        if self.op_ms is not None:
+            if self._current is not None:
+                self.est_fwd_ms[len(self.records) - 1] += self.op_ms(func, args, out)
+            elif self._open is not None:
+                self.est_bwd_ms[self._open] += self.op_ms(func, args, out)
+        if (func is torch.ops.aten._to_copy.default and isinstance(out, torch.Tensor) and args
+                and isinstance(args[0], torch.Tensor) and torch.is_autocast_cache_enabled()
+                and storage_key(args[0]) in self._param_keys):
+            index = self._index_of.get(storage_key(out))
+            if index is not None:
+                self._cached.add(index)
+
+    def _written(self, tensor: torch.Tensor) -> None:
+        if self._current is not None and self._here(tensor):
+            self._writes.add(storage_key(tensor))
+
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        index = self._index_of.get(storage_key(tensor)) if tensor.device.type == self.device.type else None
+        if index is not None and self.records and self._current is not None:
+            self._current["saves"].add(index)
+        return tensor
+
+    def _storages(self, values: list) -> set[int]:
+        found = set()
+        for v in values:
+            if self._here(v):
+                index = self._index_of.get(storage_key(v))
+                if index is not None:
+                    found.add(index)
+        return found
+
+    def around_node(self, index, node, compute, values):
+        scope = node.meta.get(SCOPE_KEY, ()) if node is not None else ()
+        record = {
+            "name": node.name if node is not None else LOSS_NODE,
+            "kind": node.op if node is not None else LOSS_NODE,
+            "target": target_text(node) if node is not None else "loss_fn",
+            "scope": tuple(scope), "inputs": self._storages(values),
+            "outputs": set(), "saves": set(), "mutates": set(), "buffers": [],
+        }
+        self.records.append(record)
+        self._current = record
+        self._writes = set()
+        touchable = self._touchable_buffers(node, values)
+        self._producer = index
+        first_new = len(self.storages)
+        record["fwd_start"] = self.tracker.mark()
+        first_op = len(self.tracker.trace)
+        try:
+            result = super().around_node(index, node, compute, values)
+        finally:
+            self._producer = -1
+            self._current = None
+        sync(self.device)
+        record["fwd_peak"] = self.tracker.window_peak_bytes
+        record["ops"] = (first_op, len(self.tracker.trace))
+        record["outputs"] = set(range(first_new, len(self.storages)))
+        record["mutates"] = {self._index_of[k] for k in self._writes if k in self._index_of} - record["outputs"]
+        with _disable_current_modes():
+            changed = {name for name, before in touchable  # meta tensors have no values to compare
+                       if not before.is_meta and not torch.equal(self.model.get_buffer(name), before)}
+        record["buffers"] = sorted(changed | {self._buffer_of[k] for k in self._writes if k in self._buffer_of})
+        if node is None:  # the loss node also "uses" the graph's outputs until it has run
+            record["inputs"] |= self._storages(values)
+        return result
+
+    def on_backward(self, index, phase):
+        # A node's backward window runs from its first autograd node until the next graph node's
+        # backward starts, so it includes what autograd does after it (summing the gradients of a
+        # tensor read by two branches allocates right then).
+        if phase != "pre" or index == self._open:
+            return
+        self._close_window()
+        self._open = index
+        live = self.tracker.mark()
+        self.bwd_start.setdefault(index, live)
+
+    def _close_window(self) -> None:
+        if self._open is not None:
+            sync(self.device)
+            self.bwd_peak[self._open] = max(self.bwd_peak.get(self._open, 0), self.tracker.window_peak_bytes)
+        self._open = None

@@ -1,0 +1,136 @@
+"""Estimates a training step's profile for a device that is not here, without allocating it.
+
+The same memory pass as a measured profile (``profile.MemoryRecorder``: live storages, what
+autograd saves, per-node peaks) runs on meta tensors, which have sizes but no data; the
+per-node times come from the device spec's roofline (``estimate.Roofline``) instead of a
+clock. A model on the meta device is used as it is; a real model has its parameters and
+buffers swapped for meta copies during the pass (and back afterwards), so nothing of the
+step is ever allocated.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._pytree import tree_leaves, tree_map
+
+from planner.capture.api import Captured
+from planner.capture.inputs import Inputs
+from planner.profiling.record import Profile
+from planner.profiling.devices import DeviceSpec
+from planner.profiling.estimate import Roofline
+from planner.profiling.memory_pass import MemoryRecorder, StepTimes, assemble, check_trainable, eager_excess_of
+from planner.step import LossFn, default_loss, untouched
+
+META = torch.device("meta")
+
+
+def estimate(captured: Captured, model: nn.Module, inputs: Inputs, *, spec: DeviceSpec,
+             loss_fn: LossFn | None = None) -> Profile:
+    """The profile of one training step of ``captured`` on the device ``spec`` describes.
+
+    Memory is the meta-tensor replay of the step; times are roofline estimates. The model
+    is left as it was (parameters, buffers, gradients, modes).
+
+    Raises:
+        ProfileError: a node failed on meta tensors (naming it), e.g. one that reads tensor
+            values (``.item()``, data-dependent shapes) which meta tensors do not have.
+    """
+    loss_fn = loss_fn or default_loss
+    check_trainable(model)
+    roofline = Roofline(spec)
+    with untouched(model), on_meta(captured.graph_module, model), FlashAttention(), StrayTensorsToMeta():
+        example = Inputs(args=tree_map(to_meta, inputs.args), kwargs=tree_map(to_meta, inputs.kwargs))
+        recorder = MemoryRecorder(captured.graph_module, model, META, op_ms=roofline.op_ms)
+        recorder.step(example, loss_fn)
+        excess = eager_excess_of(recorder, captured, model, example)
+        count = len(recorder.records)
+        fwd = [recorder.est_fwd_ms[i] for i in range(count)]
+        bwd = [recorder.est_bwd_ms[i] for i in range(count)]
+        times = StepTimes(fwd_ms=fwd, bwd_ms=bwd, step_fwd_ms=sum(fwd), step_bwd_ms=sum(bwd),
+                          checkpoint_overhead_ms=spec.checkpoint_overhead_us / 1e3)
+        return assemble(recorder, captured, model, example, times=times, excess=excess, device=spec.name,
+                        estimated_for=spec.name)
+
+
+def to_meta(value: Any, *, keep_grad: bool = True) -> Any:
+    """A meta tensor like ``value`` (same shape, strides, dtype and, with ``keep_grad``,
+    requires_grad); any other value as it is."""
+    if not isinstance(value, torch.Tensor) or value.is_meta:
+        return value
+    with _disable_current_modes():  # a conversion is not memory of the step
+        nbytes, itemsize = value.untyped_storage().nbytes(), value.element_size()
+        if nbytes % itemsize == 0:  # a view keeps the size of the whole storage it views
+            meta = torch.empty(nbytes // itemsize, dtype=value.dtype, device=META).as_strided(
+                value.size(), value.stride(), value.storage_offset())
+        else:
+            meta = torch.empty_strided(value.size(), value.stride(), dtype=value.dtype, device=META)
+    if isinstance(value, nn.Parameter):
+        return nn.Parameter(meta, requires_grad=value.requires_grad)
+    return meta.requires_grad_(value.requires_grad) if keep_grad and value.requires_grad else meta
+
+
+@contextmanager
+def on_meta(*roots: nn.Module) -> Iterator[None]:
+    """Swaps every parameter, buffer and tensor attribute of the modules under ``roots`` for a meta
+    copy (one copy per tensor, so shared weights stay shared), and puts the originals back after."""
+    copies: dict[int, torch.Tensor] = {}
+    swapped: list[tuple[dict, str, torch.Tensor]] = []
+    for root in roots:
+        for module in root.modules():
+            plain = {k: v for k, v in vars(module).items() if isinstance(v, torch.Tensor)}
+            for store in (module._parameters, module._buffers, plain):
+                for key, value in list(store.items()):
+                    if isinstance(value, torch.Tensor) and not value.is_meta:
+                        meta = copies.setdefault(id(value), to_meta(value))
+                        target = module.__dict__ if store is plain else store
+                        swapped.append((target, key, value))
+                        target[key] = meta
+    try:
+        yield
+    finally:
+        for store, key, value in reversed(swapped):
+            store[key] = value
+
+
+class StrayTensorsToMeta(TorchDispatchMode):
+    """Runs an op that mixes meta and real tensors (a loss's labels, a constant made on the CPU
+    inside ``forward``) on meta copies of the real ones, which are not counted as memory."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        leaves = [a for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
+        if any(t.is_meta for t in leaves) and not all(t.is_meta for t in leaves):
+            args, kwargs = tree_map(lambda v: to_meta(v, keep_grad=False), (args, kwargs))
+        return func(*args, **kwargs)
+
+
+_SDPA = (F.scaled_dot_product_attention, torch.ops.aten.scaled_dot_product_attention.default)
+_SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+
+
+class FlashAttention(TorchFunctionMode):
+    """Scaled dot-product attention on meta tensors as the fused (flash) kernel a CPU or GPU runs.
+
+    On meta tensors SDPA would take its math path, which materialises and saves the whole attention
+    matrix; CPUs and GPUs run a fused kernel that keeps only the output and the log-sum-exp for
+    backward. Without dropout (the fused CPU kernel's condition) it is replaced by that kernel,
+    ``aten._scaled_dot_product_flash_attention_for_cpu``, which has meta and backward kernels.
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _SDPA:
+            bound = dict(zip(_SDPA_ARGS, args)) | kwargs
+            query = bound["query"]
+            if isinstance(query, torch.Tensor) and query.is_meta and not bound.get("dropout_p"):
+                return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                    query, bound["key"], bound["value"], 0.0, bool(bound.get("is_causal", False)),
+                    attn_mask=bound.get("attn_mask"), scale=bound.get("scale"))[0]
+        return func(*args, **kwargs)

@@ -1,0 +1,235 @@
+"""What one profiled training step cost, node by node, as plain data, and its JSON file.
+
+The profile stage (which needs torch) fills these records; every later stage
+(regions, simulate, solve) reads only them, so planning can run without the
+model, from a saved profile (profile once on the target GPU, plan anywhere afterwards),
+and in tests on hand-written graphs.
+
+The file's schema is versioned and documented in docs/profiles.md. Reading never trusts the
+file: a missing file, broken JSON, another schema or version, or a missing field is one
+``ProfileFileError`` naming the file and the problem. Torch-free.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import MISSING, asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from planner.errors import ProfileFileError
+
+LOSS_NODE = "loss"
+"""Name of the pseudo-node appended after the graph: ``loss_fn(output)``."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StorageCost:
+    """One storage (block of memory) created during the forward pass."""
+
+    nbytes: int
+    """Size of the storage in bytes (shared by every view of it)."""
+    producer: int
+    """Index of the node that allocated it; -1 for model inputs."""
+    autocast_cached: bool = False
+    """A cast of a parameter held in autocast's cache: alive through the forward and the loss
+    whatever the plan (the cache is cleared before backward)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class NodeCost:
+    """Measured cost of one graph node in an un-checkpointed training step."""
+
+    name: str
+    """fx node name (unique in the graph)."""
+    kind: str
+    """fx op kind (``call_module``, ``call_function``, ...) or ``loss``."""
+    target: str
+    """What the node calls, as text (module path, function name, method name)."""
+    module_path: str
+    """Path of the innermost module this node belongs to ("" for the root)."""
+    scope: tuple[str, ...]
+    """Module calls enclosing the node, outermost first, each ``path#call_index``."""
+    fwd_ms: float
+    """Forward time of the node in milliseconds (median over timing runs)."""
+    bwd_ms: float
+    """Backward time of the autograd nodes this node created, in milliseconds."""
+    fwd_start_bytes: int
+    """Live bytes on the device just before the node's forward ran."""
+    fwd_peak_bytes: int
+    """Peak live bytes on the device while the node's forward ran."""
+    bwd_start_bytes: int | None
+    """Live bytes just before its backward ran; None when it has no backward."""
+    bwd_peak_bytes: int | None
+    """Peak live bytes while its backward ran; None when it has no backward."""
+    inputs: tuple[int, ...] = ()
+    """Storages (indices into ``Profile.storages``) of the tensors it reads."""
+    outputs: tuple[int, ...] = ()
+    """Storages it allocated (its outputs and internal tensors)."""
+    saves: tuple[int, ...] = ()
+    """Storages autograd saved for this node's backward (parameters excluded)."""
+    mutates: tuple[int, ...] = ()
+    """Activation storages it modified in place."""
+    mutated_buffers: tuple[str, ...] = ()
+    """Fully qualified names of module buffers it modified (BatchNorm stats)."""
+    mutated_buffer_bytes: int = 0
+    """Bytes of those buffers (a checkpointed segment copies them while it is re-run)."""
+    eager_excess_bytes: int = 0
+    """Extra bytes the model's own forward keeps alive during this node (Python locals)."""
+    checkpointable: bool = True
+    """False for nodes that can never be inside a segment (the loss)."""
+    aten_ops: int = -1
+    """ATen ops its forward dispatches, views included (each costs selective checkpointing's dispatch
+    modes a Python call); -1 when unknown (profiles saved before this field)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Profile:
+    """Everything the planner knows about one training step of one model."""
+
+    nodes: tuple[NodeCost, ...]
+    """Graph nodes in execution order, the loss pseudo-node last."""
+    storages: tuple[StorageCost, ...]
+    """Activation storages (model inputs included, parameters excluded)."""
+    device: str
+    """Device the profile was measured on (``cpu``, ``cuda:0``...)."""
+    torch_version: str
+    input_shapes: tuple[str, ...]
+    """``name: dtype[shape]`` of each model input."""
+    param_bytes: int
+    """Bytes of parameters and buffers resident during the step."""
+    grad_bytes: int
+    """Bytes of parameter gradients after backward."""
+    step_fwd_ms: float
+    """Forward time of a whole un-instrumented step (graph + loss), ms."""
+    step_bwd_ms: float
+    """Backward time of a whole un-instrumented step, ms."""
+    baseline_peak_bytes: int = field(default=0)
+    """Peak live bytes of the profiled un-checkpointed step."""
+    checkpoint_overhead_ms: float = field(default=0.0)
+    """Time one ``checkpoint`` call adds beyond re-running its ops (holders, RNG state), ms."""
+    sac_op_us: float = field(default=-1.0)
+    """Time selective checkpointing's dispatch modes add per ATen op of this graph (forward and
+    re-run), measured on it; -1 when not measured (estimated or older profiles)."""
+    fingerprint: str = ""
+    """Structure hash of the captured graph (``Captured.fingerprint``) the nodes belong to."""
+    capture_method: str = ""
+    """How that graph was captured (``torch.fx.symbolic_trace``, ``torch.export (non-strict)``...)."""
+    estimated_for: str = ""
+    """Name of the device spec whose roofline gave the times, with memory from meta tensors;
+    ``""`` when the step was measured on ``device``."""
+
+    @property
+    def step_ms(self) -> float:
+        """Forward plus backward time of one un-checkpointed step, ms."""
+        return self.step_fwd_ms + self.step_bwd_ms
+
+    def node_index(self) -> dict[str, int]:
+        """Map from node name to position."""
+        return {n.name: i for i, n in enumerate(self.nodes)}
+
+    def save(self, path: str) -> None:
+        """Writes the profile as JSON (schema in docs/profiles.md); read it back with ``load_profile``."""
+        save_profile(self, path)
+
+
+SCHEMA = "ckplan.profile"
+"""Value of the file's ``schema`` key."""
+SCHEMA_VERSION = 1
+"""Version this ckplan writes and reads; bumped when a field changes meaning or is removed."""
+
+_TUPLE_FIELDS = {"scope", "inputs", "outputs", "saves", "mutates", "mutated_buffers"}
+
+
+def profile_to_dict(prof: Profile) -> dict[str, Any]:
+    """The JSON-ready form of a profile: run-level fields, then ``storages`` and ``nodes``."""
+    data: dict[str, Any] = {"schema": SCHEMA, "version": SCHEMA_VERSION}
+    for f in fields(Profile):
+        if f.name not in ("nodes", "storages"):
+            value = getattr(prof, f.name)
+            data[f.name] = list(value) if isinstance(value, tuple) else value
+    data["storages"] = [asdict(s) for s in prof.storages]
+    data["nodes"] = [{k: list(v) if isinstance(v, tuple) else v for k, v in asdict(n).items()} for n in prof.nodes]
+    return data
+
+
+def save_profile(prof: Profile, path: str | Path) -> None:
+    """Writes ``prof`` as JSON to ``path`` (one node per line, so diffs stay readable)."""
+    data = profile_to_dict(prof)
+    nodes, storages = data.pop("nodes"), data.pop("storages")
+    head = json.dumps(data, indent=1)[:-2]
+    rows = ",\n".join(f"  {json.dumps(n, separators=(',', ':'))}" for n in nodes)
+    stores = ",\n".join(f"  {json.dumps(s, separators=(',', ':'))}" for s in storages)
+    Path(path).write_text(f"{head},\n \"storages\": [\n{stores}\n ],\n \"nodes\": [\n{rows}\n ]\n}}\n")
+
+
+def load_profile(path: str | Path) -> Profile:
+    """Reads a profile written by ``Profile.save``.
+
+    Raises:
+        ProfileFileError: the file is missing, not JSON, of another schema or version,
+            or lacks a field; the message names the file and what is wrong.
+    """
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise ProfileFileError(f"cannot read profile {path}: {exc.strerror or exc}") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ProfileFileError(f"{path} is not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg}); "
+                               "it is not a ckplan profile or it was cut short — profile the model again") from None
+    return profile_from_dict(data, source=str(path))
+
+
+def profile_from_dict(data: Any, *, source: str = "profile") -> Profile:
+    """The ``Profile`` a dict of ``profile_to_dict`` describes (errors name ``source``)."""
+    if not isinstance(data, dict) or data.get("schema") != SCHEMA:
+        found = data.get("schema") if isinstance(data, dict) else type(data).__name__
+        raise ProfileFileError(f"{source} is not a ckplan profile (schema {found!r}, expected {SCHEMA!r})")
+    if data.get("version") != SCHEMA_VERSION:
+        raise ProfileFileError(f"{source} has profile schema version {data.get('version')!r}; this ckplan reads "
+                               f"version {SCHEMA_VERSION}: profile the model again with this version")
+    try:
+        storages = tuple(_record(StorageCost, s) for s in data["storages"])
+        nodes = tuple(_record(NodeCost, n) for n in data["nodes"])
+        run = {f.name: data[f.name] for f in fields(Profile) if f.name not in ("nodes", "storages")
+               and (f.name in data or _required(f))}
+        run["input_shapes"] = tuple(run["input_shapes"])
+        prof = Profile(nodes=nodes, storages=storages, **run)
+    except KeyError as exc:
+        raise ProfileFileError(f"{source} lacks the field {exc.args[0]!r}; the file is incomplete or was "
+                               "edited: profile the model again") from None
+    except (TypeError, ValueError, AttributeError) as exc:
+        raise ProfileFileError(f"{source} has a malformed record ({exc}); profile the model again") from None
+    _check_indices(prof, source)
+    return prof
+
+
+def _required(f) -> bool:
+    return f.default is MISSING and f.default_factory is MISSING
+
+
+def _record(cls, raw: dict) -> Any:
+    if not isinstance(raw, dict):
+        raise TypeError(f"expected an object, got {type(raw).__name__}")
+    known = {f.name for f in fields(cls)}
+    missing = [f.name for f in fields(cls) if _required(f) and f.name not in raw]
+    if missing:
+        raise KeyError(f"{cls.__name__}.{missing[0]}")
+    return cls(**{k: tuple(v) if k in _TUPLE_FIELDS else v for k, v in raw.items() if k in known})
+
+
+def _check_indices(prof: Profile, source: str) -> None:
+    """Storage indices and producers point inside the profile (a planner given garbage plans garbage)."""
+    n_storages, n_nodes = len(prof.storages), len(prof.nodes)
+    for node in prof.nodes:
+        for key in ("inputs", "outputs", "saves", "mutates"):
+            bad = [s for s in getattr(node, key) if not (isinstance(s, int) and 0 <= s < n_storages)]
+            if bad:
+                raise ProfileFileError(f"{source}: node {node.name!r} lists {key} storage {bad[0]!r}, but the "
+                                       f"profile has {n_storages} storages; the file is corrupt: profile again")
+    for i, st in enumerate(prof.storages):
+        if not -1 <= st.producer < n_nodes:
+            raise ProfileFileError(f"{source}: storage {i} names producer node {st.producer}, but the profile "
+                                   f"has {n_nodes} nodes; the file is corrupt: profile again")

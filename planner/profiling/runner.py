@@ -1,0 +1,158 @@
+"""Runs one training step of a captured graph node by node, with hooks around every node.
+
+The machinery both profiling passes share (``planner.profile``'s memory pass and
+``planner.profile_timing``'s timed pass): an ``fx.Interpreter`` that computes the loss,
+runs backward, attributes every autograd node to the graph node that created it, and
+turns a failing node into one error naming it, the user's line and the input shapes.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+import torch.fx._pytree as fx_pytree
+from torch.utils._pytree import tree_leaves
+
+from planner.capture.inputs import Inputs
+from planner.errors import ProfileError, user_frame
+from planner.step import LossFn, backward, sync
+
+
+def _node_error(node_text: str, where: str | None, exc: Exception, values: list[Any]) -> ProfileError:
+    shapes = ", ".join(
+        f"{str(v.dtype).removeprefix('torch.')}{list(v.shape)}" for v in values if isinstance(v, torch.Tensor)
+    )
+    return ProfileError(
+        f"{node_text} failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        + (f" (at {where})" if where else "")
+        + (f"; its tensor inputs are {shapes}" if shapes else "")
+    )
+
+
+def _stack_line(node: fx.Node) -> str | None:
+    """Last ``file:line: code`` of the user's code that created ``node``."""
+    trace = node.stack_trace or ""
+    lines = [ln.strip() for ln in trace.strip().splitlines()]
+    for i in range(len(lines) - 1, -1, -1):
+        if lines[i].startswith("File "):
+            parts = lines[i].split(", ")
+            code = lines[i + 1] if i + 1 < len(lines) else ""
+            return f"{parts[0][6:-1]}:{parts[1].removeprefix('line ')}: {code}"
+    return None
+
+
+def _new_autograd_nodes(result: Any, seen: set) -> list:
+    """Autograd nodes reachable from ``result`` that no earlier graph node created."""
+    stack = [t.grad_fn for t in tree_leaves(result) if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    found = []
+    while stack:
+        fn = stack.pop()
+        if fn in seen:
+            continue
+        seen.add(fn)
+        found.append(fn)
+        stack.extend(nxt for nxt, _ in fn.next_functions
+                     if nxt is not None and type(nxt).__name__ != "AccumulateGrad")
+    return found
+
+
+class StepRunner(fx.Interpreter):
+    """Runs graph + loss + backward, calling ``around_node`` for each node's forward
+    and ``on_backward(index, phase)`` around each node's autograd nodes."""
+
+    def __init__(self, gm: fx.GraphModule, device: torch.device) -> None:
+        super().__init__(gm)
+        self.device = device
+        self.index = {n: i for i, n in enumerate(n for n in gm.graph.nodes if n.op not in ("placeholder", "output"))}
+        self.loss_index = len(self.index)
+        self._seen: set = set()
+        self._handles: list = []
+
+    def step(self, inputs: Inputs, loss_fn: LossFn) -> None:
+        self._seen = set()
+        try:
+            output = self._run_pytree(inputs) if self._specs() else (
+                self.run(*inputs.args) if not inputs.kwargs else self._run_kwargs(inputs))
+            loss = self._loss(output, loss_fn)
+            self.before_backward()
+            backward(loss)
+            sync(self.device)
+        finally:
+            for handle in self._handles:
+                handle.remove()
+            self._handles = []
+
+    def _specs(self):
+        in_spec, out_spec = getattr(self.module, "_in_spec", None), getattr(self.module, "_out_spec", None)
+        return (in_spec, out_spec) if in_spec is not None and out_spec is not None else None
+
+    def _run_pytree(self, inputs: Inputs) -> Any:
+        """Graphs from torch.export take flattened inputs (the Interpreter rebuilds the outputs)."""
+        in_spec, _ = self._specs()
+        return self.run(*fx_pytree.tree_flatten_spec((inputs.args, inputs.kwargs), in_spec))
+
+    def _run_kwargs(self, inputs: Inputs) -> Any:
+        placeholders = [n for n in self.module.graph.nodes if n.op == "placeholder"]
+        args = list(inputs.args)
+        for node in placeholders[len(args):]:
+            if node.target in inputs.kwargs:
+                args.append(inputs.kwargs[node.target])
+            elif node.args:
+                args.append(node.args[0])
+            else:
+                raise ProfileError(f"input {node.target!r} of the model is missing from inputs=")
+        unknown = set(inputs.kwargs) - {n.target for n in placeholders}
+        if unknown:
+            raise ProfileError(f"inputs= names {sorted(unknown)} that the model's forward does not take")
+        return self.run(*args)
+
+    def _loss(self, output: Any, loss_fn: LossFn) -> torch.Tensor:
+        def compute():
+            try:
+                loss = loss_fn(output)
+            except ProfileError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - report the user's loss failure clearly
+                where = user_frame(exc)
+                raise _node_error("loss_fn(output)", where, exc, list(tree_leaves(output))) from exc
+            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                raise ProfileError(f"loss_fn must return a scalar tensor, got {type(loss).__name__}"
+                                   + (f" of shape {list(loss.shape)}" if isinstance(loss, torch.Tensor) else ""))
+            if not loss.requires_grad:
+                raise ProfileError("the loss does not require grad: no parameter of the model reaches it; "
+                                   "check that the model's output depends on trainable parameters")
+            return loss
+        return self.around_node(self.loss_index, None, compute, list(tree_leaves(output)))
+
+    def run_node(self, n: fx.Node) -> Any:
+        if n.op in ("placeholder", "output"):
+            return super().run_node(n)
+        args, kwargs = self.fetch_args_kwargs_from_env(n)
+        values = list(tree_leaves((args, kwargs)))
+
+        def compute():
+            try:
+                return getattr(self, n.op)(n.target, args, kwargs)
+            except ProfileError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - name the node and the user's line
+                raise _node_error(f"node {n.name} ({n.format_node()})", _stack_line(n), exc, values) from exc
+        return self.around_node(self.index[n], n, compute, values)
+
+    def around_node(self, index: int, node: fx.Node | None, compute: Callable[[], Any], values: list) -> Any:
+        result = compute()
+        self._hook_backward(index, result)
+        return result
+
+    def _hook_backward(self, index: int, result: Any) -> None:
+        for fn in _new_autograd_nodes(result, self._seen):
+            self._handles.append(fn.register_prehook(lambda grads, i=index: self.on_backward(i, "pre")))
+            self._handles.append(fn.register_hook(lambda gi, go, i=index: self.on_backward(i, "post")))
+
+    def on_backward(self, index: int, phase: str) -> None:
+        """Called before (``pre``) and after (``post``) each autograd node of graph node ``index``."""
+
+    def before_backward(self) -> None:
+        """Called once the loss is computed, just before backward."""

@@ -1,0 +1,139 @@
+"""The timed passes of the profile: per-node forward/backward time, whole-step time, the fixed
+cost of one checkpoint call on the device, and what selective checkpointing adds per op."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections import defaultdict
+
+import torch
+import torch.fx as fx
+
+from planner.capture.inputs import Inputs
+from planner.profiling.runner import StepRunner
+from planner.step import LossFn, backward, sync
+
+
+class Timer(StepRunner):
+    """Timed steps: per-node forward and backward wall time."""
+
+    def __init__(self, gm: fx.GraphModule, device: torch.device) -> None:
+        super().__init__(gm, device)
+        self._fwd: dict[int, list[float]] = defaultdict(list)
+        self._bwd: dict[int, list[float]] = defaultdict(list)
+        self._bwd_step: dict[int, float] = defaultdict(float)
+        self._bwd_start: dict[int, float] = {}
+
+    def step(self, inputs: Inputs, loss_fn: LossFn) -> None:
+        self._bwd_step = defaultdict(float)
+        super().step(inputs, loss_fn)
+        for index, total in self._bwd_step.items():
+            self._bwd[index].append(total)
+
+    def around_node(self, index, node, compute, values):
+        sync(self.device)
+        start = time.perf_counter()
+        result = compute()
+        sync(self.device)
+        self._fwd[index].append((time.perf_counter() - start) * 1e3)
+        self._hook_backward(index, result)
+        return result
+
+    def on_backward(self, index, phase):
+        sync(self.device)
+        now = time.perf_counter()
+        if phase == "pre":
+            self._bwd_start[index] = now
+        else:
+            self._bwd_step[index] += (now - self._bwd_start.pop(index, now)) * 1e3
+
+    def fwd_ms(self, index: int) -> float:
+        return statistics.median(self._fwd[index]) if self._fwd[index] else 0.0
+
+    def bwd_ms(self, index: int) -> float:
+        return statistics.median(self._bwd[index]) if self._bwd[index] else 0.0
+
+
+def time_plain_steps(gm: fx.GraphModule, inputs: Inputs, loss_fn: LossFn, device: torch.device,
+                      runs: int) -> tuple[float, float]:
+    """Median forward and backward time (ms) of un-instrumented steps of the graph."""
+    fwd, bwd = [], []
+    for _ in range(max(1, runs)):
+        sync(device)
+        start = time.perf_counter()
+        loss = loss_fn(gm(*inputs.args, **inputs.kwargs))
+        sync(device)
+        mid = time.perf_counter()
+        backward(loss)
+        sync(device)
+        fwd.append((mid - start) * 1e3)
+        bwd.append((time.perf_counter() - mid) * 1e3)
+    for p in gm.parameters():
+        p.grad = None
+    return statistics.median(fwd), statistics.median(bwd)
+
+
+def checkpoint_overhead_ms(device: torch.device, runs: int = 41) -> float:
+    """What one non-reentrant ``checkpoint`` call costs beyond re-running its ops: the median
+    difference between a checkpointed and a plain tiny step (about 0.1 ms on a 2-core CPU)."""
+    from torch.utils.checkpoint import checkpoint
+
+    weight = torch.ones(8, 8, device=device, requires_grad=True)
+    x = torch.ones(4, 8, device=device)
+
+    def fn(t: torch.Tensor) -> torch.Tensor:
+        return (t @ weight).relu()
+
+    samples: dict[bool, list[float]] = {False: [], True: []}
+    for i in range(2 * runs):
+        wrapped = bool(i % 2)
+        sync(device)
+        start = time.perf_counter()
+        out = checkpoint(fn, x, use_reentrant=False) if wrapped else fn(x)
+        out.sum().backward()
+        sync(device)
+        samples[wrapped].append((time.perf_counter() - start) * 1e3)
+    weight.grad = None
+    # a checkpointed step also re-runs fn once: subtract that forward (about a third of a step)
+    plain = statistics.median(samples[False])
+    return max(0.0, statistics.median(samples[True]) - plain - plain / 3)
+
+
+def sac_op_overhead_us(gm: fx.GraphModule, inputs: Inputs, loss_fn: LossFn, device: torch.device, ops: int,
+                       runs: int = 3) -> float:
+    """What selective checkpointing's dispatch modes (caching in forward, cached in the re-run) add per
+    ATen op of this graph: the whole graph as one checkpointed segment with SAC (saving nothing) minus
+    without, the median of ``runs`` back-to-back pairs, over its ``ops``. Measured on the model itself:
+    on the GPT example about 3x what tiny Linear+GELU pairs give (more arguments per op). -1 (not
+    measured) under autocast, or when the graph fails as one checkpointed segment."""
+    from torch.utils.checkpoint import (CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts,
+                                        noop_context_fn)
+
+    def recompute_all(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    def step(context_fn) -> float:
+        sync(device)
+        start = time.perf_counter()
+        backward(loss_fn(checkpoint(gm, *inputs.args, use_reentrant=False, context_fn=context_fn,
+                                    **inputs.kwargs)))
+        sync(device)
+        return (time.perf_counter() - start) * 1e3
+
+    if torch.is_autocast_enabled(device.type):
+        return -1.0  # autocast's weight-cast cache upsets SAC's op counters (pytorch#193338); not measured
+    selective = lambda: create_selective_checkpoint_contexts(recompute_all)  # noqa: E731
+    diffs = []
+    try:
+        step(noop_context_fn), step(selective)  # warm-up
+        for i in range(runs):  # alternate which of the pair goes first
+            first, second = (noop_context_fn, selective) if i % 2 else (selective, noop_context_fn)
+            times = {first: step(first), second: step(second)}
+            diffs.append(times[selective] - times[noop_context_fn])
+    except RuntimeError:  # the graph cannot run as one checkpointed segment (CheckpointError included):
+        return -1.0       # planning goes on with the microbenchmark; the profile says "not measured"
+    finally:
+        for p in gm.parameters():
+            p.grad = None
+    return max(0.0, statistics.median(diffs) * 1e3 / max(1, ops))

@@ -1,0 +1,390 @@
+"""``ckplan model.py --budget 75%``: plan a model file from the terminal or CI.
+
+The model file defines module-level ``model`` (an nn.Module or a zero-argument
+callable returning one), ``inputs`` (tuple or dict of tensors, or a callable
+returning one) and optionally ``loss_fn(output) -> scalar``. This module parses
+the command line, runs the file, calls ``optimize()`` and turns every user
+mistake into one line and exit code 2; ``cli_report.py`` renders the results.
+Exit codes: 0 success, 2 user error, 3 infeasible budget (docs/cli.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+import sysconfig
+import traceback
+import types
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from rich.console import Console
+from torch import nn
+from torch.utils._pytree import tree_map
+
+from planner.report import render as cli_report
+from planner.budget import ACCEPTED_FORMS, parse_budget
+from planner.capture.inputs import as_inputs
+from planner.errors import InfeasibleBudget, PlannerError
+from planner.profiling.measure import measure_peak, step_times_ms
+from planner.pipeline import optimize
+from planner.plan import Plan
+from planner.profiling.api import Profile, profile
+from planner.profiling.record import load_profile
+from planner.solve.registry import SOLVERS
+
+EXIT_OK, EXIT_INTERNAL, EXIT_USAGE, EXIT_INFEASIBLE, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
+VERIFY_RUNS = 5
+MODEL_MODULE = "__ckplan_model__"
+"""Name the model file runs under, so its ``if __name__ == "__main__":`` block does not run."""
+DEVICE_FORMS = "cpu, cuda or cuda:N"
+
+_LIBRARY_DIRS = tuple(
+    os.path.abspath(p) + os.sep
+    for p in (os.path.dirname(os.path.dirname(__file__)), os.path.dirname(torch.__file__),
+              sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["purelib"])
+)
+
+
+class UserError(Exception):
+    """A mistake in the command line or the model file: one message, exit code 2."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ModelFile:
+    """What the model file defines, resolved (callables called)."""
+
+    path: str
+    model: nn.Module
+    inputs: Any
+    """Positional (tuple) or keyword (dict) arguments of ``model``."""
+    loss_fn: Callable[[Any], torch.Tensor] | None
+    namespace: dict[str, Any]
+    """The file's globals (functions defined there read their tensors from it)."""
+
+
+# -- the command line ------------------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``ckplan`` argument parser; ``--solver`` choices come from ``planner.solvers.SOLVERS``."""
+    p = argparse.ArgumentParser(
+        prog="ckplan",
+        description="Plan activation checkpointing so one training step of a PyTorch model fits a memory budget.",
+        epilog="exit codes: 0 success, 2 user error, 3 infeasible budget. Full reference: docs/cli.md",
+    )
+    p.add_argument("model_file", help="Python file defining `model`, `inputs` and optionally `loss_fn`")
+    p.add_argument("--budget", type=_budget, default="75%",
+                   help=f"peak memory of one training step: {ACCEPTED_FORMS.replace('%', '%%')} (default: 75%%)")
+    p.add_argument("--solver", choices=list(SOLVERS), default="cpsat", help="planning strategy (default: cpsat)")
+    p.add_argument("--time-limit", type=_seconds, default=30.0, metavar="SECONDS",
+                   help="solver time limit; past it the best plan found is used (default: 30)")
+    p.add_argument("--device", type=_device, help=f"{DEVICE_FORMS}: move the model and inputs there first "
+                                                  "(default: where the file puts them)")
+    p.add_argument("--world-size", type=_ranks, default=1, metavar="N",
+                   help="plan for one rank of a job on N ranks (docs/distributed.md; default: 1)")
+    p.add_argument("--parallel", choices=["fsdp", "ddp"],
+                   help="data-parallel engine the budget is per rank of (default: fsdp when --world-size > 1)")
+    p.add_argument("--max-chunks", type=_chunks, default=64, metavar="N",
+                   help="most cut positions for segments: more give finer plans, slower solves (default: 64)")
+    p.add_argument("--whole-segments", action="store_true",
+                   help="re-run whole segments (no op-level saves inside them; docs/selective.md)")
+    p.add_argument("--must-save", action="append", default=[], metavar="PATTERN",
+                   help="module path or op name (glob) never re-run in backward; repeatable")
+    p.add_argument("--must-recompute", action="append", default=[], metavar="PATTERN",
+                   help="module path or op name (glob) always re-run in backward, never kept; repeatable")
+    p.add_argument("--model", default="model", metavar="NAME", help="name of the model in the file (default: model)")
+    p.add_argument("--inputs", default="inputs", metavar="NAME", help="name of the inputs (default: inputs)")
+    p.add_argument("--loss", metavar="NAME", help="name of the loss function (default: loss_fn, if defined)")
+    p.add_argument("--json", action="store_true", help="print one JSON object on stdout instead of the report")
+    p.add_argument("--save", metavar="PLAN.json", help="write the plan as JSON (read it with planner.load_plan)")
+    p.add_argument("--profile", metavar="PROFILE.json",
+                   help="plan from a saved profile instead of profiling (it must match the model and inputs)")
+    p.add_argument("--save-profile", metavar="PROFILE.json",
+                   help="write this run's profile as JSON, to plan later with --profile (docs/profiles.md)")
+    p.add_argument("--emit", metavar="OUT.py", help="write the Python source of the rewritten module")
+    p.add_argument("--verify", action="store_true",
+                   help="run a real training step with and without the plan and report measured peak and time")
+    p.add_argument("--explain", action="store_true",
+                   help="per segment, bytes freed and ms recomputed; the largest activations kept and why")
+    p.add_argument("--quiet", action="store_true", help="no progress and no segment table: the header only")
+    p.add_argument("--debug", action="store_true", help="show the traceback of an error")
+    return p
+
+
+def _budget(text: str) -> int | str:
+    """A budget as the API takes it: digits (``4000000000``, ``4_000_000_000``) are bytes."""
+    value: int | str = int(text) if re.fullmatch(r"\s*\d[\d_]*\s*", text) else text
+    try:
+        parse_budget(value, baseline_peak_bytes=1)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return value
+
+
+def _ranks(text: str) -> int:
+    if not re.fullmatch(r"\s*\d+\s*", text) or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"--world-size must be an integer >= 1 (the number of ranks), got {text!r}")
+    return int(text)
+
+
+def _chunks(text: str) -> int:
+    if not re.fullmatch(r"\s*\d+\s*", text) or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"--max-chunks must be an integer >= 1, got {text!r}")
+    return int(text)
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of seconds")
+    return value
+
+
+def _device(text: str) -> torch.device:
+    """``cpu``, ``cuda`` or ``cuda:N``, present on this machine."""
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", text):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a device ckplan can plan on; use {DEVICE_FORMS}")
+    device = torch.device(text)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise argparse.ArgumentTypeError(f"{text}: CUDA is not available on this machine; use --device cpu")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise argparse.ArgumentTypeError(
+                f"{text}: this machine has {torch.cuda.device_count()} CUDA device(s), numbered from 0")
+    return device
+
+
+# -- the model file --------------------------------------------------------------------------------------------
+
+
+def load_model_file(path: str, *, model: str = "model", inputs: str = "inputs",
+                    loss: str | None = None) -> ModelFile:
+    """Runs the model file and returns what it defines under the given names.
+
+    Raises:
+        UserError: the file is missing or fails, or lacks a name, or a value has the wrong type.
+    """
+    namespace = _run_file(path)
+    found_model = _resolve(namespace, path, model, "--model")
+    if not isinstance(found_model, nn.Module):
+        raise UserError(f"`{model}` in {path} is of type {type(found_model).__name__}, not a torch.nn.Module "
+                        "(nor a zero-argument callable returning one)")
+    if inputs in namespace or inputs != "inputs" or getattr(found_model, "example_inputs", None) is None:
+        found_inputs = _resolve(namespace, path, inputs, "--inputs")
+    else:  # the model's own `example_inputs`, as optimize() would use
+        inputs = "example_inputs"
+        found_inputs = _resolve({inputs: found_model.example_inputs}, path, inputs, "--inputs")
+    try:
+        as_inputs(found_model, found_inputs)
+    except TypeError as exc:
+        raise UserError(f"`{inputs}` in {path}: {exc}") from exc
+    loss_fn = namespace.get(loss or "loss_fn")
+    if loss is not None and loss not in namespace:
+        raise UserError(f"{path} defines no `{loss}` (named by --loss)")
+    if loss_fn is not None and not callable(loss_fn):
+        raise UserError(f"`{loss or 'loss_fn'}` in {path} is of type {type(loss_fn).__name__}, not a function")
+    return ModelFile(path=path, model=found_model, inputs=found_inputs, loss_fn=loss_fn, namespace=namespace)
+
+
+def _run_file(path: str) -> dict[str, Any]:
+    """Executes the file as module ``__ckplan_model__`` (its directory importable) and returns its globals."""
+    file = Path(path)
+    if not file.is_file():
+        raise UserError(f"model file {path} does not exist" if not file.exists() else f"{path} is not a file")
+    module = types.ModuleType(MODEL_MODULE)
+    module.__file__ = str(file)
+    sys.modules[MODEL_MODULE] = module  # classes defined in the file find their module (inspect, fx)
+    sys.path.insert(0, str(file.resolve().parent))
+    argv, sys.argv = sys.argv, [path]  # as `python model.py` would see it (a module-level argparse)
+    try:
+        exec(compile(file.read_bytes(), path, "exec"), module.__dict__)
+    except SyntaxError as exc:
+        raise UserError(f"{exc.filename}:{exc.lineno}: {type(exc).__name__}: {exc.msg}") from exc
+    except SystemExit as exc:
+        raise UserError(f"{_located(exc, fallback=path)}: the model file exited while loading; keep training "
+                        "code under `if __name__ == \"__main__\":`") from exc
+    except Exception as exc:  # noqa: BLE001 - any failure inside the user's file is a user error
+        raise UserError(_located(exc, fallback=path)) from exc
+    finally:
+        sys.argv = argv
+    return module.__dict__
+
+
+def _resolve(namespace: dict[str, Any], path: str, name: str, flag: str) -> Any:
+    """``namespace[name]``, called when it is a zero-argument callable (not a module or tensor)."""
+    if name not in namespace:
+        default = flag.removeprefix("--")
+        hint = f"define a module-level `{default}`, or name another with {flag} NAME" if name == default \
+            else f"check the name given to {flag}"
+        raise UserError(f"{path} defines no `{name}`: {hint}")
+    value = namespace[name]
+    if callable(value) and not isinstance(value, (nn.Module, torch.Tensor)):
+        try:
+            value = value()
+        except Exception as exc:  # noqa: BLE001 - the user's factory failed
+            raise UserError(_located(exc, fallback=f"calling `{name}` from {path}")) from exc
+    return value
+
+
+def _located(exc: BaseException, *, fallback: str) -> str:
+    """``file:line: Type: message`` at the innermost frame of the user's own code."""
+    where = fallback
+    for frame in traceback.extract_tb(exc.__traceback__):
+        if not os.path.abspath(frame.filename).startswith(_LIBRARY_DIRS) and not frame.filename.startswith("<"):
+            where = f"{frame.filename}:{frame.lineno}"
+    return f"{where}: {type(exc).__name__}: {exc}"
+
+
+def _to_device(found: ModelFile, device: torch.device) -> ModelFile:
+    """Moves the model, the inputs and the file's module-level tensors (a loss_fn's labels) to ``device``."""
+    def move(value: Any) -> Any:
+        return value.to(device) if isinstance(value, torch.Tensor) else value
+
+    for name, value in list(found.namespace.items()):
+        if isinstance(value, torch.Tensor):
+            found.namespace[name] = move(value)
+    return ModelFile(path=found.path, model=found.model.to(device), inputs=tree_map(move, found.inputs),
+                     loss_fn=found.loss_fn, namespace=found.namespace)
+
+
+# -- planning --------------------------------------------------------------------------------------------------
+
+
+def _plan(args: argparse.Namespace, err: Console) -> tuple[ModelFile, Plan, cli_report.Verification | None]:
+    """Loads the file, plans it, and verifies the plan when asked, with progress on stderr."""
+    for flag, target in (("--save", args.save), ("--emit", args.emit), ("--save-profile", args.save_profile)):
+        _check_output(flag, target, args.model_file)
+    if args.profile and args.save_profile:
+        raise UserError("--profile and --save-profile together would only copy the profile; give one of them")
+    if args.verify and (args.world_size > 1 or args.parallel):
+        raise UserError("--verify measures one process, but --world-size/--parallel plan one rank of a job: measure "
+                        "inside the job with planner.distributed_rank.rank_peak_bytes (docs/distributed.md)")
+    show = not args.quiet and sys.stderr.isatty()
+    with cli_report.StageProgress(err, enabled=show, solver=args.solver, time_limit_s=args.time_limit) as stage:
+        stage("load")
+        found = load_model_file(args.model_file, model=args.model, inputs=args.inputs, loss=args.loss)
+        if args.device is not None:
+            found = _to_device(found, args.device)
+        try:
+            saved = _profile_file(args, found)
+            plan = optimize(found.model, args.budget, inputs=found.inputs, loss_fn=found.loss_fn,
+                            time_limit_s=args.time_limit, solver=args.solver, progress=stage, profile=saved,
+                            world_size=args.world_size, parallel=args.parallel, selective=not args.whole_segments,
+                            must_save=args.must_save, must_recompute=args.must_recompute,
+                            max_chunks=args.max_chunks)
+        except (ValueError, TypeError) as exc:  # malformed budget or inputs, unknown solver, unmatched pattern
+            raise UserError(str(exc)) from exc
+        verification = None
+        if args.verify:
+            stage("verify")
+            verification = _verify(found, plan)
+    return found, plan, verification
+
+
+def _profile_file(args: argparse.Namespace, found: ModelFile) -> Profile | None:
+    """The profile read from ``--profile``, or made and written to ``--save-profile``, or None."""
+    if args.profile:
+        return load_profile(args.profile)
+    if not args.save_profile:
+        return None
+    made = profile(found.model, inputs=found.inputs, loss_fn=found.loss_fn)
+    try:
+        made.save(args.save_profile)
+    except OSError as exc:
+        raise UserError(f"cannot write {exc.filename}: {exc.strerror}") from exc
+    return made
+
+
+def _verify(found: ModelFile, plan: Plan) -> cli_report.Verification:
+    """One real step of the model and of the planned module: peaks, then interleaved median step times."""
+    example = as_inputs(found.model, found.inputs)
+    assert plan.module is not None  # optimize() always returns the module
+    base_ms, planned_ms = step_times_ms([found.model, plan.module], example, found.loss_fn, runs=VERIFY_RUNS)
+    return cli_report.Verification(
+        baseline_peak_bytes=measure_peak(found.model, example, found.loss_fn),
+        planned_peak_bytes=measure_peak(plan.module, example, found.loss_fn),
+        baseline_step_ms=base_ms,
+        planned_step_ms=planned_ms,
+        runs=VERIFY_RUNS,
+    )
+
+
+def _check_output(flag: str, target: str | None, model_file: str) -> None:
+    """Fails before planning when ``target`` cannot be written."""
+    if target is None:
+        return
+    path = Path(target)
+    if path.is_dir():
+        raise UserError(f"{flag} {target} is a directory; give a file name")
+    if not path.resolve().parent.is_dir():
+        raise UserError(f"{flag} {target}: directory {path.parent} does not exist")
+    if path.exists() and path.resolve() == Path(model_file).resolve():
+        raise UserError(f"{flag} {target} would overwrite the model file")
+
+
+def _write_outputs(args: argparse.Namespace, plan: Plan, model_class: str) -> None:
+    try:
+        if args.save:
+            plan.save(args.save)
+        if args.emit:
+            Path(args.emit).write_text(cli_report.emitted_source(
+                plan, model_file=args.model_file, model_class=model_class, budget=args.budget, save_path=args.save))
+    except OSError as exc:
+        raise UserError(f"cannot write {exc.filename}: {exc.strerror}") from exc
+
+
+# -- entry point -----------------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Runs ``ckplan``; returns the exit code (argparse exits 2 itself on a bad command line)."""
+    args = build_parser().parse_args(argv)
+    out, err = Console(), Console(stderr=True)
+    try:
+        found, plan, verification = _plan(args, err)
+        _write_outputs(args, plan, type(found.model).__name__)
+    except InfeasibleBudget as exc:
+        _show_debug(args, exc)
+        if args.json:
+            cli_report.print_json(cli_report.infeasible_json(exc))
+        cli_report.print_infeasible(err, exc)
+        return EXIT_INFEASIBLE
+    except (UserError, PlannerError) as exc:
+        _show_debug(args, exc)
+        if args.json:
+            cli_report.print_json({"error": "user_error", "message": str(exc)})
+        cli_report.print_error(err, str(exc), full=args.debug)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        cli_report.print_error(err, "interrupted")
+        return EXIT_INTERRUPTED
+    except Exception as exc:  # noqa: BLE001 - a bug in ckplan: the traceback is what a report needs
+        traceback.print_exception(exc, file=sys.stderr)
+        cli_report.print_error(err, f"internal error ({type(exc).__name__}: {exc}); this is a bug in ckplan, "
+                                    "please report it with the traceback above")
+        return EXIT_INTERNAL
+    if args.json:
+        cli_report.print_json(cli_report.plan_json(plan, model_file=args.model_file, solver=args.solver,
+                                                   verification=verification, saved=args.save, emitted=args.emit))
+    else:
+        cli_report.print_report(out, plan, model_file=args.model_file, solver=args.solver, quiet=args.quiet,
+                                explain=args.explain, verification=verification, saved=args.save,
+                                emitted=args.emit)
+    return EXIT_OK
+
+
+def _show_debug(args: argparse.Namespace, exc: BaseException) -> None:
+    if args.debug:
+        traceback.print_exception(exc, file=sys.stderr)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,143 @@
+"""Every matplotlib figure of ckplan: the trade-off curve, the per-block heatmap, the memory timeline.
+
+Figures are built with ``matplotlib.figure.Figure`` directly, not pyplot: nothing is shown
+or kept open, scripts and tests need no backend, and a notebook displays the returned
+Figure once (with ``%matplotlib inline``). Memory axes are in MiB, overhead in percent
+of the un-checkpointed step time.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+from matplotlib import colormaps
+from matplotlib.axes import Axes
+from matplotlib.figure import Figure
+
+from planner.budget import format_bytes
+
+if TYPE_CHECKING:
+    from planner.report.explore import Tradeoff
+    from planner.plan import Plan
+
+MIB = 2**20
+_PLAN, _BASE, _SHADE, _KNEE = "tab:blue", "tab:gray", "tab:orange", "tab:red"
+_REFERENCE_MARKERS = {"none": "s", "every block": "D", "√n": "^"}
+
+
+def plot_tradeoff(tradeoff: Tradeoff) -> Figure:
+    """Predicted peak (MiB) against predicted overhead (%): every feasible row, the Pareto
+    front as a line, the knee starred, and the reference strategies as labelled markers."""
+    fig = Figure(figsize=(7, 4.5), layout="constrained")
+    ax = fig.subplots()
+    feasible = [r for r in tradeoff.rows if r.feasible]
+    if feasible:
+        ax.scatter([r.predicted_peak_bytes / MIB for r in feasible], [100 * r.predicted_overhead for r in feasible],
+                   color=_PLAN, alpha=0.35, label="plan per budget")
+    front = tradeoff.front()
+    if front:
+        ax.plot([r.predicted_peak_bytes / MIB for r in front], [100 * r.predicted_overhead for r in front],
+                "o-", color=_PLAN, label="Pareto front")
+        for r in front:
+            ax.annotate(format_bytes(r.budget_bytes), (r.predicted_peak_bytes / MIB, 100 * r.predicted_overhead),
+                        textcoords="offset points", xytext=(4, 4), fontsize=7, color=_PLAN)
+    knee = tradeoff.knee()
+    if knee is not None:
+        ax.plot(knee.predicted_peak_bytes / MIB, 100 * knee.predicted_overhead, "*", color=_KNEE, markersize=16,
+                label=f"knee ({format_bytes(knee.budget_bytes)} budget)")
+    for ref in tradeoff.references:
+        ax.plot(ref.predicted_peak_bytes / MIB, 100 * ref.predicted_overhead, _REFERENCE_MARKERS.get(ref.name, "x"),
+                color=_BASE, markersize=8, linestyle="none", label=f"{ref.name} (hand-made)")
+    if tradeoff.min_peak_bytes is not None:
+        ax.axvline(tradeoff.min_peak_bytes / MIB, color=_KNEE, linestyle=":", linewidth=1,
+                   label=f"no plan below {format_bytes(tradeoff.min_peak_bytes)}")
+    ax.set_xlabel("predicted peak memory of one training step (MiB)")
+    ax.set_ylabel("predicted recompute overhead (% of step time)")
+    ax.set_title(f"memory against recompute (un-checkpointed peak {format_bytes(tradeoff.baseline_peak_bytes)})")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    return fig
+
+
+def plot_blocks(tradeoff: Tradeoff) -> Figure:
+    """Heatmap of ``tradeoff.blocks_table()``: one row per budget (largest on top), one column
+    per block (or chunk); the colour is the fraction of the block's nodes checkpointed,
+    grey for infeasible budgets."""
+    table = tradeoff.blocks_table()
+    labels = [key for key in table[0] if key != "budget_bytes"] if table else []
+    fig = Figure(figsize=(max(5.0, 0.45 * len(labels) + 2.5), max(2.5, 0.4 * len(table) + 1.5)), layout="constrained")
+    ax = fig.subplots()
+    if not labels:
+        ax.text(0.5, 0.5, "nothing in this model can be checkpointed", ha="center", va="center")
+        ax.set_axis_off()
+        return fig
+    values = np.array([[np.nan if row[c] is None else row[c] for c in labels] for row in table], dtype=float)
+    cmap = colormaps["Blues"].with_extremes(bad="lightgrey")  # grey: infeasible budgets
+    image = ax.imshow(np.ma.masked_invalid(values), aspect="auto", cmap=cmap, vmin=0.0, vmax=1.0,
+                      interpolation="nearest")
+    ax.set_xticks(range(len(labels)), labels, rotation=60, ha="right", fontsize=8)
+    base = tradeoff.baseline_peak_bytes
+    ax.set_yticks(range(len(table)), [f"{format_bytes(row['budget_bytes'])} ({100 * row['budget_bytes'] / base:.0f}%)"
+                                      for row in table], fontsize=8)
+    ax.set_xlabel("block" if not labels[0].startswith("chunk ") else "chunk")
+    ax.set_ylabel("budget")
+    ax.set_title("what each budget checkpoints (grey: infeasible)")
+    fig.colorbar(image, ax=ax, label="fraction of the block's nodes checkpointed")
+    return fig
+
+
+def plot_timeline(plan: Plan, ax: Axes | None = None) -> Figure:
+    """Predicted live memory (MiB) over one training step, forward then backward, with and
+    without ``plan``; the budget as a horizontal line; checkpointed segments shaded where
+    they run forward and where they are recomputed in backward.
+
+    Args:
+        plan: a plan with a ``timeline`` (every plan made by this version, saved or not).
+        ax: draw into these axes; default a new Figure.
+
+    Returns:
+        The Figure drawn into.
+
+    Raises:
+        ValueError: the plan carries no timeline.
+    """
+    timeline = plan.timeline
+    if timeline is None:
+        raise ValueError("this plan carries no memory timeline (saved by an older ckplan?); plan again with "
+                         "planner.optimize or planner.sweep to plot it")
+    if ax is None:
+        ax = Figure(figsize=(9, 4), layout="constrained").subplots()
+    n = len(timeline.nodes)
+    backward = [i for i in range(n - 1, -1, -1) if timeline.backward_bytes[i] is not None]
+    x_bwd = {i: n + j for j, i in enumerate(backward)}
+    x = np.arange(n + len(backward))
+    planned = [*timeline.forward_bytes, *(timeline.backward_bytes[i] for i in backward)]
+    baseline = [*timeline.baseline_forward_bytes, *(timeline.baseline_backward_bytes[i] for i in backward)]
+    position = {name: i for i, name in enumerate(timeline.nodes)}
+    for k, segment in enumerate(plan.segments):
+        inside = [position[name] for name in segment.nodes if name in position]
+        if not inside:
+            continue
+        label = "checkpointed segments" if k == 0 else None
+        ax.axvspan(min(inside) - 0.5, max(inside) + 0.5, color=_SHADE, alpha=0.2, linewidth=0, label=label)
+        again = [x_bwd[i] for i in inside if i in x_bwd]
+        if again:
+            ax.axvspan(min(again) - 0.5, max(again) + 0.5, color=_SHADE, alpha=0.2, linewidth=0)
+    ax.plot(x, np.array(baseline, dtype=float) / MIB, color=_BASE, linewidth=1.2,
+            label=f"without plan (peak {format_bytes(plan.baseline_peak_bytes)})")
+    ax.plot(x, np.array(planned, dtype=float) / MIB, color=_PLAN, linewidth=1.5,
+            label=f"with plan (peak {format_bytes(plan.predicted_peak_bytes)})")
+    ax.axhline(plan.budget_bytes / MIB, color=_KNEE, linestyle="--", linewidth=1,
+               label=f"budget {format_bytes(plan.budget_bytes)}")
+    ax.axvline(n - 0.5, color="black", linewidth=0.8)
+    ax.text(n / 2, 1.01, "forward", transform=ax.get_xaxis_transform(), ha="center", va="bottom", fontsize=8)
+    ax.text(n + len(backward) / 2, 1.01, "backward", transform=ax.get_xaxis_transform(), ha="center",
+            va="bottom", fontsize=8)
+    ax.set_xlim(-0.5, len(x) - 0.5)
+    ax.set_ylim(bottom=0)
+    ax.set_xlabel("graph node (forward in order, then backward in reverse)")
+    ax.set_ylabel("predicted live memory (MiB)")
+    ax.legend(fontsize=8, loc="upper left")
+    ax.grid(True, alpha=0.3)
+    return ax.figure

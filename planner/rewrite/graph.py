@@ -1,0 +1,357 @@
+"""Emits a module that runs a plan with ``torch.utils.checkpoint`` and keeps the user's module tree.
+
+The planned module is a shallow clone of the user's root module (sharing every
+parameter, buffer and submodule) whose class is a generated subclass. Its
+``forward`` is the model re-traced with every submodule outside the segments
+kept as a call (so its hooks run), and each segment becomes a method called
+through ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`` whose
+body is the traced code of its ops (torch.nn layers still called as modules).
+In eval mode or under ``torch.no_grad()`` the user's own forward runs unchanged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import linecache
+import operator
+import textwrap
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+import torch
+import torch.fx as fx
+from torch import nn
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from planner.capture.api import EXPORT, Captured
+from planner.capture.scope import SCOPE_KEY, path_of
+from planner.capture.fx import shallow_clone, trace
+from planner.rewrite.sac import compiled_sac_contexts, sac_contexts, sac_mark, trace_marks_into_graphs
+
+SEGMENT_PREFIX = "_ckplan_segment_"
+CONTEXT_PREFIX = "_ckplan_context_"
+
+
+def _recompute_all(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+COMPILED_CONTEXT = functools.partial(create_selective_checkpoint_contexts, _recompute_all)
+"""``context_fn`` under torch.compile of a segment without saves: what a plain checkpoint gets there
+(recompute all). Segments with saves get ``planner.sac.compiled_sac_contexts``."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SegmentSpec:
+    """One checkpointed segment, in terms of the flat captured graph."""
+
+    nodes: tuple[str, ...]
+    """Names of its nodes in the flat graph, contiguous and in order."""
+    restore_buffers: tuple[str, ...] = ()
+    """Buffers its forward mutates (BatchNorm statistics): restored after recomputation."""
+    saved_nodes: tuple[str, ...] = ()
+    """Nodes whose outputs selective checkpointing keeps instead of re-running (``planner.sac``)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Rewritten:
+    """The planned module and the Python source of its generated class."""
+
+    module: nn.Module
+    source: str
+
+
+@contextlib.contextmanager
+def restore_buffers(module: nn.Module, names: Sequence[str]) -> Iterator[None]:
+    """Puts the named buffers back as they were on entry, so a recomputation updates
+    BatchNorm statistics (or any buffer) no more than the original forward did."""
+    saved = [(buf, buf.detach().clone()) for buf in (module.get_buffer(n) for n in names)]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for buf, value in saved:
+                buf.copy_(value)
+
+
+def rewrite(model: nn.Module, captured: Captured, segments: Sequence[SegmentSpec]) -> Rewritten:
+    """Builds the planned module for ``segments`` of ``model``'s captured graph.
+
+    Args:
+        model: the user's module (not modified).
+        captured: what ``capture`` produced for ``model``.
+        segments: what to checkpoint, in graph order, non-overlapping.
+    """
+    if not segments:
+        return Rewritten(module=shallow_clone(model), source="# empty plan: the model's own forward runs\n")
+    if any(seg.saved_nodes for seg in segments):
+        trace_marks_into_graphs()  # so that torch.compile(planned) applies the saves too
+    flat = [n for n in captured.graph_module.graph.nodes if n.op not in ("placeholder", "output")]
+    position = {n.name: i for i, n in enumerate(flat)}
+    ranges = []
+    for seg in segments:
+        lo, hi = position[seg.nodes[0]], position[seg.nodes[-1]] + 1
+        if [n.name for n in flat[lo:hi]] != list(seg.nodes):
+            raise ValueError(f"segment {seg.nodes[0]}..{seg.nodes[-1]} is not a contiguous run of the graph")
+        ranges.append((lo, hi))
+    if captured.method == EXPORT:
+        groups = [flat[lo:hi] for lo, hi in ranges]
+        saved = [{n for n in group if n.name in seg.saved_nodes} for group, seg in zip(groups, segments)]
+        return _rewrite_exported(model, captured.graph_module, groups, segments, saved)
+    opened = {path for path in _opened_modules(flat, ranges)
+              if not any(path == o or path.startswith(o + ".") for o in captured.opaque)}
+    every = {name for name, _ in model.named_modules() if name}
+    coarse_gm, root = trace(model, opaque=frozenset(every - opened))
+    spans = _flat_spans(coarse_gm.graph, flat)
+    groups = [[n for n, (lo, hi) in spans.items() if a <= lo and hi <= b] for a, b in ranges]
+    for (a, b), group in zip(ranges, groups):
+        covered = sum(spans[n][1] - spans[n][0] for n in group)
+        if covered != b - a:
+            raise AssertionError(f"segment nodes {a}:{b} do not align with the re-traced graph")
+    saved = [_saved_in(group, spans, flat, seg) for group, seg in zip(groups, segments)]
+    main, pieces = _split(coarse_gm.graph, groups, [bool(s.restore_buffers or s.saved_nodes) for s in segments],
+                          saved)
+    source, namespace = _generate(type(model), f"Checkpointed{type(model).__name__}", main, pieces, segments,
+                                  guard=_eval_guard(type(model), main))
+    root.__class__ = _compile(source, namespace, f"Checkpointed{type(model).__name__}")
+    return Rewritten(module=root, source=source)
+
+
+def _saved_in(group: list[fx.Node], spans: dict, flat: list[fx.Node], seg: SegmentSpec) -> set[fx.Node]:
+    """The re-traced nodes of a segment that stand for its saved flat nodes (one each)."""
+    found = {n for n in group if spans[n][1] - spans[n][0] == 1 and flat[spans[n][0]].name in seg.saved_nodes}
+    if len(found) != len(seg.saved_nodes):
+        names = {flat[spans[n][0]].name for n in found}
+        raise AssertionError(f"saved nodes {sorted(set(seg.saved_nodes) - names)} are not single nodes of "
+                             "the re-traced segment")
+    return found
+
+
+def _rewrite_exported(model: nn.Module, gm: fx.GraphModule, groups: list[list[fx.Node]],
+                      segments: Sequence[SegmentSpec], saved: list[set[fx.Node]]) -> Rewritten:
+    """The planned module of an exported graph: a clone of ``ExportedProgram.module()`` (same
+    parameter objects and state_dict keys as the model) whose forward runs the ATen graph with
+    the segments checkpointed; outside training it calls the user's model itself."""
+    main, pieces = _split(gm.graph, groups, [bool(s.restore_buffers or s.saved_nodes) for s in segments], saved)
+    main._codegen = gm.graph._codegen  # flatten inputs / unflatten outputs like the exported module
+    name = f"Checkpointed{type(model).__name__}"
+    source, namespace = _generate(type(gm), name, main, pieces, segments, guard=_eager_guard(gm))
+    namespace["_ckplan_module_mode"] = module_mode
+    planned = shallow_clone(gm)
+    for method in ("train", "eval"):  # ExportedProgram.module() forbids them per instance; ours switch paths
+        planned.__dict__.pop(method, None)
+    planned.__class__ = _compile(source, namespace, name)
+    planned.__dict__["_ckplan_eager"] = model  # not a registered submodule: no state_dict keys
+    return Rewritten(module=planned, source=source)
+
+
+@contextlib.contextmanager
+def module_mode(model: nn.Module, training: bool) -> Iterator[None]:
+    """Sets every module of ``model`` to training or eval mode, restoring each flag afterwards."""
+    flags = [(m, m.training) for m in model.modules()]
+    model.train(training)
+    try:
+        yield
+    finally:
+        for m, flag in flags:
+            m.training = flag
+
+
+def _eager_guard(gm: fx.GraphModule) -> str:
+    """First lines of an exported graph's forward: outside training, the user's model runs as is
+    (the exported graph is specialised to training mode and to the example shapes)."""
+    names = gm.graph._codegen.pytree_info.orig_args
+    spec = gm._in_spec
+    args_spec, kwargs_spec = spec.children() if callable(getattr(spec, "children", None)) else spec.children_specs
+    n_pos = args_spec.num_children
+    call = ", ".join([*names[:n_pos], *(f"{key}={name}" for key, name in zip(kwargs_spec.context, names[n_pos:]))])
+    return ("    if not (self.training and torch.is_grad_enabled()):  # the plan only matters for training\n"
+            "        with _ckplan_module_mode(self._ckplan_eager, self.training):\n"
+            f"            return self._ckplan_eager({call})")
+
+
+def _opened_modules(flat: list[fx.Node], ranges: list[tuple[int, int]]) -> set[str]:
+    """Paths of module calls to inline: those a segment boundary falls strictly inside, and those
+    wholly inside a segment. Inside a segment nothing is saved, so tensor lifetimes decide the
+    memory; the traced code frees each value at its last use, exactly as it was profiled, while
+    a module's own Python forward keeps temporaries alive until their names are rebound."""
+    first: dict[str, int] = {}
+    last: dict[str, int] = {}
+    for i, node in enumerate(flat):
+        for entry in node.meta.get(SCOPE_KEY, ()):
+            first.setdefault(entry, i)
+            last[entry] = i
+    cuts = {x for a, b in ranges for x in (a, b)}
+    return {path_of(entry) for entry in first
+            if any(first[entry] < x <= last[entry] for x in cuts)
+            or any(a <= first[entry] and last[entry] < b for a, b in ranges)}
+
+
+def _flat_spans(coarse: fx.Graph, flat: list[fx.Node]) -> dict[fx.Node, tuple[int, int]]:
+    """Range of flat nodes each coarse node stands for."""
+    spans: dict[fx.Node, tuple[int, int]] = {}
+    ptr = 0
+    for node in coarse.nodes:
+        if node.op in ("placeholder", "output"):
+            continue
+        if ptr >= len(flat):
+            raise AssertionError(f"re-traced graph has more nodes than the captured one at {node.name}")
+        if node.op == "call_module":
+            entry = next((e for e in flat[ptr].meta.get(SCOPE_KEY, ()) if path_of(e) == node.target), None)
+            if entry is None:
+                raise AssertionError(f"re-traced call of {node.target} does not match node {flat[ptr].name}")
+            hi = ptr
+            while hi < len(flat) and entry in flat[hi].meta.get(SCOPE_KEY, ()):
+                hi += 1
+        else:
+            if flat[ptr].op != node.op or (node.op != "get_attr" and flat[ptr].target != node.target):
+                raise AssertionError(f"re-traced node {node.format_node()} does not match {flat[ptr].format_node()}")
+            hi = ptr + 1
+        spans[node] = (ptr, hi)
+        ptr = hi
+    if ptr != len(flat):
+        raise AssertionError("re-traced graph covers fewer nodes than the captured one")
+    return spans
+
+
+def _split(graph: fx.Graph, groups: list[list[fx.Node]], with_context: list[bool],
+           saved: list[set[fx.Node]] | None = None) -> tuple[fx.Graph, list[fx.Graph]]:
+    """Moves each group into its own graph; the main graph calls it through ``checkpoint``.
+    ``saved[g]``: nodes of group g bracketed by ``sac_mark`` calls (selective checkpointing)."""
+    group_of = {node: g for g, nodes in enumerate(groups) for node in nodes}
+    main = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    pieces: list[fx.Graph] = []
+    for node in graph.nodes:
+        g = group_of.get(node)
+        if g is None:
+            env[node] = main.node_copy(node, lambda a: env[a])
+            continue
+        if node is not groups[g][-1]:  # emit at the last node: every external input exists by then
+            continue
+        members = set(groups[g])
+        inputs = _external_inputs(groups[g], members)
+        outputs = [n for n in groups[g] if any(u not in members for u in n.users)]
+        pieces.append(_segment_graph(groups[g], inputs, outputs, saved[g] if saved else set()))
+        kwargs: dict = {"use_reentrant": False}
+        if with_context[g]:
+            kwargs["context_fn"] = main.get_attr(f"{CONTEXT_PREFIX}{g}")
+        fn = main.get_attr(f"{SEGMENT_PREFIX}{g}")
+        call = main.call_function(checkpoint, (fn, *(env[i] for i in inputs)), kwargs)
+        for k, out in enumerate(outputs):
+            env[out] = main.create_node("call_function", operator.getitem, (call, k), name=out.name)
+    for node in list(main.nodes):
+        if node.op == "get_attr" and not node.users:
+            main.erase_node(node)
+    return main, pieces
+
+
+def _external_inputs(nodes: list[fx.Node], members: set[fx.Node]) -> list[fx.Node]:
+    seen: dict[fx.Node, None] = {}
+    for node in nodes:
+        for arg in node.all_input_nodes:
+            if arg not in members and arg.op != "get_attr":
+                seen.setdefault(arg, None)
+    return list(seen)
+
+
+def _segment_graph(nodes: list[fx.Node], inputs: list[fx.Node], outputs: list[fx.Node],
+                   saved: set[fx.Node] = frozenset()) -> fx.Graph:
+    graph = fx.Graph()
+    env = {i: graph.placeholder(i.name) for i in inputs}
+
+    def lookup(arg: fx.Node) -> fx.Node:
+        if arg not in env:  # a parameter or constant read inside the segment
+            env[arg] = graph.node_copy(arg)
+        return env[arg]
+
+    for node in nodes:
+        if node in saved:
+            for arg in node.all_input_nodes:  # parameters and constants read before the bracket opens
+                lookup(arg)
+            graph.call_function(sac_mark, (True,))
+        env[node] = graph.node_copy(node, lookup)
+        if node in saved:
+            graph.call_function(sac_mark, (False,))
+    graph.output(tuple(env[o] for o in outputs))
+    return graph
+
+
+def _generate(base: type, name: str, main: fx.Graph, pieces: list[fx.Graph],
+              segments: Sequence[SegmentSpec], *, guard: str) -> tuple[str, dict]:
+    """Python source of the planned class ``name`` and the globals it needs."""
+    namespace: dict = {"_ckplan_base": base, "torch": torch, "contextlib": contextlib,
+                       "_ckplan_restore_buffers": restore_buffers, "_ckplan_compiled_context": COMPILED_CONTEXT,
+                       "_ckplan_sac_contexts": sac_contexts, "_ckplan_compiled_sac_contexts": compiled_sac_contexts}
+    body = [_method(main, "forward", namespace, guard=guard)]
+    for g, piece in enumerate(pieces):
+        body.append(_method(piece, f"{SEGMENT_PREFIX}{g}", namespace))
+        if segments[g].saved_nodes:
+            body.append(
+                f"@property\n"
+                f"def {CONTEXT_PREFIX}{g}(self):\n"
+                f"    # selective checkpointing: keep the outputs of {len(segments[g].saved_nodes)} node(s), re-run the rest\n"
+                f"    if torch.compiler.is_compiling():\n"
+                f"        return _ckplan_compiled_sac_contexts\n"
+                f"    return lambda: _ckplan_sac_contexts(self, {segments[g].restore_buffers!r}, "
+                f"_ckplan_restore_buffers)\n"
+            )
+        elif segments[g].restore_buffers:
+            body.append(
+                f"@property\n"
+                f"def {CONTEXT_PREFIX}{g}(self):\n"
+                f"    # recomputing this segment must not update these buffers a second time; torch.compile\n"
+                f"    # applies buffer updates once whatever it recomputes, and accepts plain functions only\n"
+                f"    if torch.compiler.is_compiling():\n"
+                f"        return _ckplan_compiled_context\n"
+                f"    return lambda: (contextlib.nullcontext(),\n"
+                f"                    _ckplan_restore_buffers(self, {segments[g].restore_buffers!r}))\n"
+            )
+    doc = (f'"""{name.removeprefix("Checkpointed")} running a ckplan activation-checkpointing plan '
+           f'({len(pieces)} segment{"s" if len(pieces) != 1 else ""})."""\n')
+    source = f"class {name}(_ckplan_base):\n" + textwrap.indent(doc + "\n" + "\n".join(body), "    ")
+    return source, namespace
+
+
+def _method(graph: fx.Graph, name: str, namespace: dict, guard: str = "") -> str:
+    code = graph.python_code(root_module="self")
+    for key, value in code.globals.items():
+        if key in namespace and namespace[key] is not value:
+            raise AssertionError(f"generated code needs two different globals named {key}")
+        namespace[key] = value
+    lines = code.src.strip("\n").splitlines()
+    head = next(i for i, ln in enumerate(lines) if ln.startswith("def forward("))
+    lines[head] = lines[head].replace("def forward(", f"def {name}(", 1)
+    if guard:
+        lines.insert(head + 1, guard)
+    return "\n".join(ln.rstrip() for ln in lines[head:]) + "\n"
+
+
+def _eval_guard(base: type, main: fx.Graph) -> str:
+    """First lines of ``forward``: outside training, run the user's own forward."""
+    names = [n.target.lstrip("*") for n in main.nodes if n.op == "placeholder"]  # as in the def line
+    params = list(inspect.signature(base.forward).parameters.values())[1:]
+    args = []
+    for param, name in zip(params, names):
+        if param.kind is inspect.Parameter.VAR_POSITIONAL:
+            args.append(f"*{name}")
+        elif param.kind is inspect.Parameter.VAR_KEYWORD:
+            args.append(f"**{name}")
+        elif param.kind is inspect.Parameter.KEYWORD_ONLY:
+            args.append(f"{param.name}={name}")
+        else:
+            args.append(name)
+    call = ", ".join(["self", *args])
+    return ("    if not (self.training and torch.is_grad_enabled()):  # the plan only matters for training\n"
+            f"        return _ckplan_base.forward({call})")
+
+
+def _compile(source: str, namespace: dict, name: str) -> type:
+    filename = f"<ckplan generated {name}>"
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+    exec(compile(source, filename, "exec"), namespace)  # noqa: S102 - our own generated code
+    cls = namespace[name]
+    cls.__module__ = namespace["_ckplan_base"].__module__
+    return cls

@@ -1,0 +1,107 @@
+"""The default strategy (``cpsat`` in the registry): the exact chunk DPs first, CP-SAT where they cannot prove.
+
+Whole segments: the relaxed DP bounds every plan from below and Rotor's DP gives a plan that fits;
+when they meet the plan is proven optimal without CP-SAT. Op-level saves: the save-variant DP gives
+an incumbent and CP-SAT looks for a strictly cheaper plan for a share of the time limit.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+
+from planner.memory.saves import SaveOptions
+from planner.memory.simulate import MemoryModel, simulate
+from planner.solve.cpsat import search
+from planner.solve.result import NoSolution, Solution
+from planner.solve.rotor import relaxed, rotor, rotor_saves
+
+
+def solve(model: MemoryModel, budget_bytes: int, *, time_limit_s: float = 30.0, workers: int | None = None,
+          dump_path: str | None = None, options: SaveOptions | None = None) -> Solution:
+    """The least-recompute plan whose predicted peak fits ``budget_bytes``.
+
+    Two dynamic programs run first: a relaxation whose optimum bounds every plan from below
+    (and is the answer when its plan fits the real model), and the Rotor-style DP, whose plan
+    fits. When they meet, that plan is proven optimal without CP-SAT; otherwise CP-SAT searches
+    from the DP's plan, which is returned as FEASIBLE if CP-SAT finds nothing better in time.
+
+    With ``options`` (op-level saves, overrides) the DPs, which know neither, give CP-SAT a hint only:
+    saves can beat every whole-segment plan, so the relaxation is no bound there.
+
+    Raises:
+        NoSolution: infeasible (proven), or no plan found within the time limit.
+    """
+    if options is not None and not options.trivial:
+        return _solve_with_options(model, budget_bytes, time_limit_s=time_limit_s, workers=workers,
+                                   dump_path=dump_path, options=options)
+    began = time.perf_counter()
+    best, bound = _best_whole_segment(model, budget_bytes)
+    if bound is None:
+        raise NoSolution(True, "no plan fits the budget (not even a relaxation of the cost model)")
+    if best is not None and best.status == "OPTIMAL":
+        return replace(best, solve_time_s=time.perf_counter() - began)
+    left = max(1.0, time_limit_s - (time.perf_counter() - began))
+    try:
+        found = search(model, budget_bytes, hint=best.plan if best else None, time_limit_s=left, workers=workers,
+                       dump_path=dump_path)
+    except NoSolution as exc:
+        if exc.infeasible or best is None:
+            raise
+        found = replace(best, status="FEASIBLE")
+    return replace(found, bound_us=max(bound, found.bound_us), solve_time_s=time.perf_counter() - began)
+
+
+def _best_whole_segment(model: MemoryModel, budget_bytes: int) -> tuple[Solution | None, int | None]:
+    """The DPs' best whole-segment plan (OPTIMAL when the relaxation's plan fits or Rotor's meets its
+    bound) and the relaxation's lower bound; no bound when not even the relaxation fits."""
+    lower = relaxed(model, budget_bytes)
+    if lower is None:
+        return None, None
+    plan, bound = lower
+    if simulate(model, plan).peak_bytes <= budget_bytes:
+        return Solution(plan=plan, status="OPTIMAL", recompute_us=bound, bound_us=bound, solve_time_s=0.0), bound
+    try:
+        warm = rotor(model, budget_bytes)
+    except NoSolution:
+        return None, bound
+    return (replace(warm, status="OPTIMAL", bound_us=bound) if warm.recompute_us <= bound else warm), bound
+
+
+POLISH_SHARE = 1 / 6
+"""Share of ``time_limit_s`` CP-SAT gets to beat the DPs' selective plan (5 s of the default 30 s)."""
+
+
+def _solve_with_options(model: MemoryModel, budget_bytes: int, *, time_limit_s: float, workers: int | None,
+                        dump_path: str | None, options: SaveOptions) -> Solution:
+    """Saves or overrides. Without overrides, the DPs give an incumbent first: the best whole-segment
+    plan, and the best plan whose segments keep one of their save variants (``planner.rotor_saves``).
+    CP-SAT then searches only for strictly cheaper plans, for ``POLISH_SHARE`` of the time limit:
+    finding none proves the incumbent optimal (over every save set of the candidates), running out of
+    time returns it as FEASIBLE with CP-SAT's bound. With overrides, CP-SAT alone for the whole time
+    limit, from the whole-segment plan as a hint."""
+    began = time.perf_counter()
+    best, _ = _best_whole_segment(model, budget_bytes)
+    overrides = bool(options.must_save or options.must_recompute)
+    if not overrides and options.candidates:
+        try:
+            selective = rotor_saves(model, budget_bytes, options)
+            if best is None or selective.recompute_us < best.recompute_us:
+                best = selective
+        except NoSolution:
+            pass
+    incumbent = None if overrides or best is None else best
+    left = max(1.0, time_limit_s - (time.perf_counter() - began))
+    if incumbent is not None:  # CP-SAT rarely beats the DPs here (docs/selective.md): a short try
+        left = min(left, max(1.0, time_limit_s * POLISH_SHARE))
+    try:
+        found = search(model, budget_bytes, hint=best.plan if best else None, hint_saves=best.saves if best else frozenset(),
+                       time_limit_s=left, workers=workers, dump_path=dump_path, options=options,
+                       below_us=incumbent.recompute_us if incumbent else None)
+    except NoSolution as exc:
+        if incumbent is None:
+            raise
+        proven = exc.infeasible  # nothing strictly cheaper exists
+        found = replace(incumbent, status="OPTIMAL" if proven else "FEASIBLE",
+                        bound_us=incumbent.recompute_us if proven else min(exc.bound_us, incumbent.recompute_us))
+    return replace(found, solve_time_s=time.perf_counter() - began)

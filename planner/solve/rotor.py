@@ -1,0 +1,383 @@
+"""Dynamic programming over the chunks: exact under our cost model on chains and residual graphs.
+
+Plans are read left to right as *pieces*: a checkpointed segment ``[a, b)`` or one chunk left
+alone. Whether a plan keeps a storage produced in piece ``[a, b)`` is decided by that piece and
+the later ones (``simulate.kept_storages``): it is kept when a node outside the piece saves it,
+or when a later checkpointed piece reads it. The DP carries, at each chunk boundary, one flag per
+*open* storage (produced before the boundary, still read or released after it): kept or not.
+A flag that depends on later pieces is guessed when the storage is produced; "not kept" is then
+checked against every later piece that reads it, "kept" needs no check (keeping a storage
+without a reason only costs memory). Closed storages are summed in ``M``, the kept bytes carried
+forward; the value of each state is an exact step function of ``M`` (no rounding).
+
+On the graphs seen so far (transformers, residual CNNs) at most 2-4 storages are open at a
+boundary. When more are, the longest-lived ones are *untracked*: counted as always kept (the
+conservative reading, whose plans always fit) or never kept (the optimistic one, a relaxation).
+The conservative DP's plan always fits; the optimistic one's recompute time is a lower bound on
+every plan's; with every storage tracked the two are the same optimum.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from planner.solve.rotor_saves import SaveTable, Variant
+from planner.solve.rotor_step import INF, Step
+from planner.memory.saves import SaveOptions, rerun_parts
+from planner.memory.simulate import ChunkPlan, MemoryModel, prefix_by, recomputed_from, rerun_bytes, rerun_chunk, simulate
+from planner.solve.result import NoSolution, Solution
+
+MAX_OPEN = 6
+"""Most storages tracked across one chunk boundary (the DP's state grows as 2 ** open)."""
+KEPT, FREE, GUESS = 1, 0, -1
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _Storage:
+    size: int
+    producer: int
+    chunk: int
+    last_use: int
+    release: int
+    fwd_fixed: bool
+    savers: tuple[int, ...]
+    saver_chunks: tuple[int, ...]
+    consumer_chunks: tuple[int, ...]
+
+    def status(self, b: int, ckpt: bool) -> int:
+        """KEPT, FREE or GUESS (decided by later pieces) when produced in a piece ending at chunk b."""
+        last_saver = self.saver_chunks[-1] if self.saver_chunks else -1
+        if (not ckpt and last_saver >= 0) or last_saver >= b:
+            return KEPT  # saved outside its piece: kept under any later pieces
+        return GUESS if self.consumer_chunks and self.consumer_chunks[-1] >= b else FREE
+
+    def read_in(self, a: int, b: int) -> bool:
+        i = bisect.bisect_left(self.consumer_chunks, a)
+        return i < len(self.consumer_chunks) and self.consumer_chunks[i] < b
+
+
+def rotor(model: MemoryModel, budget_bytes: int, *, time_limit_s: float = 30.0) -> Solution:
+    """The least-recompute plan under the conservative reading of the cost model (the optimum
+    when every storage is tracked).
+
+    Raises:
+        NoSolution: no plan fits under that reading (``infeasible=True``).
+    """
+    began = time.perf_counter()
+    if budget_bytes < 0:
+        raise NoSolution(True, "a negative budget fits no plan")
+    dp = _ChainDP(model, budget_bytes, optimistic=False)
+    plan = dp.run()
+    exact = dp.exact  # then no plan fits with less recompute
+    plan = plan[0] if plan is not None else None
+    if plan is None:
+        raise NoSolution(True, "no plan fits the budget" + ("" if exact else " under the conservative chain model"))
+    timeline = simulate(model, plan)
+    if timeline.peak_bytes > budget_bytes:
+        raise AssertionError(f"rotor plan {plan} simulates to {timeline.peak_bytes} > budget {budget_bytes}")
+    return Solution(plan=plan, status="OPTIMAL" if exact else "FEASIBLE", recompute_us=timeline.recompute_us,
+                    bound_us=timeline.recompute_us if exact else 0, solve_time_s=time.perf_counter() - began)
+
+
+def rotor_saves(model: MemoryModel, budget_bytes: int, options: SaveOptions) -> Solution:
+    """The least-recompute plan when each segment may keep one of its save variants
+    (``planner.rotor_saves``): FEASIBLE, the optimum within that space (CP-SAT may do better with
+    other save sets). Overrides (``must_save`` / ``must_recompute``) are not handled here.
+
+    Raises:
+        NoSolution: no plan fits under the conservative reading (``infeasible=True`` only when exact).
+    """
+    began = time.perf_counter()
+    dp = _ChainDP(model, budget_bytes, optimistic=False, candidates=options.candidates)
+    found = dp.run()
+    if found is None:
+        raise NoSolution(dp.exact, "no plan fits the budget")
+    plan, saves = found
+    timeline = simulate(model, plan, saves)
+    if timeline.peak_bytes > budget_bytes:
+        raise AssertionError(f"rotor plan {plan} saving {sorted(saves)} simulates to {timeline.peak_bytes} "
+                             f"> budget {budget_bytes}")
+    return Solution(plan=plan, status="FEASIBLE", recompute_us=timeline.recompute_us, bound_us=0,
+                    solve_time_s=time.perf_counter() - began, saves=saves)
+
+
+def relaxed(model: MemoryModel, budget_bytes: int) -> tuple[ChunkPlan, int] | None:
+    """The optimum of a relaxation of the cost model, and its recompute time (a lower bound).
+
+    Untracked storages count as never kept, so every plan that fits the real model fits the
+    relaxation: its optimum bounds every plan's recompute time from
+    below, and when its plan also fits the real model (``simulate``), that plan is optimal.
+    None: no plan fits even the relaxation (so none fits).
+    """
+    if budget_bytes < 0:
+        return None
+    found = _ChainDP(model, budget_bytes, optimistic=True).run()
+    if found is None:
+        return None
+    plan = found[0]
+    return plan, int(sum(int(model.chunk_cost_us[a:b].sum()) + model.segment_cost_us for a, b in plan))
+
+
+def smallest_peak(model: MemoryModel) -> tuple[ChunkPlan, bool]:
+    """A plan with the smallest peak under the conservative reading, and whether that reading is
+    exact (every storage tracked), in which case no plan has a smaller peak.
+
+    Bisects the budget with a forward pass that keeps, per state, only the fewest kept bytes."""
+    baseline = simulate(model, ()).peak_bytes
+    dp = _ChainDP(model, baseline, optimistic=False)
+    lo, hi, best = 0, baseline, ()
+    while lo < hi:
+        mid = (lo + hi) // 2
+        plan = dp.fits(mid)
+        if plan is None:
+            lo = mid + 1
+        else:
+            best, hi = plan, simulate(model, plan).peak_bytes
+    return best, dp.exact
+
+
+def _storages(model: MemoryModel) -> dict[int, _Storage]:
+    return {int(s): _Storage(size=int(model.size[s]), producer=int(model.producer[s]),
+                             chunk=int(model.producer_chunk[s]), last_use=int(model.last_use[s]),
+                             release=int(model.release[s]), fwd_fixed=bool(model.fwd_fixed[s]),
+                             savers=model.savers[s], saver_chunks=model.saver_chunks[s],
+                             consumer_chunks=model.consumer_chunks[s])
+            for s in model.varying() if model.size[s] > 0}
+
+
+def _open_sets(storages: dict[int, _Storage], edges: list[int]) -> list[list[int]]:
+    """Per chunk boundary (node ``edges[c]``): storages produced before it whose memory still
+    depends on the plan after it."""
+    return [[s for s, st in storages.items() if st.producer < e and (st.last_use >= e or st.release > e)]
+            for e in edges]
+
+
+class _ChainDP:
+    def __init__(self, model: MemoryModel, budget: int, *, optimistic: bool, candidates: tuple[int, ...] = ()):
+        self.m, self.budget, self.optimistic, self.candidates = model, budget, optimistic, candidates
+        n, regions = model.n_nodes, model.regions
+        self.edges = [*regions.starts, regions.end]
+        tracked = _storages(model)
+        every = len(tracked)
+        opened = _open_sets(tracked, self.edges)
+        while max(map(len, opened), default=0) > MAX_OPEN:  # untrack the longest-lived storage
+            widest = max((s for c in opened if len(c) > MAX_OPEN for s in c),
+                         key=lambda s: max(tracked[s].last_use, tracked[s].release) - tracked[s].producer)
+            del tracked[widest]
+            opened = _open_sets(tracked, self.edges)
+        self.tracked, self.opened = tracked, opened
+        self.exact = len(tracked) == every  # then both readings are the cost model itself
+        self.open_pos = [{s: i for i, s in enumerate(c)} for c in opened]
+        self.made_in = [[s for s, st in tracked.items() if st.chunk == k] for k in range(model.n_chunks)]
+        fixed = model.size * model.always_kept
+        if not optimistic:
+            for s in model.varying():
+                if int(s) not in tracked:
+                    fixed[s] = model.size[s]
+        self.const_fwd = model.const_fwd + prefix_by(model.last_use + 1, fixed * ~model.fwd_fixed, n)
+        self.kept_fixed = prefix_by(model.release, fixed, n)
+        own_fixed = np.array([int(fixed[list(own)].sum()) if own else 0 for own in model.own_saved], dtype=np.int64)
+        self.const_bwd = model.const_bwd + self.kept_fixed - own_fixed
+        self.recompute_from = recomputed_from(model)
+        self._pieces: dict[tuple, tuple[int, int, int] | None] = {}
+        self._reruns: dict[tuple, tuple[int, int] | None] = {}
+        self._variants: dict[tuple[int, int], list[Variant]] = {}
+        self.untracked = {int(s) for s in model.varying()} - set(tracked)
+        self._table: SaveTable | None = None
+        self._rerun_parts: dict[tuple[int, int], tuple] = {}
+
+    def variants(self, a: int, b: int) -> list[Variant]:
+        """Save variants of segment ``[a, b)`` (just "no saves" without candidates)."""
+        if (a, b) not in self._variants:
+            if self._table is None:
+                self._table = SaveTable(self.m, self.candidates, self.untracked)
+            self._variants[a, b] = self._table.variants(a, b)
+        return self._variants[a, b]
+
+    def piece(self, a: int, b: int, ckpt: bool, mask: int, guess: int, v: int = 0) -> tuple[int, int, int] | None:
+        """Worst plan-dependent bytes of piece ``[a, b)`` (``M`` excluded), bytes it closes into ``M``,
+        and the flags at ``b``; None when the flags at ``a`` contradict the piece. ``v``: the
+        segment's save variant."""
+        key = (a, b, ckpt, mask, guess, v)
+        if key not in self._pieces:
+            self._pieces[key] = self._piece(a, b, ckpt, mask, guess, self.variants(a, b)[v] if v else None)
+        return self._pieces[key]
+
+    def _piece(self, a: int, b: int, ckpt: bool, mask: int, guess: int,
+               variant: Variant | None) -> tuple[int, int, int] | None:
+        m, lo, hi = self.m, self.edges[a], self.edges[b]
+        flags: dict[int, bool] = {}
+        for i, s in enumerate(self.opened[a]):
+            flags[s] = bool(mask >> i & 1)
+            if ckpt and not flags[s] and self.tracked[s].read_in(a, b):
+                return None  # a later segment reads a storage promised not kept
+        g = 0
+        for s in self._made(a, b, ckpt):
+            status = self.tracked[s].status(b, ckpt)
+            if status == GUESS:
+                flags[s], g = bool(guess >> g & 1), g + 1
+            else:
+                flags[s] = status == KEPT
+        alive_f = np.zeros(hi - lo + 1, dtype=np.int64)
+        alive_b = np.zeros(hi - lo + 1, dtype=np.int64)
+        own_b = np.zeros(hi - lo + 1, dtype=np.int64)  # kept bytes a node saves itself (in its constant)
+        held = self._saves(variant, a, b, flags, alive_f, alive_b) if variant is not None else 0
+        added = held
+        after = self.open_pos[b] if b < len(self.open_pos) else {}
+        for s, kept in flags.items():
+            st = self.tracked[s]
+            if not kept:
+                continue
+            if s not in after and not (self.optimistic and st.fwd_fixed):
+                added += st.size
+            if st.last_use + 1 < hi and not st.fwd_fixed:
+                alive_f[max(st.last_use + 1, lo) - lo] += st.size
+            if st.release < hi:
+                alive_b[max(st.release, lo) - lo] += st.size
+                for u in st.savers:
+                    if lo <= u < hi:
+                        own_b[u - lo] += st.size
+        alive_f, alive_b = np.cumsum(alive_f)[:-1], np.cumsum(alive_b)[:-1]
+        worst = int((self.const_fwd[lo:hi] + alive_f).max())
+        bwd = self.const_bwd[lo:hi] + alive_b - own_b[:-1]
+        if ckpt:
+            bwd = bwd + self.recompute_from[a, lo:hi] - (variant.relief if variant is not None else 0)
+        has = m.has_bwd[lo:hi]
+        if has.any():
+            worst = max(worst, int(bwd[has].max()))
+        rerun = self._rerun(a, b, variant) if ckpt and worst <= self.budget else None  # (costly; moot past budget)
+        if rerun is not None:
+            t, fixed_bytes = rerun
+            worst = max(worst, fixed_bytes + int(alive_b[t - lo]) + held)
+        out = sum(1 << i for s, i in after.items() if flags.get(s, True))
+        return worst, added, out
+
+    def _saves(self, variant: Variant, a: int, b: int, flags: dict, alive_f: np.ndarray, alive_b: np.ndarray) -> int:
+        """Applies a save variant to segment ``[a, b)``: the cached storages some node saves are kept
+        (their flags forced on), those nobody saves are held by SAC's cache until the re-run (their
+        flags forced off: no later segment may read them; their bytes added to the piece's forward
+        after their last reader and to its backward after the re-run point). Returns the held bytes."""
+        m, lo, hi = self.m, self.edges[a], self.edges[b]
+        t_r = int(m.recompute_at[rerun_chunk(m, a, b)])
+        for s in variant.kept:
+            if s in self.tracked:
+                flags[s] = True
+        held = 0
+        for s in variant.held:
+            if s in flags:
+                flags[s] = False
+            size = int(m.size[s])
+            held += size
+            if m.last_use[s] + 1 < hi:
+                alive_f[max(int(m.last_use[s]) + 1, lo) - lo] += size
+            alive_b[t_r + 1 - lo] += size
+        return held
+
+    def _rerun(self, a: int, b: int, variant: Variant | None) -> tuple[int, int] | None:
+        """Node at which segment ``[a, b)`` is re-run, and its plan-independent bytes there (with the
+        variant's saves: its cached storages are in the kept sum, not in the replay)."""
+        saves = variant.saves if variant is not None else frozenset()
+        key = (a, b, saves)
+        if key not in self._reruns:
+            m, last = self.m, rerun_chunk(self.m, a, b)
+            if last is None:
+                self._reruns[key] = None
+            elif not saves:
+                t = int(m.recompute_at[last])
+                self._reruns[key] = (t, int(m.const_recompute[last] + self.kept_fixed[t]) + rerun_bytes(m, a, last, b))
+            else:  # the replay of every candidate of the segment once, then each variant's reliefs
+                if (a, b) not in self._rerun_parts:
+                    inside = {o for v in self.variants(a, b) for o in v.saves}
+                    self._rerun_parts[a, b] = rerun_parts(m, a, last, b, sorted(inside))
+                base, relief, restored = self._rerun_parts[a, b]
+                t = int(m.recompute_at[last])
+                replay = base - sum(relief[o] for o in saves if o in relief)
+                self._reruns[key] = (t, int(m.const_recompute[last] + self.kept_fixed[t]) + int(replay.max()) + restored)
+        return self._reruns[key]
+
+    def _made(self, a: int, b: int, ckpt: bool) -> list[int]:
+        """Storages produced in piece ``[a, b)`` that may be kept. In a segment, one closed by b
+        (never read or released after it) is not: its savers and readers are all inside."""
+        if not ckpt:
+            return self.made_in[a]
+        return [s for s in self.opened[b] if self.tracked[s].chunk >= a] if b < len(self.opened) else []
+
+    def _guesses(self, a: int, b: int, ckpt: bool) -> int:
+        return sum(self.tracked[s].status(b, ckpt) == GUESS for s in self._made(a, b, ckpt))
+
+    def _tail(self, *, closing: bool) -> int:
+        """Bytes after the last chunk (the loss, the output's backward), M excluded; with
+        ``closing``, plus the storages still open at the end counted as kept."""
+        m, end = self.m, self.m.regions.end
+        tail = max(int(self.const_fwd[end:].max(initial=0)), int(self.const_bwd[end:][m.has_bwd[end:]].max(initial=0)))
+        return tail + (sum(self.tracked[s].size for s in self.opened[m.n_chunks]) if closing else 0)
+
+    def run(self) -> tuple[ChunkPlan, frozenset] | None:
+        """The best plan and its saves, or None when no plan fits."""
+        K = self.m.n_chunks
+        end = Step.upto(self.budget - self._tail(closing=not self.optimistic), 0)
+        self.value: list[dict[int, Step]] = [{} for _ in range(K)] + [
+            {mask: end for mask in range(1 << len(self.opened[K]))}]
+        for a in range(K - 1, -1, -1):
+            for mask in range(1 << len(self.opened[a])):
+                best = Step.upto(-1, 0)
+                for cost, worst, added, b, out, _ in self._moves(a, mask):
+                    cap, after = self.budget - worst, self.value[b][out]
+                    if cap < 0 or cost + after.value[0] >= best.at(cap):
+                        continue  # nowhere better than the best move so far (values grow with M)
+                    best = best.minimum(after.shifted(added, cap=cap, plus=cost))
+                self.value[a][mask] = best
+        if self.value[0][0].at(0) >= INF:
+            return None
+        return self._walk()
+
+    def _moves(self, a: int, mask: int):
+        """Every piece starting at chunk a allowed by the flags ``mask``: (cost, worst bytes, bytes
+        closed into M, end chunk, flags at the end, checkpointed)."""
+        m = self.m
+        pieces = [(a + 1, False)] + [(b, True) for b in range(a + 1, m.n_chunks + 1) if all(m.regions.checkpointable[a:b])]
+        for b, ckpt in pieces:
+            cost = int(m.chunk_cost_us[a:b].sum()) + m.segment_cost_us if ckpt else 0
+            kinds = list(enumerate(self.variants(a, b))) if ckpt and self.candidates else [(0, None)]
+            for guess in range(1 << self._guesses(a, b, ckpt)):
+                plain = self.piece(a, b, ckpt, mask, guess)
+                if plain is None:
+                    break  # the flags at a rule this piece out, whatever the guesses and saves
+                for v, variant in kinds:
+                    if v and plain[0] > self.budget:
+                        break  # saves never lower a piece's bytes
+                    worst, added, out = self.piece(a, b, ckpt, mask, guess, v)
+                    yield cost - (variant.spared_us if variant else 0), worst, added, b, out, (ckpt, v)
+
+    def fits(self, budget: int) -> ChunkPlan | None:
+        """Some plan whose peak is at most ``budget`` (<= the DP's own budget), or None."""
+        K = self.m.n_chunks
+        reach: list[dict[int, tuple[int, tuple]]] = [{} for _ in range(K + 1)]
+        reach[0][0] = (0, ())
+        for a in range(K):
+            for mask, (kept, plan) in reach[a].items():
+                for _, worst, added, b, out, (ckpt, _) in self._moves(a, mask):
+                    if kept + worst <= budget and kept + added < reach[b].get(out, (INF,))[0]:
+                        reach[b][out] = (kept + added, plan + ((a, b),) if ckpt else plan)
+        tail = self._tail(closing=True)
+        done = [plan for kept, plan in reach[K].values() if kept + tail <= budget]
+        return done[0] if done else None
+
+    def _walk(self) -> tuple[ChunkPlan, frozenset]:
+        plan, saves, a, mask, kept = [], set(), 0, 0, 0
+        while a < self.m.n_chunks:
+            target = self.value[a][mask].at(kept)
+            for cost, worst, added, b, out, (ckpt, v) in self._moves(a, mask):
+                if kept + worst <= self.budget and cost + self.value[b][out].at(kept + added) == target:
+                    break
+            else:
+                raise AssertionError(f"no move reproduces the DP value at chunk {a}")
+            if ckpt:
+                plan.append((a, b))
+                saves |= self.variants(a, b)[v].saves
+            a, mask, kept = b, out, kept + added
+        return tuple(plan), frozenset(saves)
