@@ -66,7 +66,7 @@ def main() -> None:
         captured_s = time.perf_counter() - started
         measured = profile(captured, model, example, loss_fn=loss_fn)
         total = time.perf_counter() - started
-        lines.append(f"| {name} | {captured.method} | {len(measured.nodes)} | {captured_s:.1f} | "
+        lines.append(f"| {name} | {captured.method.label} | {len(measured.nodes)} | {captured_s:.1f} | "
                      f"{total - captured_s:.1f} | {total:.1f} |")
         print(lines[-1], flush=True)
     out = ROOT / "bench" / "results" / "capture_profile.md"

@@ -55,7 +55,7 @@ def example_rows(name: str, device: torch.device, budgets: list[int], runs: int,
     example = as_inputs(model, inputs)
     rows = [f"| {name} | none | | {mib(prepared.baseline.peak_bytes)} / "
             f"{mib(measure_peak(model, example, loss_fn))} | | | prepare {prepare_s:.1f} s, "
-            f"sac_op_us {prepared.profile.sac_op_us:.1f} |"]
+            f"sac_op_us {prepared.sac_cost.op_us:.1f} ({prepared.sac_cost.source}) |"]
     for fraction in budgets:
         plans = {}
         for selective in (True, False):

@@ -89,7 +89,7 @@ def main() -> None:
         f"- inputs: batch {args.batch} x sequence {args.seq} (meta), loss = the model's own `output.loss`",
         f"- planned for `device=\"{args.device}\"` with budget `{args.budget}`, "
         f"solver time limit {args.time_limit:g} s",
-        f"- graph: {len(prof.nodes)} nodes ({prepared.captured.method}), {len(prof.storages)} storages, "
+        f"- graph: {len(prof.nodes)} nodes ({prepared.captured.method.label}), {len(prof.storages)} storages, "
         f"{len(prepared.regions.starts)} chunks",
         "",
         "| | |",

@@ -60,8 +60,9 @@ def main() -> None:
             began = time.perf_counter()
             try:
                 sol = SOLVERS[name](model, budget, time_limit_s=args.time_limit)
-                result = (f"{sol.status} | {sol.recompute_us / 1000:.1f} ms | {sol.bound_us / 1000:.1f} ms | "
-                          f"{(sol.recompute_us - sol.bound_us) / max(1, sol.recompute_us):.1%}")
+                bound = "" if sol.bound_us is None else f"{sol.bound_us / 1000:.1f} ms"  # None: nothing proven
+                gap = "" if sol.bound_us is None else f"{(sol.recompute_us - sol.bound_us) / max(1, sol.recompute_us):.1%}"
+                result = f"{sol.status} | {sol.recompute_us / 1000:.1f} ms | {bound} | {gap}"
             except NoSolution as exc:
                 result = f"{'INFEASIBLE' if exc.infeasible else 'UNKNOWN'} | | | "
             elapsed = time.perf_counter() - began

@@ -15,7 +15,7 @@ import importlib
 
 _PUBLIC = {
     "optimize": "planner.pipeline", "prepare": "planner.pipeline", "plan_for": "planner.pipeline",
-    "Prepared": "planner.pipeline",
+    "Prepared": "planner.pipeline", "enable": "planner.inplace", "disable": "planner.inplace",
     "Plan": "planner.plan", "Segment": "planner.plan", "load_plan": "planner.plan",
     "parse_budget": "planner.budget",
     "PlannerError": "planner.errors", "CaptureError": "planner.errors", "InfeasibleBudget": "planner.errors",

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import re
 
+from planner.errors import BudgetError
+from planner.units import format_bytes  # noqa: F401 - re-exported: budgets and byte counts go together
+
 ACCEPTED_FORMS = "an int of bytes, '4GB', '4GiB', '512MB', '512MiB', '64KB', '64KiB', '1000B' or '60%'"
 
 _UNITS = {
@@ -30,40 +33,49 @@ def parse_budget(budget: int | str, *, baseline_peak_bytes: int | None = None) -
         The budget in bytes.
 
     Raises:
-        ValueError: the budget is malformed, non-positive or a percentage over 100.
+        BudgetError (a ValueError): the budget is malformed, non-positive or a percentage over 100,
+            or a percentage without ``baseline_peak_bytes``.
 
     >>> parse_budget("4GB"), parse_budget("1KiB"), parse_budget("50%", baseline_peak_bytes=300)
     (4000000000, 1024, 150)
     """
+    nbytes, percent = _read(budget)
+    if percent is None:
+        return nbytes
+    if baseline_peak_bytes is None:
+        raise BudgetError(f"budget {budget!r} is relative; it needs the un-checkpointed peak")
+    return max(1, int(baseline_peak_bytes * percent / 100))
+
+
+def check_budget(budget: int | str) -> None:
+    """Raises ``BudgetError`` unless ``budget`` is in one of ``ACCEPTED_FORMS`` (a percentage is checked
+    without the peak it is relative to): lets callers reject a malformed budget before any work.
+
+    >>> check_budget("60%"), check_budget(4096)
+    (None, None)
+    """
+    _read(budget)
+
+
+def _read(budget: int | str) -> tuple[int, float | None]:
+    """``(bytes, None)`` for an absolute budget, ``(0, percent)`` for ``"NN%"`` (percent in (0, 100])."""
     if isinstance(budget, bool) or not isinstance(budget, (int, str)):
-        raise ValueError(f"budget {budget!r} is not understood; use {ACCEPTED_FORMS}")
+        raise BudgetError(f"budget {budget!r} is not understood; use {ACCEPTED_FORMS}")
     if isinstance(budget, int):
         if budget <= 0:
-            raise ValueError(f"budget {budget} must be a positive number of bytes; use {ACCEPTED_FORMS}")
-        return budget
+            raise BudgetError(f"budget {budget} must be a positive number of bytes; use {ACCEPTED_FORMS}")
+        return budget, None
     match = _PATTERN.match(budget)
     if match is None:
-        raise ValueError(f"budget {budget!r} is not understood; use {ACCEPTED_FORMS}")
+        raise BudgetError(f"budget {budget!r} is not understood; use {ACCEPTED_FORMS}")
     value, unit = float(match.group(1)), match.group(2).upper()
     if unit == "%":
         if not 0 < value <= 100:
-            raise ValueError(f"budget {budget!r}: a percentage must be in (0, 100]; use {ACCEPTED_FORMS}")
-        if baseline_peak_bytes is None:
-            raise ValueError(f"budget {budget!r} is relative; it needs the un-checkpointed peak")
-        return max(1, int(baseline_peak_bytes * value / 100))
+            raise BudgetError(f"budget {budget!r}: a percentage must be in (0, 100]; use {ACCEPTED_FORMS}")
+        return 0, value
     if unit not in _UNITS:
-        raise ValueError(f"budget {budget!r} has unknown unit {match.group(2)!r}; use {ACCEPTED_FORMS}")
+        raise BudgetError(f"budget {budget!r} has unknown unit {match.group(2)!r}; use {ACCEPTED_FORMS}")
     nbytes = int(value * _UNITS[unit])
     if nbytes <= 0:
-        raise ValueError(f"budget {budget!r} must be positive; use {ACCEPTED_FORMS}")
-    return nbytes
-
-
-def format_bytes(nbytes: int | float) -> str:
-    """Human-readable binary size, e.g. ``'1.50 MiB'``."""
-    value = float(nbytes)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(value) < 1024 or unit == "TiB":
-            return f"{value:.0f} B" if unit == "B" else f"{value:.2f} {unit}"
-        value /= 1024
-    raise AssertionError("unreachable")
+        raise BudgetError(f"budget {budget!r} must be positive; use {ACCEPTED_FORMS}")
+    return nbytes, None

@@ -1,13 +1,38 @@
-"""Exceptions a user of ckplan can catch, each saying what went wrong and how to fix it."""
+"""Exceptions a user of ckplan can catch, each saying what went wrong and how to fix it.
+
+Every mistake of the caller is a ``PlannerError``; the CLI maps exactly these to exit code 2 and
+treats anything else as a bug in ckplan. Each subclass for a malformed argument also subclasses
+the builtin it replaced (``BudgetError`` is a ``ValueError``), so ``except ValueError`` still works.
+"""
 
 from __future__ import annotations
 
 import os
 import traceback
+from typing import TYPE_CHECKING
+
+from planner.units import format_bytes
+
+if TYPE_CHECKING:
+    from planner.memory.simulate import PeakBreakdown
 
 
 class PlannerError(Exception):
     """Base class of every error ckplan raises on purpose."""
+
+
+class BudgetError(PlannerError, ValueError):
+    """A budget that is not in one of the accepted forms, or not positive."""
+
+
+class OptionError(PlannerError, ValueError):
+    """An option of ``optimize``/``ckplan`` that cannot be used: an unknown solver, device, engine or
+    optimizer, a value out of range, options that exclude each other, a pattern that matches nothing."""
+
+
+class InputError(PlannerError, TypeError):
+    """An argument of the wrong kind: no example inputs, inputs that are not tensors, a ``profile=``
+    that is not a profile."""
 
 
 class CaptureError(PlannerError):
@@ -26,31 +51,46 @@ class ProfileFileError(PlannerError, ValueError):
     """A profile or device-spec file cannot be read: missing, not JSON, or of an unknown schema."""
 
 
+class PlanFileError(PlannerError, ValueError):
+    """A plan file cannot be read: not JSON, not a ckplan plan, or of an unknown version."""
+
+
+class PlanMismatch(PlannerError, ValueError):
+    """A plan was applied to a model that does not trace to the graph it was made for."""
+
+
 class InfeasibleBudget(PlannerError):
     """No checkpointing plan fits the budget.
 
     Attributes:
         budget_bytes: the budget that was asked for.
-        min_peak_bytes: the smallest peak any plan reaches under the cost model.
-        breakdown: what that smallest peak is made of, bytes per component.
+        min_peak_bytes: the smallest peak any plan reaches under the cost model; None when no plan
+            satisfies the constraints at all (contradictory ``must_save``/``must_recompute``).
+        breakdown: what that smallest peak is made of (``planner.memory.simulate.PeakBreakdown``);
+            None when there is no smallest peak.
+        reason: what makes the budget infeasible when it is not the model itself (the user's
+            overrides), else ``""``; it opens the message.
     """
 
-    def __init__(self, budget_bytes: int, min_peak_bytes: int, breakdown: dict[str, int]):
+    def __init__(self, budget_bytes: int, min_peak_bytes: int | None, breakdown: PeakBreakdown | None = None,
+                 reason: str = ""):
         self.budget_bytes = budget_bytes
         self.min_peak_bytes = min_peak_bytes
-        self.breakdown = dict(breakdown)
-        parts = ", ".join(f"{k} {_fmt(v)}" for k, v in breakdown.items() if v)
-        super().__init__(
-            f"budget {_fmt(budget_bytes)} is below the smallest peak any checkpointing "
-            f"plan reaches, {_fmt(min_peak_bytes)} ({parts}); raise the budget to at least "
-            f"{_fmt(min_peak_bytes)} or shrink the batch"
-        )
+        self.breakdown = breakdown
+        self.reason = reason
+        budget = format_bytes(budget_bytes)
+        if min_peak_bytes is None:
+            message = (f"no checkpointing plan satisfies the constraints at any budget, so the smallest "
+                       f"reachable peak is unknown (budget {budget})")
+        else:
+            smallest = format_bytes(min_peak_bytes)
+            parts = ", ".join(f"{k} {format_bytes(v)}" for k, v in (breakdown.items() if breakdown else ()) if v)
+            message = (f"budget {budget} is below the smallest peak any checkpointing plan reaches, {smallest} "
+                       f"({parts}); raise the budget to at least {smallest} or shrink the batch")
+        super().__init__(f"{reason}: {message}" if reason else message)
 
-
-def _fmt(nbytes: int) -> str:
-    from planner.budget import format_bytes
-
-    return format_bytes(nbytes)
+    def __reduce__(self):  # pickles with its fields (a rank sends it to the others), not its message
+        return type(self), (self.budget_bytes, self.min_peak_bytes, self.breakdown, self.reason)
 
 
 _PLANNER_DIR = os.path.dirname(os.path.abspath(__file__))

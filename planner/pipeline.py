@@ -2,27 +2,31 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Mapping, Sequence
 
 import torch
 from torch import nn
 
-from planner.budget import format_bytes, parse_budget
+from planner.budget import check_budget, format_bytes, parse_budget
 from planner.capture.api import Captured, capture
-from planner.capture.inputs import as_inputs
+from planner.capture.inputs import Inputs, as_inputs
 from planner.profiling.record import Profile
 from planner.distributed.memory import Distributed, memory_offset, setup, split_at_units
-from planner.errors import InfeasibleBudget, PlannerError
+from planner.errors import InfeasibleBudget, OptionError, PlannerError
 from planner.plan import MemoryTimeline, Plan, Segment
 from planner.profiling.api import capture_inputs, profile_for
 from planner.memory.regions import Regions, find_regions
-from planner.rewrite.graph import SegmentSpec, rewrite
-from planner.rewrite.sac import dispatch_overhead_us
+from planner.profiling.devices import SacCost, is_device_spec, load_device, sac_op_cost
+from planner.capture.cache import no_cache
+from planner.memory.chains import alone_in_module
+from planner.rewrite.graph import rewrite
+from planner.rewrite.modules import clone_tree, describe, install_plan, tensor_shapes
 from planner.memory.saves import SaveOptions
-from planner.memory.simulate import ChunkPlan, MemoryModel, Timeline, build_model, freed_bytes, simulate
+from planner.memory.simulate import (ChunkPlan, MemoryModel, Timeline, build_model, freed_bytes, segment_recompute_us,
+                                     simulate)
 from planner.solve.peaks import min_peak_saves
-from planner.solve.result import NoSolution, Solution
+from planner.solve.result import NoSolution, Solution, SolverStatus
 from planner.solve.registry import get_solver
 from planner.step import LossFn
 from planner.capture.scope import path_of
@@ -33,12 +37,16 @@ class Prepared:
     """A model captured and profiled once, ready to be planned for any budget."""
 
     model: nn.Module
+    example: Inputs
+    """The example call the model was captured and profiled with."""
     captured: Captured
     profile: Profile
     regions: Regions
     memory: MemoryModel
     baseline: Timeline
     """Predicted memory without checkpointing."""
+    sac_cost: SacCost
+    """SAC's per-op cost in ``memory`` and where it comes from (profile, device spec or default)."""
     distributed: Distributed | None = None
     """One rank of a data-parallel job (``world_size``, ``parallel``...), or None for one device."""
 
@@ -62,6 +70,7 @@ def optimize(
     must_save: Sequence[str] = (),
     must_recompute: Sequence[str] = (),
     max_chunks: int = 64,
+    keep_output: bool = True,
 ) -> Plan:
     """Plans activation checkpointing so one training step of ``model`` fits ``budget``.
 
@@ -96,24 +105,30 @@ def optimize(
             selective checkpointing, docs/selective.md); False re-runs whole segments.
         must_save: module paths or op names (glob patterns) never re-run in backward.
         must_recompute: module paths or op names (glob patterns) re-run in backward, never kept.
+        keep_output: whether the training loop keeps the model's output referenced through backward.
+            True (default, and always safe): a plain loop, ``out = model(x); loss_fn(out).backward()``.
+            False: the loop drops it first, as Hugging Face ``Trainer`` does; an LM's logits are then
+            freed before backward, and plans for that loop can be tighter (docs/huggingface.md).
 
     Returns:
         The least-recompute ``Plan`` whose predicted peak fits the budget.
 
     Raises:
         InfeasibleBudget: no plan fits (under the overrides); carries the smallest reachable peak.
-        ValueError: malformed budget, unknown solver, a pattern matching nothing. TypeError: no inputs.
+        BudgetError: a malformed budget. OptionError: an unknown solver or device, a pattern matching
+            nothing, options that exclude each other. InputError: no inputs. (All are PlannerErrors;
+            the first two are ValueErrors, InputError a TypeError.)
         CaptureError, ProfileError: the model could not be traced or run.
 
     Example:
         >>> plan = optimize(model, "60%", inputs=(x,))          # doctest: +SKIP
         >>> loss_fn(plan.module(x)).backward()                   # doctest: +SKIP
     """
-    parse_budget(budget, baseline_peak_bytes=1)  # reject a malformed budget before any work
+    check_budget(budget)  # reject a malformed budget before any work
     get_solver(solver)  # reject an unknown solver before any work
     prepared = prepare(model, inputs=inputs, loss_fn=loss_fn, progress=progress, profile=profile, device=device,
                        world_size=world_size, parallel=parallel, units=units, optimizer=optimizer,
-                       max_chunks=max_chunks)
+                       max_chunks=max_chunks, keep_output=keep_output)
     return plan_for(prepared, budget, solver=solver, time_limit_s=time_limit_s, progress=progress,
                     selective=selective, must_save=must_save, must_recompute=must_recompute)
 
@@ -122,43 +137,51 @@ def prepare(model: nn.Module, *, inputs: tuple | Mapping | torch.Tensor | None =
             loss_fn: LossFn | None = None, progress: Callable[[str], None] | None = None,
             profile: Profile | None = None, device: str | torch.device | None = None,
             world_size: int = 1, parallel: str | None = None, units: Sequence[str] | None = None,
-            optimizer: str | int | None = None, max_chunks: int = 64) -> Prepared:
-    """Captures and profiles ``model`` once (arguments as for ``optimize``)."""
+            optimizer: str | int | None = None, max_chunks: int = 64, modules: bool = False,
+            keep_output: bool = True) -> Prepared:
+    """Captures and profiles ``model`` once (arguments as for ``optimize``). ``modules``: plan the
+    model's own forward with module hooks even when torch.fx could trace it (``enable``)."""
     if isinstance(max_chunks, bool) or not isinstance(max_chunks, int) or max_chunks < 1:
-        raise ValueError(f"max_chunks must be an int >= 1 (got {max_chunks!r}); e.g. max_chunks=128 for finer plans")
+        raise OptionError(f"max_chunks must be an int >= 1 (got {max_chunks!r}); e.g. max_chunks=128 for finer plans")
     stage = progress or (lambda name: None)
     dist = setup(model, world_size=world_size, parallel=parallel, units=units, optimizer=optimizer)
     example = as_inputs(model, inputs)
-    stage("capture")
-    captured = capture(model, capture_inputs(model, example),   # graph + module scopes (meta inputs
-                       units=dist.opaque if dist else frozenset())  # for a meta model)
-    stage("profile")
-    measured = profile_for(captured, model, example, loss_fn=loss_fn,  # one real step node by node,
-                           device=device, saved=profile)        # or a saved or estimated profile
-    regions = find_regions(measured, max_chunks=max_chunks)     # where segments may start and end
-    memory = build_model(measured, regions,                     # the cost model the solver optimises
-                         offset=dist and memory_offset(measured, dist),  # one rank's share of the job
-                         sac_op_us=max(measured.sac_op_us, dispatch_overhead_us()))  # what selective
-    # checkpointing adds per op: measured on the model, never below the tiny-op floor (a noisy machine
-    # can make the model's measurement small)
-    return Prepared(model=model, captured=captured, profile=measured, regions=regions, memory=memory,
-                    baseline=simulate(memory, ()), distributed=dist)
+    with no_cache(model):  # use_cache=False in training calls, as Hugging Face's checkpointing does
+        stage("capture")
+        captured = capture(model, capture_inputs(model, example),   # graph + module scopes (meta inputs
+                           units=dist.opaque if dist else frozenset(), modules=modules)  # for a meta model)
+        stage("profile")
+        measured = profile_for(captured, model, example, loss_fn=loss_fn,  # one real step node by node,
+                               device=device, saved=profile,        # or a saved or estimated profile
+                               keep_output=keep_output)
+    regions = find_regions(measured, max_chunks=max_chunks,         # where segments may start and end:
+                           modules=captured.method.runs_modules)    # chains of module calls for hooks
+    sac = sac_op_cost(measured, load_device(device) if is_device_spec(device) else None)  # from the
+    memory = build_model(measured, regions,                     # profile or the device spec, never from
+                         offset=dist and memory_offset(measured, dist),  # this machine; one rank's share
+                         sac_op_us=sac.op_us)                   # of the job; the cost model the solver optimises
+    return Prepared(model=model, example=example, captured=captured, profile=measured, regions=regions, memory=memory,
+                    baseline=simulate(memory, ()), sac_cost=sac, distributed=dist)
 
 
 def plan_for(prepared: Prepared, budget: int | str, *, solver: str = "cpsat", time_limit_s: float = 30.0,
              progress: Callable[[str], None] | None = None, selective: bool = True,
-             must_save: Sequence[str] = (), must_recompute: Sequence[str] = ()) -> Plan:
-    """Solves and rewrites a prepared model for one budget (arguments as for ``optimize``)."""
+             must_save: Sequence[str] = (), must_recompute: Sequence[str] = (),
+             target: nn.Module | None = None) -> Plan:
+    """Solves and rewrites a prepared model for one budget (arguments as for ``optimize``; ``target``
+    as for ``plan_from_solution``)."""
     from planner.rewrite.candidates import save_options
 
     stage = progress or (lambda name: None)
     memory, baseline = prepared.memory, prepared.baseline
     budget_bytes = parse_budget(budget, baseline_peak_bytes=baseline.peak_bytes)
+    savable = alone_in_module(prepared.profile, memory.regions.end) if prepared.captured.method.runs_modules else None
     options = save_options(prepared.captured.graph_module, prepared.profile, memory, must_save=must_save,
                            must_recompute=must_recompute,  # FSDP plans cut whole units: no saves there
-                           selective=selective and solver == "cpsat" and prepared.distributed is None)
+                           selective=selective and solver == "cpsat" and prepared.distributed is None,
+                           savable=savable)  # hooks keep whole module calls of one op
     if (options.must_save or options.must_recompute) and solver != "cpsat":
-        raise ValueError(f"must_save/must_recompute need the cpsat solver, not {solver!r}")
+        raise OptionError(f"must_save/must_recompute need the cpsat solver, not {solver!r}")
     stage("solve")
     solution = _solve(solver, memory, budget_bytes, baseline.peak_bytes, time_limit_s, options)
     if prepared.distributed is not None:  # FSDP: at most one unit per segment (docs/distributed.md)
@@ -166,19 +189,29 @@ def plan_for(prepared: Prepared, budget: int | str, *, solver: str = "cpsat", ti
                                   time_limit_s=time_limit_s,
                                   resolve=lambda b: _solve(solver, memory, b, baseline.peak_bytes, time_limit_s))
     stage("rewrite")
-    return plan_from_solution(prepared, solution, budget_bytes)
+    return plan_from_solution(prepared, solution, budget_bytes, target=target)
 
 
-def plan_from_solution(prepared: Prepared, solution: Solution, budget_bytes: int) -> Plan:
-    """The Plan (rewritten module included) for any strategy's solution of a prepared model."""
+def plan_from_solution(prepared: Prepared, solution: Solution, budget_bytes: int, *,
+                       target: nn.Module | None = None) -> Plan:
+    """The Plan (planned module included) for any strategy's solution of a prepared model.
+
+    ``target``: for plans that run the model's own forward, the module tree to put the hooks on
+    (``enable`` passes the model itself); default a clone of the model (``rewrite.modules.clone_tree``).
+    """
     memory, baseline = prepared.memory, prepared.baseline
     segments = _segments(prepared.profile, prepared.regions, memory, solution.plan, solution.saves)
-    rewritten = rewrite(prepared.model, prepared.captured,
-                        [SegmentSpec(nodes=s.nodes, restore_buffers=s.restore_buffers, saved_nodes=s.saved_nodes)
-                         for s in segments])
     predicted = simulate(memory, solution.plan, solution.saves)
-    return Plan(
-        module=rewritten.module,
+    planned_inputs = {}
+    if prepared.captured.method.runs_modules:
+        planned_inputs = tensor_shapes(prepared.model, prepared.example.args, prepared.example.kwargs)
+        module = clone_tree(prepared.model) if target is None else target
+        source = describe([s.chain_spec() for s in segments], prepared.model)
+    else:
+        rewritten = rewrite(prepared.model, prepared.captured, [s.spec() for s in segments])
+        module, source = rewritten.module, rewritten.source
+    plan = Plan(
+        module=module,
         budget_bytes=budget_bytes,
         predicted_peak_bytes=predicted.peak_bytes,
         baseline_peak_bytes=baseline.peak_bytes,
@@ -188,14 +221,19 @@ def plan_from_solution(prepared: Prepared, solution: Solution, budget_bytes: int
         segments=segments,
         solver_status=solution.status,
         solve_time_s=solution.solve_time_s,
-        recompute_bound_ms=min(solution.bound_us, solution.recompute_us) / 1000,
+        recompute_bound_ms=(None if solution.bound_us is None  # nothing proven
+                            else min(solution.bound_us, solution.recompute_us) / 1000),
         fingerprint=prepared.captured.fingerprint,
         capture_method=prepared.captured.method,
         capture_notes=prepared.captured.notes,
         device=prepared.profile.device,
-        source=rewritten.source,
+        source=source,
+        planned_inputs=planned_inputs,
+        keep_output=prepared.profile.keep_output,
         peak_breakdown=predicted.breakdown,
         largest_kept=predicted.largest_kept,
+        sac_op_us=prepared.sac_cost.op_us,
+        sac_cost_source=prepared.sac_cost.source,
         timeline=MemoryTimeline(
             nodes=memory.node_names,
             forward_bytes=tuple(int(b) for b in predicted.fwd_bytes),
@@ -204,6 +242,9 @@ def plan_from_solution(prepared: Prepared, solution: Solution, budget_bytes: int
             baseline_backward_bytes=tuple(int(b) if ok else None for b, ok in zip(baseline.bwd_bytes, memory.has_bwd)),
         ),
     )
+    if prepared.captured.method.runs_modules:
+        install_plan(module, [s.chain_spec() for s in segments], planned=plan.planned_shapes())
+    return plan
 
 
 def _solve(solver: str, memory: MemoryModel, budget_bytes: int, baseline_peak: int,
@@ -211,7 +252,7 @@ def _solve(solver: str, memory: MemoryModel, budget_bytes: int, baseline_peak: i
     """The plan for a budget: empty when it already fits, else the strategy's, checked against the budget."""
     overrides = options is not None and bool(options.must_save or options.must_recompute)
     if budget_bytes >= baseline_peak and not (overrides and options.must_recompute):
-        return Solution(plan=(), status="OPTIMAL", recompute_us=0, bound_us=0, solve_time_s=0.0)
+        return Solution(plan=(), status=SolverStatus.OPTIMAL, recompute_us=0, bound_us=0, solve_time_s=0.0)
     try:
         if options is not None and not options.trivial:
             solution = get_solver(solver)(memory, budget_bytes, time_limit_s=time_limit_s, options=options)
@@ -230,10 +271,8 @@ def _solve(solver: str, memory: MemoryModel, budget_bytes: int, baseline_peak: i
         peak = "no plan" if solution is None else f"a plan peaking at {simulate(memory, solution.plan).peak_bytes} B"
         raise PlannerError(f"solver {solver!r} finds {peak} for a budget of {budget_bytes} B, which plans down to "
                            f"{best.peak_bytes} B fit; use the cpsat solver (solver='cpsat', ckplan --solver cpsat)")
-    breakdown = dict(best.breakdown)
-    for name, nbytes, _ in best.largest_kept:
-        breakdown[f"largest kept activation: {name}"] = nbytes
-    raise InfeasibleBudget(budget_bytes, best.peak_bytes, breakdown)
+    largest = tuple((name, nbytes) for name, nbytes, _ in best.largest_kept)
+    raise InfeasibleBudget(budget_bytes, best.peak_bytes, replace(best.breakdown, largest_kept=largest))
 
 
 def _infeasible_overrides(memory: MemoryModel, budget_bytes: int, options: SaveOptions, time_limit_s: float):
@@ -241,20 +280,14 @@ def _infeasible_overrides(memory: MemoryModel, budget_bytes: int, options: SaveO
     overrides = SaveOptions(must_save=options.must_save, must_recompute=options.must_recompute)
     try:
         best = simulate(memory, *min_peak_saves(memory, time_limit_s=time_limit_s, options=overrides))
-    except NoSolution:
-        raise _because(InfeasibleBudget(budget_bytes, budget_bytes + 1, {}), "must_save/must_recompute contradict "
-                       "each other (a node must be re-run in a chunk where another must not be)") from None
+    except NoSolution:  # no plan satisfies them at all: there is no smallest peak to report
+        raise InfeasibleBudget(budget_bytes, None, None, "must_save/must_recompute contradict each other (a node "
+                               "must be re-run in a chunk where another must not be)") from None
     free = simulate(memory, *min_peak_saves(memory, time_limit_s=time_limit_s)).peak_bytes
     if free <= budget_bytes:
-        raise _because(InfeasibleBudget(budget_bytes, best.peak_bytes, dict(best.breakdown)),
-                       f"must_save/must_recompute make the budget infeasible (without them plans reach "
-                       f"{format_bytes(free)})")
-
-
-def _because(exc: InfeasibleBudget, reason: str) -> InfeasibleBudget:
-    exc.args = (f"{reason}: {exc.args[0]}",)
-    exc.reason = reason
-    return exc
+        raise InfeasibleBudget(budget_bytes, best.peak_bytes, best.breakdown,
+                               f"must_save/must_recompute make the budget infeasible (without them plans reach "
+                               f"{format_bytes(free)})")
 
 
 def _segments(prof: Profile, regions: Regions, memory: MemoryModel, plan: ChunkPlan,
@@ -267,12 +300,12 @@ def _segments(prof: Profile, regions: Regions, memory: MemoryModel, plan: ChunkP
         out.append(Segment(
             nodes=tuple(n.name for n in nodes),
             module_paths=_covering_paths(prof, lo, hi),
-            recompute_ms=(int(memory.chunk_cost_us[first:stop].sum()) + memory.segment_cost_us
-                          - sum(int(memory.node_cost_us[o]) for o in mine)
-                          + (int(memory.sac_chunk_us[first:stop].sum()) if mine else 0)) / 1000,
+            recompute_ms=segment_recompute_us(memory, first, stop, mine) / 1000,
             freed_bytes=freed,
             restore_buffers=tuple(dict.fromkeys(b for n in nodes for b in n.mutated_buffers)),
             saved_nodes=tuple(prof.nodes[o].name for o in mine),
+            chain=regions.chains[first, stop] if regions.chains is not None else (),
+            saved_modules=tuple(prof.nodes[o].module_path for o in mine) if regions.chains is not None else (),
         ))
     return tuple(out)
 

@@ -6,6 +6,7 @@ fresh instance of the same architecture (checked by graph fingerprint).
 
 from __future__ import annotations
 
+import enum
 import html
 import json
 from dataclasses import asdict, dataclass, field
@@ -15,9 +16,16 @@ from typing import Any, Sequence
 from torch import nn
 
 from planner.budget import format_bytes
-from planner.capture.api import EXPORT, capture
+from planner.capture.api import capture
 from planner.capture.inputs import as_inputs
+from planner.capture.method import CaptureMethod
+from planner.memory.breakdown import PeakBreakdown
+from planner.profiling.devices import SacCostSource
+from planner.solve.result import SolverStatus
+from planner.rewrite.chains import Chain
 from planner.rewrite.graph import SegmentSpec, rewrite
+from planner.rewrite.modules import PlannedShapes, clone_tree, install_plan
+from planner.errors import PlanFileError, PlanMismatch
 
 FORMAT = "ckplan-plan"
 VERSION = 1
@@ -39,6 +47,19 @@ class Segment:
     """Buffers restored after recomputation (BatchNorm running statistics)."""
     saved_nodes: tuple[str, ...] = ()
     """Nodes whose outputs are kept, not re-run (selective checkpointing inside the segment)."""
+    chain: tuple[str, ...] = ()
+    """Plans that run the model's own forward (``capture_method.runs_modules``): the module calls the
+    segment consists of, consecutive siblings in call order; empty for a rewritten graph."""
+    saved_modules: tuple[str, ...] = ()
+    """Plans that run the model's own forward: the modules (one op each) whose outputs are kept."""
+
+    def spec(self) -> SegmentSpec:
+        """What the graph rewriter needs to run this segment (its nodes, buffers to restore, saved nodes)."""
+        return SegmentSpec(nodes=self.nodes, restore_buffers=self.restore_buffers, saved_nodes=self.saved_nodes)
+
+    def chain_spec(self) -> Chain:
+        """What the module executor needs to run this segment (its module calls, saves and buffers)."""
+        return Chain(members=self.chain, saved_modules=self.saved_modules, restore_buffers=self.restore_buffers)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -48,10 +69,14 @@ class MemoryTimeline:
     nodes: tuple[str, ...]
     """Node names in forward order (the loss last); backward runs them in reverse."""
     forward_bytes: tuple[int, ...]
+    """Predicted peak bytes during each node's forward, under the plan."""
     backward_bytes: tuple[int | None, ...]
-    """None for nodes that run nothing in backward."""
+    """Predicted peak bytes during each node's backward, under the plan; None for nodes that run
+    nothing in backward."""
     baseline_forward_bytes: tuple[int, ...]
+    """As ``forward_bytes``, without checkpointing."""
     baseline_backward_bytes: tuple[int | None, ...]
+    """As ``backward_bytes``, without checkpointing."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -75,57 +100,89 @@ class Plan:
     step_ms: float
     """Measured time of one un-checkpointed step, ms."""
     segments: tuple[Segment, ...]
-    solver_status: str
-    """``OPTIMAL`` (proven under the cost model) or ``FEASIBLE`` (time limit hit)."""
+    solver_status: SolverStatus
+    """``OPTIMAL`` (proven under the cost model), ``FEASIBLE`` (time limit hit) or ``FIXED`` (a baseline)."""
     solve_time_s: float
-    recompute_bound_ms: float = 0.0
+    recompute_bound_ms: float | None = None
     """Proven lower bound on the recompute time of any plan that fits the budget (``recompute_ms``
-    itself when OPTIMAL; 0 when nothing is proven, e.g. a fixed baseline's plan)."""
+    itself when OPTIMAL); None when nothing is proven, e.g. a fixed baseline's plan."""
     fingerprint: str
     """Structure hash of the traced graph the plan refers to."""
-    capture_method: str
+    capture_method: CaptureMethod
+    """Which capture tier produced that graph (``.label`` is the sentence reports show)."""
     capture_notes: tuple[str, ...] = ()
     """Why earlier capture methods failed, one line each."""
     device: str
     source: str = field(default="", repr=False)
     """Python source of the planned module's generated class."""
-    peak_breakdown: dict[str, int] = field(default_factory=dict, repr=False)
-    """What the predicted peak is made of, bytes per component."""
+    peak_breakdown: PeakBreakdown | None = field(default=None, repr=False)
+    """What the predicted peak is made of (``.items()`` gives the labelled components)."""
     largest_kept: tuple[tuple[str, int, str], ...] = field(default=(), repr=False)
     """Largest activations alive at the predicted peak: (producing node, bytes, why it stays)."""
     timeline: MemoryTimeline | None = field(default=None, repr=False)
     """Predicted memory over one step, for plots."""
+    sac_op_us: float | None = None
+    """Per-op cost of selective checkpointing the plan was made with, microseconds (None: older file)."""
+    sac_cost_source: SacCostSource | None = None
+    """Where ``sac_op_us`` comes from: measured on the model, the device spec, or ckplan's default."""
+    keep_output: bool = True
+    """Whether the predicted peak assumes the loop keeps the model's output referenced through
+    backward (``optimize(keep_output=...)``)."""
+    planned_inputs: dict[str, tuple[int, ...]] = field(default_factory=dict, repr=False)
+    """Shape of each tensor argument of the example call, by parameter name: a plan that runs the
+    model's own forward warns once when a training call is larger (``planner.rewrite.modules``)."""
+
+    def __post_init__(self) -> None:  # plain values (older JSON files, hand-made plans) become the types
+        for name, convert in (("solver_status", SolverStatus), ("capture_method", CaptureMethod.parse),
+                              ("sac_cost_source", SacCostSource), ("peak_breakdown", PeakBreakdown.from_dict)):
+            value = getattr(self, name)
+            if value is not None and isinstance(value, (str, dict)) and not isinstance(value, enum.Enum):
+                object.__setattr__(self, name, convert(value))
 
     def apply(self, model: nn.Module, *, inputs=None) -> nn.Module:
         """Returns ``model`` rewritten to run this plan (``model`` itself is not modified).
 
+        A plan that runs the model's own forward (``capture_method.runs_modules``: Hugging Face
+        models and others torch.fx cannot trace) needs no inputs: it is a clone of ``model`` with the
+        plan's hooks, and each chain checks on its first training forward that the model runs it.
+
         Args:
             model: a fresh instance of the architecture the plan was made for.
-            inputs: example inputs, needed when the plan was captured with torch.export
-                (default ``model.example_inputs``).
+            inputs: example inputs for a model fx cannot trace without them (default
+                ``model.example_inputs``); unused by plans that run the model's own forward.
 
         Raises:
-            ValueError: ``model`` does not trace to the graph the plan was made for.
+            PlanMismatch (a ValueError): ``model`` does not trace to the graph the plan was made for.
+            ChainError: a module-executor plan names a module ``model`` does not have.
         """
+        if self.capture_method.runs_modules:
+            module = clone_tree(model)
+            install_plan(module, [s.chain_spec() for s in self.segments], planned=self.planned_shapes())
+            return module
         example = as_inputs(model, inputs) if inputs is not None or hasattr(model, "example_inputs") else None
-        if self.capture_method == EXPORT and example is None:
-            raise TypeError("this plan was captured with torch.export: pass inputs= (the example inputs) to apply()")
         captured = capture(model, example)
         if captured.fingerprint != self.fingerprint:
-            raise ValueError(
+            raise PlanMismatch(
                 f"this plan was made for a graph with fingerprint {self.fingerprint}, but "
                 f"{type(model).__name__} traces to {captured.fingerprint}: apply it to the same architecture "
                 "and configuration, or plan again"
             )
-        specs = [SegmentSpec(nodes=s.nodes, restore_buffers=s.restore_buffers, saved_nodes=s.saved_nodes)
-                 for s in self.segments]
-        return rewrite(model, captured, specs).module
+        return rewrite(model, captured, [s.spec() for s in self.segments]).module
+
+    def planned_shapes(self) -> PlannedShapes | None:
+        """What the shape warning of a module-executor plan compares calls with; None without shapes."""
+        if not self.planned_inputs:
+            return None
+        fixed = self.peak_breakdown.parameters_bytes if self.peak_breakdown is not None else 0
+        return PlannedShapes(shapes={k: tuple(v) for k, v in self.planned_inputs.items()},
+                             predicted_peak_bytes=self.predicted_peak_bytes, fixed_bytes=fixed,
+                             budget_bytes=self.budget_bytes)
 
     def summary(self) -> str:
         """A human-readable table of the plan."""
         lines = [
             f"ckplan: {len(self.segments)} checkpointed segment(s), solver {self.solver_status} "
-            f"in {self.solve_time_s:.2f} s (capture: {self.capture_method}, device: {self.device})",
+            f"in {self.solve_time_s:.2f} s (capture: {self.capture_method.label}, device: {self.device})",
             f"peak {format_bytes(self.baseline_peak_bytes)} -> {format_bytes(self.predicted_peak_bytes)} "
             f"(budget {format_bytes(self.budget_bytes)}), recompute {self.recompute_ms:.2f} ms per step "
             f"= +{100 * self.predicted_overhead:.1f}% of a {self.step_ms:.2f} ms step",
@@ -146,8 +203,11 @@ class Plan:
         data = {"format": FORMAT, "version": VERSION}
         for name in ("budget_bytes", "predicted_peak_bytes", "baseline_peak_bytes", "predicted_overhead",
                      "recompute_ms", "step_ms", "solver_status", "solve_time_s", "recompute_bound_ms", "fingerprint",
-                     "capture_method", "capture_notes", "device", "source", "peak_breakdown"):
-            data[name] = getattr(self, name)
+                     "capture_method", "capture_notes", "device", "source", "sac_op_us", "sac_cost_source",
+                     "planned_inputs", "keep_output"):
+            value = getattr(self, name)
+            data[name] = value.value if isinstance(value, enum.Enum) else value  # enums as their short value
+        data["peak_breakdown"] = None if self.peak_breakdown is None else self.peak_breakdown.to_dict()
         data["largest_kept"] = [list(item) for item in self.largest_kept]
         data["timeline"] = None if self.timeline is None else {k: list(v) for k, v in asdict(self.timeline).items()}
         data["segments"] = [asdict(s) for s in self.segments]
@@ -191,30 +251,40 @@ def _describe(segment: Segment) -> str:
 def load_plan(path: str | Path) -> Plan:
     """Reads a plan written by ``Plan.save``; call ``.apply(model)`` to get the module.
 
+    Files of this version written before the enums and the typed breakdown (``capture_method`` as a
+    sentence, ``recompute_bound_ms`` 0 for "nothing proven") read as if written now.
+
     Raises:
-        ValueError: the file is not a ckplan plan, or of an unknown version.
+        PlanFileError (a ValueError): the file is not a ckplan plan, or of an unknown version.
     """
     try:
         data = json.loads(Path(path).read_text())
     except json.JSONDecodeError as exc:
-        raise ValueError(f"{path} is not valid JSON ({exc}); pass a file written by Plan.save") from exc
+        raise PlanFileError(f"{path} is not valid JSON ({exc}); pass a file written by Plan.save") from exc
     if not isinstance(data, dict) or data.get("format") != FORMAT:
-        raise ValueError(f"{path} is not a ckplan plan; pass a file written by Plan.save")
+        raise PlanFileError(f"{path} is not a ckplan plan; pass a file written by Plan.save")
     if data.get("version") != VERSION:
-        raise ValueError(f"{path} has plan version {data.get('version')}, this ckplan reads version {VERSION}")
+        raise PlanFileError(f"{path} has plan version {data.get('version')}, this ckplan reads version {VERSION}")
     fields = {k: v for k, v in data.items() if k not in ("format", "version", "segments", "largest_kept", "timeline")}
     segments = tuple(
         Segment(nodes=tuple(s["nodes"]), module_paths=tuple(s["module_paths"]), recompute_ms=s["recompute_ms"],
                 freed_bytes=s.get("freed_bytes", 0), restore_buffers=tuple(s.get("restore_buffers", ())),
-                saved_nodes=tuple(s.get("saved_nodes", ())))
+                saved_nodes=tuple(s.get("saved_nodes", ())), chain=tuple(s.get("chain", ())),
+                saved_modules=tuple(s.get("saved_modules", ())))
         for s in data["segments"]
     )
     largest = tuple(tuple(item) for item in data.get("largest_kept", ()))
     timeline = data.get("timeline")
     if timeline is not None:
         timeline = MemoryTimeline(**{k: tuple(v) for k, v in timeline.items()})
+    fields["planned_inputs"] = {k: tuple(v) for k, v in (fields.get("planned_inputs") or {}).items()}
     fields["capture_notes"] = tuple(fields.get("capture_notes", ()))
-    return Plan(module=None, segments=segments, largest_kept=largest, timeline=timeline, **fields)
+    if fields.get("recompute_bound_ms") == 0 and fields.get("recompute_ms", 0) > 0:  # older files: 0 = unproven
+        fields["recompute_bound_ms"] = None
+    try:
+        return Plan(module=None, segments=segments, largest_kept=largest, timeline=timeline, **fields)
+    except ValueError as exc:  # an unknown status, capture method or peak component
+        raise PlanFileError(f"{path}: {exc}; pass a file written by Plan.save") from exc
 
 
 def html_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:

@@ -302,9 +302,9 @@ IN_PROCESS_ERRORS = {
     "loss-name": (LINEAR, ["--loss", "criterion"], "defines no `criterion` (named by --loss)"),
     "loss-not-callable": (LINEAR + "loss_fn = 3\n", [], "`loss_fn` in model.py is of type int, not a function"),
     "exits": ("import sys\nsys.exit(4)\n", [], "model.py:2: SystemExit: 4: the model file exited while loading"),
-    "untraceable": ("import torch\nclass M(torch.nn.Module):\n    def forward(self, x):\n"
-                    "        return x if x.sum() > 0 else -x\nmodel = M()\ninputs = (torch.randn(3, 2),)\n",
-                    [], "model.py:4"),
+    "nothing-to-train": ("import torch\nclass M(torch.nn.Module):\n    def forward(self, x):\n"
+                         "        return x if x.sum() > 0 else -x\nmodel = M()\ninputs = (torch.randn(3, 2),)\n",
+                         [], "M has no parameter that requires grad"),
     "fails-to-run": ("import torch\nmodel = torch.nn.Linear(2, 2)\ninputs = (torch.randn(3, 5),)\n", [],
                      "mat1 and mat2 shapes cannot be multiplied"),
     "save-dir-missing": (LINEAR, ["--save", "nowhere/plan.json"], "--save nowhere/plan.json: directory nowhere"),

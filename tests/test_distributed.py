@@ -173,7 +173,7 @@ def test_cli_plans_one_rank(tmp_path):
     done = ckplan("--budget", "60%", "--world-size", "2", "--json")
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout)
-    assert report["capture_method"] == "torch.fx.symbolic_trace (FSDP units as calls)"
+    assert report["capture_method"] == "fx_units"
     assert [s["module_paths"] for s in report["segments"]] == [["blocks.0"], ["blocks.1"], ["blocks.2"]]
     bad = ckplan("--world-size", "0")
     assert bad.returncode == 2 and "--world-size must be an integer >= 1" in bad.stderr

@@ -234,7 +234,7 @@ def test_hugging_face_decoder_on_meta_plans_for_h100():
         model = transformers.Qwen2ForCausalLM(config)
         ids = torch.randint(0, 1000, (4, 256))
     plan = optimize(model, "50%", inputs={"input_ids": ids, "labels": ids, "use_cache": False}, device="h100")
-    assert plan.capture_method.startswith("torch.export") and plan.segments
+    assert plan.capture_method == "export" and plan.segments
     assert plan.predicted_peak_bytes <= plan.budget_bytes and plan.step_ms > 0
 
 
@@ -265,4 +265,4 @@ def test_sac_calibration_measures_and_survives_a_graph_checkpoint_rejects():
     assert sac_op_overhead_us(gm, as_inputs(model, tower_inputs()), default_loss, torch.device("cpu"), 10) >= 0
     bad = _ReRunMismatch()
     gm = torch.fx.symbolic_trace(bad)
-    assert sac_op_overhead_us(gm, as_inputs(bad, (torch.randn(8, 4),)), default_loss, torch.device("cpu"), 5) == -1.0
+    assert sac_op_overhead_us(gm, as_inputs(bad, (torch.randn(8, 4),)), default_loss, torch.device("cpu"), 5) is None

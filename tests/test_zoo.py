@@ -60,10 +60,10 @@ def test_autocast_bf16_profile_sees_the_saved_bf16_activations(restore_buffers):
 
 
 @pytest.mark.parametrize("budget", ["50%", "smallest"])
-def test_untraceable_blocks_are_planned_as_opaque_calls(budget, restore_buffers):
-    """Neither fx nor torch.export can trace the blocks (value-dependent branch): the model is
-    captured with its blocks as single calls, and whole blocks are checkpointed."""
-    from planner.capture.api import FX_BLOCKS
+def test_value_dependent_blocks_are_planned_on_their_own_forward(budget, restore_buffers):
+    """fx cannot trace the blocks (value-dependent branch): the model is captured from one real forward
+    (ATen tier) and its plan runs the model's own code with module hooks, so any branch runs exactly."""
+    from planner.capture.api import ATEN
     from zoo import GatedTower
 
     torch.manual_seed(0)
@@ -74,8 +74,28 @@ def test_untraceable_blocks_are_planned_as_opaque_calls(budget, restore_buffers)
             optimize(model, 1, inputs=inputs, loss_fn=loss_fn)
         budget = info.value.min_peak_bytes
     plan = optimize(model, budget, inputs=inputs, loss_fn=loss_fn)
+    assert plan.capture_method == ATEN and len(plan.capture_notes) == 1
+    assert plan.segments and all(seg.chain for seg in plan.segments)
+    assert type(plan.module) is GatedTower
+    assert_plan_is_exact(model, plan, inputs, loss_fn, restore_buffers)
+
+
+def test_blocks_are_kept_opaque_when_no_real_forward_can_be_recorded(monkeypatch, restore_buffers):
+    """The last tier: fx with the repeated blocks as single calls, when the ATen tier fails too."""
+    import planner.capture.api as capture_api
+    from planner.capture.api import FX_BLOCKS
+    from zoo import GatedTower
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("no real forward here")
+
+    monkeypatch.setattr(capture_api, "aten_graph", refuse)
+    torch.manual_seed(0)
+    model, inputs = GatedTower(), (torch.randn(2048, 16),)
+    loss_fn = labels_loss(2048)
+    plan = optimize(model, "50%", inputs=inputs, loss_fn=loss_fn)
     assert plan.capture_method == FX_BLOCKS and len(plan.capture_notes) == 2
-    assert "torch.export" in plan.capture_notes[1]
+    assert "no real forward here" in plan.capture_notes[1]
     assert plan.segments and all(path.startswith("layers.") or ":" in path or path in ("embed", "head")
                                  for seg in plan.segments for path in seg.module_paths)
     assert_plan_is_exact(model, plan, inputs, loss_fn, restore_buffers)

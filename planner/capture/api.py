@@ -14,9 +14,13 @@ from dataclasses import dataclass
 import torch.fx as fx
 from torch import nn
 
+from planner.capture.aten import aten_graph
+from planner.capture.cache import no_cache
 from planner.capture.fx import trace
 from planner.capture.inputs import Inputs
-from planner.errors import CaptureError, user_frame
+from planner.capture.method import CaptureMethod
+from planner.capture.scope import repeated_blocks
+from planner.errors import CaptureError, InputError, user_frame
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -25,8 +29,8 @@ class Captured:
 
     graph_module: fx.GraphModule
     """Graph of the model's forward; shares parameters and submodules with the model."""
-    method: str
-    """How the graph was obtained: ``FX`` or ``EXPORT``."""
+    method: CaptureMethod
+    """Which tier produced the graph."""
     fingerprint: str
     """Hash of the graph's structure: equal for two instances of one architecture."""
     notes: tuple[str, ...] = ()
@@ -35,65 +39,78 @@ class Captured:
     """Modules kept as single calls because their code cannot be traced (never inlined)."""
 
 
-FX = "torch.fx.symbolic_trace"
-EXPORT = "torch.export (non-strict)"
-FX_BLOCKS = "torch.fx.symbolic_trace (blocks as opaque calls)"
-FX_UNITS = "torch.fx.symbolic_trace (FSDP units as calls)"
+FX, ATEN, EXPORT = CaptureMethod.FX, CaptureMethod.ATEN, CaptureMethod.EXPORT
+FX_BLOCKS, FX_UNITS = CaptureMethod.FX_BLOCKS, CaptureMethod.FX_UNITS
+"""Short names of the tiers (``CaptureMethod`` members)."""
 
 
-def capture(model: nn.Module, inputs: Inputs | None = None, *, units: frozenset[str] = frozenset()) -> Captured:
-    """Traces ``model`` into a flat graph, with ``torch.fx.symbolic_trace`` (user modules inlined,
-    torch.nn layers kept as calls) or, when that fails and example inputs are given, with
-    ``torch.export`` on those inputs. ``units`` (FSDP units) are kept as calls, fx only: FSDP2
-    gathers a unit's parameters in hooks of its forward, which must run.
+def capture(model: nn.Module, inputs: Inputs | None = None, *, units: frozenset[str] = frozenset(),
+            modules: bool = False) -> Captured:
+    """Traces ``model`` into a flat graph, trying the tiers in order:
+
+    1. ``torch.fx.symbolic_trace`` (user modules inlined, torch.nn layers kept as calls); the plan
+       runs a rewritten graph. Skipped with ``modules=True``.
+    2. With example inputs: the ATen ops of one real forward (``aten.aten_graph``; ``torch.export``
+       for a model on the meta device), ``use_cache`` off as in training (``cache.no_cache``). The
+       plan runs the model's own forward with module hooks.
+    3. fx with the model's repeated blocks (then its children) kept as opaque calls.
+
+    ``units`` (FSDP units) are kept as calls, fx only: FSDP2 gathers a unit's parameters in hooks of
+    its forward, which must run.
 
     Raises:
-        CaptureError: no method could capture the model; names each failure.
+        CaptureError: no tier could capture the model; names each failure.
+        InputError: ``modules=True`` without example inputs.
     """
     if units:
         gm, _ = trace(model, opaque=units)
         return Captured(graph_module=gm, method=FX_UNITS, fingerprint=fingerprint(gm.graph), opaque=units)
+    notes: list[str] = []
+    if modules and inputs is None:
+        raise InputError("planning the model's own forward (enable(), modules=True) needs example inputs: "
+                         "pass inputs=<one training batch>")
+    if not modules:
+        try:
+            gm, _ = trace(model)
+            return Captured(graph_module=gm, method=FX, fingerprint=fingerprint(gm.graph))
+        except CaptureError as fx_error:
+            if inputs is None:
+                raise
+            notes.append(f"{FX.label} failed: {fx_error}")
+    tier = EXPORT if any(t.is_meta for t in (*model.parameters(), *model.buffers())) else ATEN
     try:
-        gm, _ = trace(model)
-        return Captured(graph_module=gm, method=FX, fingerprint=fingerprint(gm.graph))
-    except CaptureError as fx_error:
-        if inputs is None:
-            raise
-        note = f"{FX} failed: {fx_error}"
-    from planner.capture.export import export_graph  # torch.export is only needed here
+        with no_cache(model):
+            if tier is ATEN:
+                gm = aten_graph(model, inputs.args, inputs.kwargs)
+            else:
+                from planner.capture.export import export_graph  # torch.export is only needed here
 
-    try:
-        gm = export_graph(model, inputs.args, inputs.kwargs)
-        return Captured(graph_module=gm, method=EXPORT, fingerprint=fingerprint(gm.graph), notes=(note,))
+                gm = export_graph(model, inputs.args, inputs.kwargs)
+        return Captured(graph_module=gm, method=tier, fingerprint=fingerprint(gm.graph), notes=tuple(notes))
     except Exception as exc:  # noqa: BLE001 - report every failure in one error
         where = user_frame(exc)
-        export_note = (f"{EXPORT} failed: {type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"
-                       + (f" (at {where})" if where else ""))
-    for opaque in _opaque_candidates(model):  # module-level: the blocks' own code stays untraced
-        try:
-            gm, _ = trace(model, opaque=opaque)
-        except CaptureError:
-            continue
-        return Captured(graph_module=gm, method=FX_BLOCKS, fingerprint=fingerprint(gm.graph),
-                        notes=(note, export_note), opaque=opaque)
+        notes.append(f"{tier.label} failed: {type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"
+                     + (f" (at {where})" if where else ""))
+    if not modules:
+        for opaque in _opaque_candidates(model):  # module-level: the blocks' own code stays untraced
+            try:
+                gm, _ = trace(model, opaque=opaque)
+            except CaptureError:
+                continue
+            return Captured(graph_module=gm, method=FX_BLOCKS, fingerprint=fingerprint(gm.graph),
+                            notes=tuple(notes), opaque=opaque)
     raise CaptureError(
-        f"{note.split('; make that line')[0]}; and {export_note}; and tracing with its blocks as opaque "
-        "calls failed too: make the model's forward traceable on these inputs (no Python control flow on "
-        "tensor values)")
+        "; and ".join(note.split("; make that line")[0] for note in notes)
+        + ("" if modules else "; and tracing with its blocks as opaque calls failed too")
+        + ": make the model's forward run on these inputs (and, for torch.fx, traceable: no Python control "
+        "flow on tensor values)")
 
 
 def _opaque_candidates(model: nn.Module) -> list[frozenset[str]]:
-    """Module sets to keep opaque, finest first: the children of the largest container of numbered
-    submodules (``layers.0``...), then every direct child of the root."""
-    children: dict[str, list[str]] = {}
-    for name, _ in model.named_modules():
-        parent, _, last = name.rpartition(".")
-        if last.isdigit():
-            children.setdefault(parent, []).append(name)
-    out = []
-    if children:
-        out.append(frozenset(max(children.values(), key=len)))
-    out.append(frozenset(name for name, _ in model.named_children()))
+    """Module sets to keep opaque, finest first: the model's repeated blocks (``scope.repeated_blocks``:
+    ``layers.0``...), then every direct child of the root."""
+    out = [frozenset(repeated_blocks(name for name, _ in model.named_modules())),
+           frozenset(name for name, _ in model.named_children())]
     return [c for c in out if c]
 
 

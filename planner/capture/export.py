@@ -12,8 +12,6 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
-import os
-import sys
 from typing import Iterator
 
 import torch
@@ -25,27 +23,18 @@ from planner.capture.scope import SCOPE_KEY
 
 @contextlib.contextmanager
 def _quiet_torch_logs() -> Iterator[None]:
-    """Silences torch while exporting: a failed export prints the partial graph (not through
-    logging) and warns; ckplan reports the failure itself, in one line."""
+    """Silences torch while exporting: a failed export prints the partial graph and warns; ckplan
+    reports the failure itself, in one line. Only torch's loggers and Python's ``sys.stdout`` /
+    ``sys.stderr`` are redirected, never the process's file descriptors (other threads, the user's
+    own logging and C++ output are left alone)."""
     loggers = [logging.getLogger(name) for name in list(logging.Logger.manager.loggerDict) if name.startswith("torch")]
     levels = [(lg, lg.level) for lg in loggers]
     for lg in loggers:
         lg.setLevel(logging.CRITICAL)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    saved = [os.dup(1), os.dup(2)]
     try:
-        with open(os.devnull, "w") as null, contextlib.redirect_stdout(io.StringIO()), \
-                contextlib.redirect_stderr(io.StringIO()):
-            os.dup2(null.fileno(), 1)
-            os.dup2(null.fileno(), 2)
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
             yield
     finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        for fd, copy in zip((1, 2), saved):
-            os.dup2(copy, fd)
-            os.close(copy)
         for lg, level in levels:
             lg.setLevel(level)
 

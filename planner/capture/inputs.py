@@ -8,6 +8,8 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
+from planner.errors import InputError
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Inputs:
@@ -33,7 +35,7 @@ def as_inputs(model: nn.Module, inputs: tuple | Mapping | torch.Tensor | None) -
         if callable(inputs):
             inputs = inputs()
         if inputs is None:
-            raise TypeError(
+            raise InputError(
                 f"no example inputs for {type(model).__name__}: pass inputs=(x,) or inputs={{'name': x}} "
                 "to optimize(), or give the model an `example_inputs` attribute"
             )
@@ -43,7 +45,7 @@ def as_inputs(model: nn.Module, inputs: tuple | Mapping | torch.Tensor | None) -
         return Inputs(args=(), kwargs=dict(inputs))
     if isinstance(inputs, (tuple, list)):
         return Inputs(args=tuple(inputs), kwargs={})
-    raise TypeError(
+    raise InputError(
         f"inputs must be a tuple of positional arguments or a dict of keyword arguments, "
         f"got {type(inputs).__name__}"
     )

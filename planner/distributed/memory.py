@@ -21,11 +21,11 @@ import numpy as np
 from torch import nn
 
 from planner.profiling.record import Profile
-from planner.errors import InfeasibleBudget
+from planner.errors import InfeasibleBudget, OptionError
 from planner.memory.simulate import ChunkPlan, MemoryModel, simulate
 from planner.solve.peaks import min_peak
-from planner.solve.result import Solution
-from planner.capture.scope import path_of
+from planner.solve.result import Solution, SolverStatus
+from planner.capture.scope import path_of, repeated_blocks
 
 PARALLEL = ("fsdp", "ddp")
 """Data-parallel engines a plan can budget for."""
@@ -69,17 +69,17 @@ def setup(model: nn.Module, *, world_size: int = 1, parallel: str | None = None,
     Returns None for a plain single-device plan (world_size 1, no parallel engine, no optimizer).
 
     Raises:
-        ValueError: world_size below 1, an unknown engine or optimizer, or units that name no module.
+        OptionError (a ValueError): world_size below 1, an unknown engine or optimizer, or units that name no module.
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size must be an integer >= 1 (the number of ranks), got {world_size!r}")
+        raise OptionError(f"world_size must be an integer >= 1 (the number of ranks), got {world_size!r}")
     if parallel is None and world_size > 1:
         parallel = "fsdp"
     if parallel is not None and parallel not in PARALLEL:
-        raise ValueError(f"unknown parallel={parallel!r}: use one of {', '.join(PARALLEL)} "
-                         "(ckplan --parallel fsdp|ddp)")
+        raise OptionError(f"unknown parallel={parallel!r}: use one of {', '.join(PARALLEL)} "
+                          "(ckplan --parallel fsdp|ddp)")
     if units is not None and parallel != "fsdp":
-        raise ValueError(f"units= names FSDP units, but parallel is {parallel!r}: pass parallel='fsdp' or drop units")
+        raise OptionError(f"units= names FSDP units, but parallel is {parallel!r}: pass parallel='fsdp' or drop units")
     if parallel is None and optimizer is None:
         return None
     found = resolve_units(model, units) if parallel == "fsdp" else ()
@@ -119,28 +119,24 @@ def _optimizer_bytes(optimizer: str | int | None, trainable_shard_bytes: int, n:
         return OPTIMIZER_STATES[optimizer.lower()] * trainable_shard_bytes
     if isinstance(optimizer, int) and not isinstance(optimizer, bool) and optimizer >= 0:
         return -(-optimizer // n)  # a total for all parameters: one rank holds its share
-    raise ValueError(f"unknown optimizer={optimizer!r}: use one of {', '.join(OPTIMIZER_STATES)} or the bytes "
-                     "of its state for the whole model (an int >= 0)")
+    raise OptionError(f"unknown optimizer={optimizer!r}: use one of {', '.join(OPTIMIZER_STATES)} or the bytes "
+                      "of its state for the whole model (an int >= 0)")
 
 
 def resolve_units(model: nn.Module, units: Sequence[str] | None) -> tuple[str, ...]:
     """FSDP units as module paths in model order: ``units`` (paths or per-part globs such as
-    ``layers.*``), default the children of the largest container of numbered submodules.
+    ``layers.*``), default the model's repeated blocks (``scope.repeated_blocks``).
 
     Raises:
-        ValueError: a pattern matches no submodule, units are nested, or there is no default.
+        OptionError (a ValueError): a pattern matches no submodule, units are nested, or there is no default.
     """
     names = [name for name, _ in model.named_modules() if name]
     if units is None:
-        children: dict[str, list[str]] = {}
-        for name in names:
-            parent, _, last = name.rpartition(".")
-            if last.isdigit():
-                children.setdefault(parent, []).append(name)
-        if not children:
-            raise ValueError(f"{type(model).__name__} has no container of numbered blocks to shard: pass "
-                             "units=['path.of.block', ...] (module paths or globs such as 'layers.*')")
-        return tuple(max(children.values(), key=len))
+        blocks = repeated_blocks(names)
+        if not blocks:
+            raise OptionError(f"{type(model).__name__} has no container of numbered blocks to shard: pass "
+                              "units=['path.of.block', ...] (module paths or globs such as 'layers.*')")
+        return blocks
     if isinstance(units, str):
         units = [units]
     found: dict[str, None] = {}
@@ -149,13 +145,13 @@ def resolve_units(model: nn.Module, units: Sequence[str] | None) -> tuple[str, .
         matched = [n for n in names if len(n.split(".")) == len(parts)
                    and all(fnmatch.fnmatchcase(a, b) for a, b in zip(n.split("."), parts))]
         if not matched:
-            raise ValueError(f"unit {pattern!r} matches no submodule of {type(model).__name__}: name modules as "
-                             "model.named_modules() does, e.g. 'blocks.0' or 'blocks.*'")
+            raise OptionError(f"unit {pattern!r} matches no submodule of {type(model).__name__}: name modules as "
+                              "model.named_modules() does, e.g. 'blocks.0' or 'blocks.*'")
         found.update(dict.fromkeys(matched))
     for a in found:
         for b in found:
             if b.startswith(a + "."):
-                raise ValueError(f"unit {b!r} is inside unit {a!r}: name disjoint modules as units")
+                raise OptionError(f"unit {b!r} is inside unit {a!r}: name disjoint modules as units")
     order = {name: i for i, name in enumerate(names)}
     return tuple(sorted(found, key=order.__getitem__))
 
@@ -246,7 +242,8 @@ def split_at_units(memory: MemoryModel, solution: Solution, budget_bytes: int, d
         if predicted.peak_bytes <= budget_bytes:
             if predicted.plan == solution.plan:
                 return solution
-            status = solution.status if target == budget_bytes else "FEASIBLE"  # optimal for a lower budget only
+            # a plan solved for a lower budget is optimal there only
+            status = solution.status if target == budget_bytes else SolverStatus.FEASIBLE
             return replace(solution, plan=predicted.plan, status=status, recompute_us=predicted.recompute_us)
         target -= predicted.peak_bytes - budget_bytes
         try:
@@ -257,8 +254,8 @@ def split_at_units(memory: MemoryModel, solution: Solution, budget_bytes: int, d
             break
     smallest = simulate(memory, _cut(memory, min_peak(memory, time_limit_s=time_limit_s), unit_nodes))
     if smallest.peak_bytes <= budget_bytes:
-        return Solution(plan=smallest.plan, status="FEASIBLE", recompute_us=smallest.recompute_us, bound_us=0,
-                        solve_time_s=0.0)
+        return Solution(plan=smallest.plan, status=SolverStatus.FEASIBLE, recompute_us=smallest.recompute_us,
+                        bound_us=None, solve_time_s=0.0)
     best = min([*tried, smallest], key=lambda t: t.peak_bytes)
     raise InfeasibleBudget(budget_bytes, best.peak_bytes, best.breakdown)
 

@@ -21,11 +21,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from planner.capture.api import FX_UNITS, capture
+from planner.capture.api import capture
+from planner.capture.method import CaptureMethod
 from planner.distributed.memory import resolve_units
-from planner.errors import InfeasibleBudget, PlannerError
+from planner.errors import InfeasibleBudget, PlanMismatch, PlannerError
 from planner.plan import Plan
-from planner.rewrite.graph import SegmentSpec, rewrite
+from planner.rewrite.graph import rewrite
 
 COLLECTIVES = ("all_gather_single", "all_gather_into_tensor", "reduce_scatter_single", "reduce_scatter_tensor",
                "all_reduce")
@@ -73,7 +74,7 @@ def plan_on_rank0(model: nn.Module, budget: int | str, *, src: int = 0, group: d
 def _portable(exc: Exception) -> tuple:
     """How to raise ``exc`` again on another rank: ``(class, constructor args)``."""
     if isinstance(exc, InfeasibleBudget):  # its args are the message, not the constructor's
-        return InfeasibleBudget, (exc.budget_bytes, exc.min_peak_bytes, exc.breakdown)
+        return InfeasibleBudget, (exc.budget_bytes, exc.min_peak_bytes, exc.breakdown, exc.reason)
     try:
         pickle.loads(pickle.dumps(exc))
         return type(exc), exc.args
@@ -85,17 +86,16 @@ def apply_plan(plan: Plan, model: nn.Module, *, units: Sequence[str] | None = No
     """``plan.apply(model)`` that also rebuilds plans made for FSDP (captured with units as calls).
 
     Raises:
-        ValueError: ``model`` does not trace to the graph the plan was made for.
+        PlanMismatch (a ValueError): ``model`` does not trace to the graph the plan was made for.
     """
-    if plan.capture_method != FX_UNITS:
+    if plan.capture_method != CaptureMethod.FX_UNITS:
         return plan.apply(model, inputs=inputs)
     captured = capture(model, units=frozenset(resolve_units(model, units)))
     if captured.fingerprint != plan.fingerprint:
-        raise ValueError(f"this plan was made for a graph with fingerprint {plan.fingerprint}, but "
-                         f"{type(model).__name__} with these units traces to {captured.fingerprint}: pass the "
-                         "units= the plan was made with, on the same architecture")
-    specs = [SegmentSpec(nodes=s.nodes, restore_buffers=s.restore_buffers) for s in plan.segments]
-    return rewrite(model, captured, specs).module
+        raise PlanMismatch(f"this plan was made for a graph with fingerprint {plan.fingerprint}, but "
+                           f"{type(model).__name__} with these units traces to {captured.fingerprint}: pass the "
+                           "units= the plan was made with, on the same architecture")
+    return rewrite(model, captured, [s.spec() for s in plan.segments]).module
 
 
 def fully_shard_units(module: nn.Module, units: Sequence[str] | None = None, **fully_shard_kwargs: Any) -> nn.Module:

@@ -11,11 +11,13 @@ segment would be recomputed from the modified value.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Mapping
 
 import numpy as np
 
+from planner.capture.scope import path_of, repeated_blocks
+from planner.memory.chains import find_chains
 from planner.profiling.record import Profile
-from planner.capture.scope import path_of
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -32,6 +34,10 @@ class Regions:
     """Chunk ranges ``(first, stop)`` of the calls of the model's repeated blocks, if any."""
     block_paths: tuple[str, ...] = ()
     """Module path of each block (children of the largest container of numbered submodules)."""
+    chains: Mapping[tuple[int, int], tuple[str, ...]] | None = None
+    """For plans run by module hooks: the chunk ranges ``(first, stop)`` that are chains of module
+    calls (``planner.memory.chains``), each with its members' paths; only these may be segments.
+    None: any run of checkpointable chunks may be one (a rewritten graph)."""
 
     @property
     def n_chunks(self) -> int:
@@ -42,6 +48,10 @@ class Regions:
         stop = self.starts[chunk + 1] if chunk + 1 < len(self.starts) else self.end
         return self.starts[chunk], stop
 
+    def allows(self, first: int, stop: int) -> bool:
+        """Whether chunks ``first..stop-1`` may form one checkpointed segment."""
+        return all(self.checkpointable[first:stop]) and (self.chains is None or (first, stop) in self.chains)
+
     def chunk_of(self) -> list[int]:
         """Chunk index of every node (``-1`` for nodes after ``end``)."""
         owner = [-1] * self.end
@@ -51,13 +61,15 @@ class Regions:
         return owner
 
 
-def find_regions(profile: Profile, *, max_chunks: int = 64) -> Regions:
+def find_regions(profile: Profile, *, max_chunks: int = 64, modules: bool = False) -> Regions:
     """Chooses at most ``max_chunks`` chunks for ``profile``'s graph.
 
     Args:
         profile: the profiled step.
         max_chunks: upper bound on the number of chunks (the solver's size grows
             with its square).
+        modules: the plan runs by module hooks: cut only at the edges of chains of module calls,
+            and allow only chains as segments (``Regions.chains``).
     """
     nodes = profile.nodes
     end = next((i for i, n in enumerate(nodes) if not n.checkpointable), len(nodes))
@@ -75,8 +87,12 @@ def find_regions(profile: Profile, *, max_chunks: int = 64) -> Regions:
     block_edges = {b for first, stop in block_nodes for b in (first, stop)}
     # Rank cut positions: block edges, then shallower module boundaries, then, within each block,
     # fewer crossing bytes first; a block's k-th best cut comes before any block's (k+1)-th.
+    found = find_chains(profile, end) if modules else []
+    chain_edges = {b for chain in found for b in (chain.lo, chain.hi)}
     groups: dict[tuple[int, int], list[tuple[int, int]]] = {}
     for b in range(1, end):
+        if modules and b not in chain_edges:
+            continue
         if any(p < b <= m for p, m in mutated_after):
             continue
         depth = -1 if b in block_edges else _common_depth(nodes[b - 1].scope, nodes[b].scope)
@@ -98,12 +114,16 @@ def find_regions(profile: Profile, *, max_chunks: int = 64) -> Regions:
                    if first in index and stop in index)
     if len(blocks) != len(block_nodes):  # a block edge could not be cut (in-place hazard)
         blocks, block_paths = (), ()
-    return Regions(starts=starts, end=end, checkpointable=checkpointable, blocks=blocks, block_paths=block_paths)
+    chains = None
+    if modules:
+        chains = {(index[c.lo], index[c.hi]): c.members for c in found if c.lo in index and c.hi in index}
+    return Regions(starts=starts, end=end, checkpointable=checkpointable, blocks=blocks, block_paths=block_paths,
+                   chains=chains)
 
 
 def find_blocks(profile: Profile, end: int) -> tuple[tuple[str, ...], list[tuple[int, int]]]:
-    """The model's repeated blocks: children ``<container>.<i>`` of the container with the most
-    numbered children called in the graph (``blocks.0``, ``layers.3``, ``transformer.h.11``).
+    """The model's repeated blocks among the modules the graph calls (``scope.repeated_blocks``:
+    ``blocks.0``, ``layers.3``, ``transformer.h.11``).
 
     Returns their paths and node ranges ``[first, stop)``, or nothing when there is no such
     container or its children's calls are not contiguous, disjoint runs of nodes.
@@ -112,17 +132,10 @@ def find_blocks(profile: Profile, end: int) -> tuple[tuple[str, ...], list[tuple
     for i, node in enumerate(profile.nodes[:end]):
         for entry in node.scope:
             calls.setdefault(path_of(entry), []).append(i)
-    children: dict[str, list[str]] = {}
-    for path in calls:
-        parent, _, last = path.rpartition(".")
-        if last.isdigit():
-            children.setdefault(parent, []).append(path)
-    if not children:
+    blocks = repeated_blocks(calls)
+    if len(blocks) < 2:
         return (), []
-    parent = max(children, key=lambda p: (len(children[p]), sum(len(calls[c]) for c in children[p])))
-    if len(children[parent]) < 2:
-        return (), []
-    paths = sorted(children[parent], key=lambda c: calls[c][0])
+    paths = sorted(blocks, key=lambda c: calls[c][0])
     ranges = [(calls[c][0], calls[c][-1] + 1) for c in paths]
     contiguous = all(len(calls[c]) == hi - lo for c, (lo, hi) in zip(paths, ranges))
     disjoint = all(a[1] <= b[0] for a, b in zip(ranges, ranges[1:]))

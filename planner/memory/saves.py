@@ -230,17 +230,3 @@ def rerun_parts(model: MemoryModel, first: int, last: int, stop: int,
             relief[o] = arr
     restored = int(model.restore_bytes[lo:model.regions.bounds(stop - 1)[1]].sum())
     return base, relief, restored
-
-
-def sac_cost_us(model: MemoryModel, plan: ChunkPlan, saves: Saves) -> int:
-    """Time selective checkpointing's dispatch modes add to the segments that save something, us."""
-    if not saves or not len(model.sac_chunk_us):
-        return 0
-    seg = segment_of(model, plan)
-    using = {int(seg[o]) for o in saves}
-    return int(sum(int(model.sac_chunk_us[first:stop].sum()) for i, (first, stop) in enumerate(plan) if i in using))
-
-
-def saved_cost_us(model: MemoryModel, saves: Saves) -> int:
-    """Forward time the saves spare the re-runs, microseconds."""
-    return int(sum(int(model.node_cost_us[o]) for o in saves))

@@ -22,13 +22,14 @@ forward allocation of one of the re-run nodes.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Iterable
 
 import numpy as np
 
 from planner.profiling.record import Profile
 from planner.memory.regions import Regions
-from planner.memory.saves import (NEVER, Saves, bump_relief, check_saves, kept_by_saves, rerun_parts, sac_cost_us,
-                           saved_cost_us)
+from planner.memory.breakdown import PeakBreakdown
+from planner.memory.saves import NEVER, Saves, bump_relief, check_saves, kept_by_saves, rerun_parts
 
 ChunkPlan = tuple[tuple[int, int], ...]
 """Checkpointed segments as ``(first_chunk, stop_chunk)`` pairs, in order."""
@@ -94,7 +95,7 @@ class MemoryModel:
     """Forward time of each node, microseconds (what a save spares a re-run)."""
     sac_chunk_us: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     """Per chunk: time selective checkpointing's dispatch modes add when the chunk is in a segment with
-    saves (forward and re-run), microseconds (``planner.sac.dispatch_overhead_us`` per ATen op)."""
+    saves (forward and re-run), microseconds (``sac_op_us`` of ``build_model`` per ATen op)."""
 
     @property
     def n_nodes(self) -> int:
@@ -126,8 +127,8 @@ class Timeline:
     peak_node: int
     recompute_us: int
     """Forward time re-run in backward, microseconds."""
-    breakdown: dict[str, int] = field(default_factory=dict)
-    """What the peak is made of, bytes per component."""
+    breakdown: PeakBreakdown
+    """What the peak is made of."""
     largest_kept: tuple[tuple[str, int, str], ...] = ()
     """Largest activations kept alive at the peak: (producing node, bytes, why it stays)."""
     saves: Saves = frozenset()
@@ -139,8 +140,9 @@ def build_model(profile: Profile, regions: Regions, *, offset=None, sac_op_us: f
 
     ``offset`` (``planner.distributed.MemoryOffset``): plan-independent bytes added per node to
     the forward and backward constants, and the resident parameter bytes (one rank of a job).
-    ``sac_op_us``: time selective checkpointing adds per ATen op of a segment with saves (a node of
-    unknown op count counts as one op when it reads tensors)."""
+    ``sac_op_us``: time selective checkpointing adds per ATen op of a segment with saves, microseconds
+    (``planner.profiling.devices.sac_op_cost`` decides it; a node of unknown op count counts as one op
+    when it reads tensors)."""
     nodes = profile.nodes
     n = len(nodes)
     chunk_of = regions.chunk_of() + [-1] * (n - regions.end)
@@ -199,6 +201,7 @@ def build_model(profile: Profile, regions: Regions, *, offset=None, sac_op_us: f
         const_recompute = const_recompute + np.where(recompute_at >= 0, offset.bwd_bytes[recompute_at], 0)
     rise = np.array([nd.fwd_peak_bytes - nd.fwd_start_bytes for nd in nodes], dtype=np.int64)
     fwd_us = np.array([round(nd.fwd_ms * 1000) for nd in nodes], dtype=np.int64)
+    ops = [nd.aten_ops if nd.aten_ops is not None else int(bool(nd.inputs)) for nd in nodes]
     chunk_cost = np.array([fwd_us[slice(*regions.bounds(k))].sum() for k in range(regions.n_chunks)], dtype=np.int64)
     return MemoryModel(
         regions=regions, node_names=tuple(nd.name for nd in nodes), size=size, producer=producer,
@@ -212,9 +215,8 @@ def build_model(profile: Profile, regions: Regions, *, offset=None, sac_op_us: f
         recompute_at=recompute_at, const_recompute=const_recompute, fwd_rise=rise,
         restore_bytes=np.array([nd.mutated_buffer_bytes for nd in nodes], dtype=np.int64),
         chunk_cost_us=chunk_cost, segment_cost_us=round(profile.checkpoint_overhead_ms * 1000), node_cost_us=fwd_us,
-        sac_chunk_us=np.array([round(sac_op_us * sum(nd.aten_ops if nd.aten_ops >= 0 else int(bool(nd.inputs))
-                                                     for nd in nodes[slice(*regions.bounds(k))]))
-                               for k in range(regions.n_chunks)], dtype=np.int64),
+        sac_chunk_us=np.array([round(sac_op_us * sum(ops[slice(*regions.bounds(k))])) for k in range(regions.n_chunks)],
+                              dtype=np.int64),
         step_us=max(1, round(profile.step_ms * 1000)),
         param_bytes=profile.param_bytes if offset is None else offset.param_bytes,
     )
@@ -234,8 +236,9 @@ def check_plan(model: MemoryModel, plan: ChunkPlan) -> None:
     for first, stop in plan:
         if not previous <= first < stop <= model.n_chunks:
             raise ValueError(f"segment {(first, stop)} is out of order or out of range 0..{model.n_chunks}")
-        if not all(model.regions.checkpointable[first:stop]):
-            raise ValueError(f"segment {(first, stop)} contains a chunk that cannot be checkpointed")
+        if not model.regions.allows(first, stop):
+            raise ValueError(f"segment {(first, stop)} contains a chunk that cannot be checkpointed, or is not a "
+                             "chain of module calls")
         previous = stop
 
 
@@ -284,22 +287,31 @@ def simulate(model: MemoryModel, plan: ChunkPlan, saves: Saves = frozenset()) ->
         alive = kept & (release <= node)
         live_kept, bump = int(kept_bwd[node]), int(recomputed[node])
     largest = sorted(np.flatnonzero(alive & (model.size > 0)), key=lambda s: -model.size[s])[:3]
-    cost = sum(int(model.chunk_cost_us[first:stop].sum()) + model.segment_cost_us for first, stop in plan)
-    cost -= saved_cost_us(model, saves)
-    cost += sac_cost_us(model, plan, saves)
     return Timeline(
         plan=tuple(plan), fwd_bytes=fwd, bwd_bytes=bwd, peak_bytes=peak, peak_phase=phase, peak_node=node,
-        recompute_us=cost,
-        breakdown={
-            "parameters and buffers": model.param_bytes,
-            "kept activations": live_kept,
-            "recomputed activations": bump,
-            "gradients, inputs and workspace": peak - model.param_bytes - live_kept - bump,
-        },
+        recompute_us=sum(segment_recompute_us(model, first, stop, saves) for first, stop in plan),
+        breakdown=PeakBreakdown(parameters_bytes=model.param_bytes, kept_activations_bytes=live_kept,
+                                recomputed_activations_bytes=bump,
+                                gradients_inputs_workspace_bytes=peak - model.param_bytes - live_kept - bump),
         largest_kept=tuple((model.node_names[model.producer[s]], int(model.size[s]),
                             _why_kept(model, plan, s, saves)) for s in largest),
         saves=saves,
     )
+
+
+def segment_recompute_us(model: MemoryModel, first: int, stop: int, saves: Iterable[int] = ()) -> int:
+    """Recompute time of one checkpointed segment (chunks ``[first, stop)``), microseconds: its forward
+    time plus the checkpoint call; when it keeps some of ``saves`` (selective checkpointing; other
+    segments' saves are ignored), minus those nodes' forward time plus SAC's dispatch charge over it.
+    Every strategy and report counts a segment's cost with this (CP-SAT's objective encodes it)."""
+    cost = int(model.chunk_cost_us[first:stop].sum()) + model.segment_cost_us
+    if not saves:
+        return cost
+    lo, hi = model.regions.starts[first], model.regions.bounds(stop - 1)[1]
+    mine = [o for o in saves if lo <= o < hi]
+    if mine:
+        cost += int(model.sac_chunk_us[first:stop].sum()) - sum(int(model.node_cost_us[o]) for o in mine)
+    return cost
 
 
 def _why_kept(model: MemoryModel, plan: ChunkPlan, s: int, saves: Saves = frozenset()) -> str:

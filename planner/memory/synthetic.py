@@ -161,6 +161,8 @@ def all_plans(model: MemoryModel) -> list[ChunkPlan]:
         for stop in range(k + 1, k_max + 1):
             if not ok[stop - 1]:
                 break
+            if not model.regions.allows(k, stop):
+                continue
             plans.extend(((k, stop),) + rest for rest in extend(stop))
         return plans
 

@@ -12,11 +12,12 @@ from typing import Mapping
 import torch
 from torch import nn
 
+from planner.capture.cache import no_cache
 from planner.capture.api import Captured, capture
 from planner.capture.inputs import Inputs, as_inputs
 from planner.profiling.record import Profile
 from planner.profiling.devices import DeviceSpec, device_names, is_device_spec, load_device
-from planner.errors import ProfileMismatch
+from planner.errors import InputError, OptionError, ProfileMismatch
 from planner.profiling.memory_pass import profile as measure
 from planner.profiling.meta import estimate, to_meta
 from planner.step import LossFn
@@ -25,7 +26,7 @@ Device = str | torch.device | None
 
 
 def profile(model: nn.Module, *, inputs: tuple | Mapping | torch.Tensor | None = None,
-            loss_fn: LossFn | None = None, device: Device = None) -> Profile:
+            loss_fn: LossFn | None = None, device: Device = None, keep_output: bool = True) -> Profile:
     """Profiles one training step of ``model``: what each node costs in time and memory.
 
     Args:
@@ -36,6 +37,8 @@ def profile(model: nn.Module, *, inputs: tuple | Mapping | torch.Tensor | None =
             of a device spec (``"h100"``, see ``planner.device_names()``) or a spec file to
             estimate the step for that device from meta tensors and a roofline, allocating nothing.
             A model on the meta device needs a spec.
+        keep_output: the loop keeps the output referenced through backward (False: dropped before
+            it, as Hugging Face Trainer does; see ``optimize``).
 
     Returns:
         The ``Profile``; ``prof.save(path)`` writes it, ``load_profile(path)`` reads it back and
@@ -46,27 +49,31 @@ def profile(model: nn.Module, *, inputs: tuple | Mapping | torch.Tensor | None =
         >>> prof.save("profiles/mymodel-h100.json")                 # doctest: +SKIP
     """
     example = as_inputs(model, inputs)
-    captured = capture(model, capture_inputs(model, example))
-    return profile_for(captured, model, example, loss_fn=loss_fn, device=device)
+    with no_cache(model):  # use_cache=False in training calls, as in a plan
+        captured = capture(model, capture_inputs(model, example))
+        return profile_for(captured, model, example, loss_fn=loss_fn, device=device, keep_output=keep_output)
 
 
 def profile_for(captured: Captured, model: nn.Module, example: Inputs, *, loss_fn: LossFn | None = None,
-                device: Device = None, saved: Profile | None = None) -> Profile:
+                device: Device = None, saved: Profile | None = None, keep_output: bool = True) -> Profile:
     """The profile to plan ``captured`` with: ``saved`` once checked against it, else measured
     where the model is (``device`` None) or estimated for the device spec ``device``."""
     if saved is not None:
         if not isinstance(saved, Profile):
-            raise TypeError(f"profile= takes a planner.Profile (from planner.profiling.memory_pass or planner.load_profile), "
-                            f"not {type(saved).__name__}")
+            raise InputError(f"profile= takes a planner.Profile (from planner.profile or planner.load_profile), "
+                             f"not {type(saved).__name__}")
         if device is not None:
-            raise ValueError(f"pass profile= or device=, not both: the profile already says its device "
-                             f"({saved.device})")
+            raise OptionError(f"pass profile= or device=, not both: the profile already says its device "
+                              f"({saved.device})")
         check_profile(saved, captured, example)
+        if saved.keep_output != keep_output:
+            raise OptionError(f"this profile was measured with keep_output={saved.keep_output}; plan with the same "
+                              f"(keep_output={saved.keep_output}) or profile again")
         return saved
     spec = resolve_device(model, device)
     if spec is None:
-        return measure(captured, model, example, loss_fn=loss_fn)
-    return estimate(captured, model, example, spec=spec, loss_fn=loss_fn)
+        return measure(captured, model, example, loss_fn=loss_fn, keep_output=keep_output)
+    return estimate(captured, model, example, spec=spec, loss_fn=loss_fn, keep_output=keep_output)
 
 
 def is_meta_model(model: nn.Module) -> bool:
@@ -85,26 +92,26 @@ def resolve_device(model: nn.Module, device: Device) -> DeviceSpec | None:
     """The device spec to estimate for, or None to measure where the model is.
 
     Raises:
-        ValueError: a meta model without a spec, a torch device the model is not on, or an
+        OptionError (a ValueError): a meta model without a spec, a torch device the model is not on, or an
             unknown name.
     """
     known = ", ".join(device_names())
     if device is None:
         if is_meta_model(model):
-            raise ValueError(f"the model is on the meta device, so it cannot be run here: pass device= with a "
-                             f"device spec to estimate for ({known})")
+            raise OptionError(f"the model is on the meta device, so it cannot be run here: pass device= with a "
+                              f"device spec to estimate for ({known})")
         return None
     if is_device_spec(device):
         return load_device(device)
     try:
         wanted = torch.device(device)
     except (RuntimeError, TypeError):
-        return load_device(str(device))  # raises ValueError listing the known specs
+        return load_device(str(device))  # raises OptionError listing the known specs
     here = next((t.device for t in model.parameters()), torch.device("cpu"))
     if wanted.type != here.type or (wanted.index is not None and wanted != here):
-        raise ValueError(f"device={str(device)!r} but the model is on {here}: to measure there, move the model "
-                         f"and inputs with .to({str(device)!r}); to estimate for a device that is not here, "
-                         f"name its spec ({known})")
+        raise OptionError(f"device={str(device)!r} but the model is on {here}: to measure there, move the model "
+                          f"and inputs with .to({str(device)!r}); to estimate for a device that is not here, "
+                          f"name its spec ({known})")
     return None
 
 
@@ -113,7 +120,8 @@ def check_profile(prof: Profile, captured: Captured, example: Inputs) -> None:
     differences = []
     if prof.fingerprint != captured.fingerprint:
         how = "" if prof.capture_method == captured.method else \
-            f" (captured with {prof.capture_method or 'an unknown method'}, now with {captured.method})"
+            f" (captured with {prof.capture_method.label if prof.capture_method else 'an unknown method'}, " \
+            f"now with {captured.method.label})"
         differences.append(f"graph fingerprint {prof.fingerprint or '(none)'} vs {captured.fingerprint} of this "
                            f"model{how}: another architecture or configuration")
     given = example.describe()

@@ -8,16 +8,20 @@ profiles measured on real devices (docs/profiles.md). Torch-free.
 
 from __future__ import annotations
 
+import enum
 import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from planner.errors import ProfileFileError
+from planner.errors import OptionError, ProfileFileError
+from planner.profiling.record import Profile
 
 SPEC_DIR = Path(__file__).resolve().parent / "device_specs"
 """Where the bundled device specs live."""
 SPEC_SCHEMA = "ckplan.device"
 SPEC_VERSION = 1
+_OPTIONAL = ("sac_op_us",)
+"""Spec file keys that may be absent (files written before them)."""
 MATMUL_DTYPES = ("float64", "float32", "tf32", "bfloat16", "float16", "float8")
 """Keys of ``peak_dense_tflops``: the precision a matmul or convolution computes in."""
 
@@ -44,6 +48,9 @@ class DeviceSpec:
     """Fixed cost of one ``torch.utils.checkpoint`` call, microseconds (a modelling constant)."""
     source: str
     """Where the numbers come from (datasheet and column)."""
+    sac_op_us: float | None = None
+    """What selective checkpointing's dispatch modes add per ATen op of a segment, microseconds (a
+    modelling constant, see ``overhead_source``); None in spec files that do not give it."""
 
     def flops_per_s(self, precision: str) -> float:
         """Peak FLOP/s of a matmul in ``precision``; float32's when the device has no faster unit for it."""
@@ -69,7 +76,7 @@ def load_device(device: str | Path) -> DeviceSpec:
     """The spec named ``device`` (``h100``...) or stored in the JSON file at path ``device``.
 
     Raises:
-        ValueError: an unknown name (the message lists the known ones).
+        OptionError (a ValueError): an unknown name (the message lists the known ones).
         ProfileFileError: a spec file that is missing, not JSON or lacks a field.
     """
     text = str(device)
@@ -78,8 +85,8 @@ def load_device(device: str | Path) -> DeviceSpec:
     elif text in device_names():
         path = SPEC_DIR / f"{text}.json"
     else:
-        raise ValueError(f"unknown device {text!r}: use one of {', '.join(device_names())}, a device spec "
-                         "file (.json, see docs/profiles.md), or leave device unset to measure where the model is")
+        raise OptionError(f"unknown device {text!r}: use one of {', '.join(device_names())}, a device spec "
+                          "file (.json, see docs/profiles.md), or leave device unset to measure where the model is")
     try:
         data = json.loads(path.read_text())
     except OSError as exc:
@@ -90,10 +97,60 @@ def load_device(device: str | Path) -> DeviceSpec:
         raise ProfileFileError(f"{path} is not a ckplan device spec (expected schema {SPEC_SCHEMA!r} "
                                f"version {SPEC_VERSION}); see docs/profiles.md")
     try:
-        spec = DeviceSpec(**{k: data[k] for k in DeviceSpec.__dataclass_fields__})
+        spec = DeviceSpec(**{k: data[k] for k in DeviceSpec.__dataclass_fields__ if k in data or k not in _OPTIONAL})
     except KeyError as exc:
         raise ProfileFileError(f"device spec {path} lacks the field {exc.args[0]!r}; see docs/profiles.md") from None
     if "float32" not in spec.peak_dense_tflops or spec.memory_bandwidth_gb_per_s <= 0:
         raise ProfileFileError(f"device spec {path} needs a float32 rate in peak_dense_tflops and a positive "
                                "memory_bandwidth_gb_per_s")
     return spec
+
+
+DEFAULT_SAC_OP_US = 44.0
+"""SAC's per-op cost when neither the profile nor a device spec gives one, microseconds: what the
+profile measured on the GPT and ResNet examples on the project's 2-core CPU (docs/selective.md).
+It is charged only to segments that keep op outputs, so a high value errs towards whole segments."""
+
+
+class SacCostSource(str, enum.Enum):
+    """Where the per-op SAC cost a plan was made with comes from (``Plan.sac_cost_source``)."""
+
+    MEASURED = "measured"
+    """Measured on the model when it was profiled (``Profile.sac_op_us``)."""
+    DEVICE_SPEC = "device_spec"
+    """The device spec's modelling constant (estimated profiles, or a profile that could not measure it)."""
+    DEFAULT = "default"
+    """``DEFAULT_SAC_OP_US``: neither the profile nor a device spec gives it."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    @property
+    def label(self) -> str:
+        """How ``--explain`` says it."""
+        return {"measured": "measured on the model", "device_spec": "the device spec's estimate",
+                "default": "ckplan's default (not measured)"}[self.value]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SacCost:
+    """The per-op SAC cost to plan with, and its provenance."""
+
+    op_us: float
+    """Time SAC's dispatch modes add per ATen op of a segment that keeps op outputs, microseconds."""
+    source: SacCostSource
+    """Where ``op_us`` comes from."""
+
+
+def sac_op_cost(profile: Profile, spec: DeviceSpec | None = None) -> SacCost:
+    """The one place that decides SAC's per-op cost for planning: the profile's measurement when it has
+    one (made on the device it describes), else the device spec's (``spec``, or the bundled spec the
+    profile was estimated for), else ``DEFAULT_SAC_OP_US``. Nothing is measured on the machine doing the
+    planning, so a profile gives the same plans everywhere."""
+    if profile.sac_op_us is not None:
+        return SacCost(op_us=profile.sac_op_us, source=SacCostSource.MEASURED)
+    if spec is None and profile.estimated_for in device_names():
+        spec = load_device(profile.estimated_for)
+    if spec is not None and spec.sac_op_us is not None:
+        return SacCost(op_us=spec.sac_op_us, source=SacCostSource.DEVICE_SPEC)
+    return SacCost(op_us=DEFAULT_SAC_OP_US, source=SacCostSource.DEFAULT)

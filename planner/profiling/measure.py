@@ -31,11 +31,13 @@ class Measurement:
     """Median wall time of a step (forward, loss, backward), ms."""
 
 
-def measure_peak(module: nn.Module, inputs: Inputs, loss_fn: Callable[[Any], torch.Tensor] | None = None) -> int:
+def measure_peak(module: nn.Module, inputs: Inputs, loss_fn: Callable[[Any], torch.Tensor] | None = None, *,
+                 keep_output: bool = True) -> int:
     """Peak bytes of one training step, starting with no gradients allocated.
 
     The step is ``output = module(*inputs); backward(loss_fn(output))`` with ``output``
-    referenced until backward ends, as in the usual training loop."""
+    referenced until backward ends, as in the usual training loop; with ``keep_output=False`` it
+    is dropped before backward, as Hugging Face Trainer's ``compute_loss`` does."""
     loss_fn = loss_fn or default_loss
     device = next(module.parameters()).device
     with untouched(module):
@@ -43,7 +45,11 @@ def measure_peak(module: nn.Module, inputs: Inputs, loss_fn: Callable[[Any], tor
             torch.cuda.synchronize(device)
             torch.cuda.reset_peak_memory_stats(device)
             output = module(*inputs.args, **inputs.kwargs)  # kept alive through backward, as a training loop does
-            backward(loss_fn(output))
+            loss = loss_fn(output)
+            if not keep_output:
+                output = None
+            backward(loss)
+            del loss
             torch.cuda.synchronize(device)
             return torch.cuda.max_memory_allocated(device)
         tracker = LiveStorages(device)
@@ -52,7 +58,11 @@ def measure_peak(module: nn.Module, inputs: Inputs, loss_fn: Callable[[Any], tor
                 tracker.track(t)
         with tracker:
             output = module(*inputs.args, **inputs.kwargs)  # kept alive through backward, as a training loop does
-            backward(loss_fn(output))
+            loss = loss_fn(output)
+            if not keep_output:
+                output = None
+            backward(loss)
+            del loss
         del output
         return tracker.peak_bytes
 

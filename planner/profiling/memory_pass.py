@@ -20,7 +20,8 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 from torch.utils._python_dispatch import _disable_current_modes
 
-from planner.capture.api import FX, Captured, target_text
+from planner.capture.api import Captured, target_text
+from planner.capture.method import CaptureMethod
 from planner.capture.scope import SCOPE_KEY, call_module_path
 from planner.capture.inputs import Inputs
 from planner.profiling.record import LOSS_NODE, NodeCost, Profile, StorageCost
@@ -28,7 +29,7 @@ from planner.errors import ProfileError
 from planner.profiling.memtrack import LiveStorages, storage_key
 from planner.profiling.eager import eager_excess, eager_forward_trace
 from planner.profiling.runner import StepRunner
-from planner.profiling.timing import Timer, checkpoint_overhead_ms, sac_op_overhead_us, time_plain_steps
+from planner.profiling.timing import Timer, checkpoint_overhead_ms, measure_sac_op_us, time_plain_steps
 from planner.step import LossFn, default_loss, sync, untouched
 
 
@@ -41,7 +42,8 @@ class StepTimes:
     step_fwd_ms: float
     step_bwd_ms: float
     checkpoint_overhead_ms: float
-    sac_op_us: float = -1.0
+    sac_op_us: float | None = None
+    """Per-op cost of SAC's dispatch modes, us; None when not measured (estimates)."""
 
 
 def profile(
@@ -51,6 +53,7 @@ def profile(
     *,
     loss_fn: LossFn | None = None,
     timing_runs: int = 3,
+    keep_output: bool = True,
 ) -> Profile:
     """Profiles one training step of ``captured`` (a trace of ``model``) where the model is.
 
@@ -60,6 +63,7 @@ def profile(
         inputs: example inputs.
         loss_fn: ``output -> scalar``; default ``default_loss``.
         timing_runs: how many timed steps the per-node times are the median of.
+        keep_output: the output stays referenced through backward (False: dropped before it).
 
     Returns:
         The step's ``Profile``.
@@ -72,7 +76,7 @@ def profile(
     device = _device_of(model, inputs)
     check_trainable(model)
     with untouched(model):
-        recorder = MemoryRecorder(captured.graph_module, model, device)
+        recorder = MemoryRecorder(captured.graph_module, model, device, keep_output=keep_output)
         recorder.step(inputs, loss_fn)
         excess = eager_excess_of(recorder, captured, model, inputs)
         timer = Timer(captured.graph_module, device)
@@ -84,7 +88,7 @@ def profile(
                           bwd_ms=[timer.bwd_ms(i) for i in range(len(recorder.records))],
                           step_fwd_ms=step_fwd, step_bwd_ms=step_bwd,
                           checkpoint_overhead_ms=checkpoint_overhead_ms(device),
-                          sac_op_us=sac_op_overhead_us(captured.graph_module, inputs, loss_fn, device, ops))
+                          sac_op_us=measure_sac_op_us(captured.graph_module, inputs, loss_fn, device, ops))
     return assemble(recorder, captured, model, inputs, times=times, excess=excess, device=str(device))
 
 
@@ -99,9 +103,10 @@ def check_trainable(model: nn.Module) -> None:
 
 def eager_excess_of(recorder: "MemoryRecorder", captured: Captured, model: nn.Module,
                     inputs: Inputs) -> list[int] | None:
-    """Per node, what the model's own forward keeps alive beyond the traced graph (fx captures only:
-    the planned module calls the user's modules outside segments)."""
-    if captured.method != FX:
+    """Per node, what the model's own forward keeps alive beyond the traced graph: the planned module
+    calls the user's modules (outside segments for fx plans, everywhere for plans run by module hooks).
+    Not for exported (meta) graphs, whose models do not run."""
+    if captured.method not in (CaptureMethod.FX, CaptureMethod.ATEN):
         return None
     return eager_excess(recorder.forward_trace(), eager_forward_trace(model, inputs, recorder.device),
                         [rec["ops"] for rec in recorder.records])
@@ -138,6 +143,7 @@ def assemble(recorder: "MemoryRecorder", captured: Captured, model: nn.Module, i
         step_bwd_ms=times.step_bwd_ms,
         checkpoint_overhead_ms=times.checkpoint_overhead_ms, sac_op_us=times.sac_op_us,
         baseline_peak_bytes=recorder.tracker.peak_bytes,
+        keep_output=recorder.keep_output,
         fingerprint=captured.fingerprint,
         capture_method=captured.method,
         estimated_for=estimated_for,
@@ -165,8 +171,8 @@ class MemoryRecorder(StepRunner):
     """One instrumented step: storages, saved tensors, mutations and per-node peaks."""
 
     def __init__(self, gm: fx.GraphModule, model: nn.Module, device: torch.device,
-                 op_ms: Callable[[Any, tuple, Any], float] | None = None) -> None:
-        super().__init__(gm, device)
+                 op_ms: Callable[[Any, tuple, Any], float] | None = None, *, keep_output: bool = True) -> None:
+        super().__init__(gm, device, keep_output=keep_output)
         self.model = model
         self.op_ms = op_ms
         """Optional ``(func, args, out) -> ms`` estimate of each op (the roofline on meta tensors)."""

@@ -32,7 +32,7 @@ META = torch.device("meta")
 
 
 def estimate(captured: Captured, model: nn.Module, inputs: Inputs, *, spec: DeviceSpec,
-             loss_fn: LossFn | None = None) -> Profile:
+             loss_fn: LossFn | None = None, keep_output: bool = True) -> Profile:
     """The profile of one training step of ``captured`` on the device ``spec`` describes.
 
     Memory is the meta-tensor replay of the step; times are roofline estimates. The model
@@ -47,7 +47,7 @@ def estimate(captured: Captured, model: nn.Module, inputs: Inputs, *, spec: Devi
     roofline = Roofline(spec)
     with untouched(model), on_meta(captured.graph_module, model), FlashAttention(), StrayTensorsToMeta():
         example = Inputs(args=tree_map(to_meta, inputs.args), kwargs=tree_map(to_meta, inputs.kwargs))
-        recorder = MemoryRecorder(captured.graph_module, model, META, op_ms=roofline.op_ms)
+        recorder = MemoryRecorder(captured.graph_module, model, META, op_ms=roofline.op_ms, keep_output=keep_output)
         recorder.step(example, loss_fn)
         excess = eager_excess_of(recorder, captured, model, example)
         count = len(recorder.records)

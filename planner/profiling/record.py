@@ -17,6 +17,7 @@ from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from planner.capture.method import CaptureMethod
 from planner.errors import ProfileFileError
 
 LOSS_NODE = "loss"
@@ -78,9 +79,9 @@ class NodeCost:
     """Extra bytes the model's own forward keeps alive during this node (Python locals)."""
     checkpointable: bool = True
     """False for nodes that can never be inside a segment (the loss)."""
-    aten_ops: int = -1
+    aten_ops: int | None = None
     """ATen ops its forward dispatches, views included (each costs selective checkpointing's dispatch
-    modes a Python call); -1 when unknown (profiles saved before this field)."""
+    modes a Python call); None when unknown (profiles saved before this field)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -106,15 +107,19 @@ class Profile:
     """Backward time of a whole un-instrumented step, ms."""
     baseline_peak_bytes: int = field(default=0)
     """Peak live bytes of the profiled un-checkpointed step."""
+    keep_output: bool = True
+    """Whether the profiled step kept the model's output referenced through backward (a plain loop:
+    ``out = model(x); loss_fn(out).backward()``) or dropped it first (Hugging Face Trainer)."""
     checkpoint_overhead_ms: float = field(default=0.0)
     """Time one ``checkpoint`` call adds beyond re-running its ops (holders, RNG state), ms."""
-    sac_op_us: float = field(default=-1.0)
+    sac_op_us: float | None = None
     """Time selective checkpointing's dispatch modes add per ATen op of this graph (forward and
-    re-run), measured on it; -1 when not measured (estimated or older profiles)."""
+    re-run), measured on it, microseconds; None when not measured (estimated profiles, autocast,
+    older files): the planner then takes it from the device spec (``devices.sac_op_cost``)."""
     fingerprint: str = ""
     """Structure hash of the captured graph (``Captured.fingerprint``) the nodes belong to."""
-    capture_method: str = ""
-    """How that graph was captured (``torch.fx.symbolic_trace``, ``torch.export (non-strict)``...)."""
+    capture_method: CaptureMethod | None = None
+    """How that graph was captured; None when unknown (hand-made profiles)."""
     estimated_for: str = ""
     """Name of the device spec whose roofline gave the times, with memory from meta tensors;
     ``""`` when the step was measured on ``device``."""
@@ -147,7 +152,8 @@ def profile_to_dict(prof: Profile) -> dict[str, Any]:
     for f in fields(Profile):
         if f.name not in ("nodes", "storages"):
             value = getattr(prof, f.name)
-            data[f.name] = list(value) if isinstance(value, tuple) else value
+            data[f.name] = list(value) if isinstance(value, tuple) else value.value if isinstance(
+                value, CaptureMethod) else value
     data["storages"] = [asdict(s) for s in prof.storages]
     data["nodes"] = [{k: list(v) if isinstance(v, tuple) else v for k, v in asdict(n).items()} for n in prof.nodes]
     return data
@@ -196,6 +202,7 @@ def profile_from_dict(data: Any, *, source: str = "profile") -> Profile:
         run = {f.name: data[f.name] for f in fields(Profile) if f.name not in ("nodes", "storages")
                and (f.name in data or _required(f))}
         run["input_shapes"] = tuple(run["input_shapes"])
+        run.update(_legacy_run(run))
         prof = Profile(nodes=nodes, storages=storages, **run)
     except KeyError as exc:
         raise ProfileFileError(f"{source} lacks the field {exc.args[0]!r}; the file is incomplete or was "
@@ -217,7 +224,21 @@ def _record(cls, raw: dict) -> Any:
     missing = [f.name for f in fields(cls) if _required(f) and f.name not in raw]
     if missing:
         raise KeyError(f"{cls.__name__}.{missing[0]}")
-    return cls(**{k: tuple(v) if k in _TUPLE_FIELDS else v for k, v in raw.items() if k in known})
+    values = {k: tuple(v) if k in _TUPLE_FIELDS else v for k, v in raw.items() if k in known}
+    if values.get("aten_ops", 0) is not None and values.get("aten_ops", 0) < 0:  # files before None: -1
+        values["aten_ops"] = None
+    return cls(**values)
+
+
+def _legacy_run(run: dict) -> dict:
+    """Run-level fields as this version holds them, from files that wrote older forms: ``sac_op_us``
+    -1 for "not measured" (now None), ``capture_method`` as a sentence or ``""`` (now the enum or None)."""
+    out = {}
+    if run.get("sac_op_us") is not None and run["sac_op_us"] < 0:
+        out["sac_op_us"] = None
+    if "capture_method" in run:
+        out["capture_method"] = CaptureMethod.parse(run["capture_method"]) if run["capture_method"] else None
+    return out
 
 
 def _check_indices(prof: Profile, source: str) -> None:

@@ -62,9 +62,12 @@ class StepRunner(fx.Interpreter):
     """Runs graph + loss + backward, calling ``around_node`` for each node's forward
     and ``on_backward(index, phase)`` around each node's autograd nodes."""
 
-    def __init__(self, gm: fx.GraphModule, device: torch.device) -> None:
+    def __init__(self, gm: fx.GraphModule, device: torch.device, *, keep_output: bool = True) -> None:
         super().__init__(gm)
         self.device = device
+        self.keep_output = keep_output
+        """Whether the step's output stays referenced through backward (a plain loop) or is dropped
+        before it (Hugging Face Trainer's ``compute_loss``)."""
         self.index = {n: i for i, n in enumerate(n for n in gm.graph.nodes if n.op not in ("placeholder", "output"))}
         self.loss_index = len(self.index)
         self._seen: set = set()
@@ -76,6 +79,9 @@ class StepRunner(fx.Interpreter):
             output = self._run_pytree(inputs) if self._specs() else (
                 self.run(*inputs.args) if not inputs.kwargs else self._run_kwargs(inputs))
             loss = self._loss(output, loss_fn)
+            if not self.keep_output:
+                del output
+                self.env = {}  # fx.Interpreter keeps the output node's value
             self.before_backward()
             backward(loss)
             sync(self.device)

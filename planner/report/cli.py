@@ -4,8 +4,10 @@ The model file defines module-level ``model`` (an nn.Module or a zero-argument
 callable returning one), ``inputs`` (tuple or dict of tensors, or a callable
 returning one) and optionally ``loss_fn(output) -> scalar``. This module parses
 the command line, runs the file, calls ``optimize()`` and turns every user
-mistake into one line and exit code 2; ``cli_report.py`` renders the results.
-Exit codes: 0 success, 2 user error, 3 infeasible budget (docs/cli.md).
+mistake (a ``PlannerError`` or a ``UserError``) into one line and exit code 2;
+any other exception is a bug in ckplan: one line, exit code 1, the traceback
+with ``--debug``. ``render.py`` renders the results.
+Exit codes: 0 success, 1 internal error, 2 user error, 3 infeasible budget (docs/cli.md).
 """
 
 from __future__ import annotations
@@ -27,9 +29,9 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from planner.report import render as cli_report
-from planner.budget import ACCEPTED_FORMS, parse_budget
+from planner.budget import ACCEPTED_FORMS, check_budget
 from planner.capture.inputs import as_inputs
-from planner.errors import InfeasibleBudget, PlannerError
+from planner.errors import BudgetError, InfeasibleBudget, InputError, PlannerError
 from planner.profiling.measure import measure_peak, step_times_ms
 from planner.pipeline import optimize
 from planner.plan import Plan
@@ -75,7 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="ckplan",
         description="Plan activation checkpointing so one training step of a PyTorch model fits a memory budget.",
-        epilog="exit codes: 0 success, 2 user error, 3 infeasible budget. Full reference: docs/cli.md",
+        epilog="exit codes: 0 success, 1 internal error (a bug in ckplan), 2 user error, 3 infeasible budget. "
+               "Full reference: docs/cli.md",
     )
     p.add_argument("model_file", help="Python file defining `model`, `inputs` and optionally `loss_fn`")
     p.add_argument("--budget", type=_budget, default="75%",
@@ -91,6 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="data-parallel engine the budget is per rank of (default: fsdp when --world-size > 1)")
     p.add_argument("--max-chunks", type=_chunks, default=64, metavar="N",
                    help="most cut positions for segments: more give finer plans, slower solves (default: 64)")
+    p.add_argument("--drop-output", action="store_true",
+                   help="the training loop drops the model's output before backward, as Hugging Face Trainer "
+                        "does (default: a plain loop that keeps it; docs/huggingface.md)")
     p.add_argument("--whole-segments", action="store_true",
                    help="re-run whole segments (no op-level saves inside them; docs/selective.md)")
     p.add_argument("--must-save", action="append", default=[], metavar="PATTERN",
@@ -120,8 +126,8 @@ def _budget(text: str) -> int | str:
     """A budget as the API takes it: digits (``4000000000``, ``4_000_000_000``) are bytes."""
     value: int | str = int(text) if re.fullmatch(r"\s*\d[\d_]*\s*", text) else text
     try:
-        parse_budget(value, baseline_peak_bytes=1)
-    except ValueError as exc:
+        check_budget(value)
+    except BudgetError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
     return value
 
@@ -184,7 +190,7 @@ def load_model_file(path: str, *, model: str = "model", inputs: str = "inputs",
         found_inputs = _resolve({inputs: found_model.example_inputs}, path, inputs, "--inputs")
     try:
         as_inputs(found_model, found_inputs)
-    except TypeError as exc:
+    except InputError as exc:
         raise UserError(f"`{inputs}` in {path}: {exc}") from exc
     loss_fn = namespace.get(loss or "loss_fn")
     if loss is not None and loss not in namespace:
@@ -273,19 +279,16 @@ def _plan(args: argparse.Namespace, err: Console) -> tuple[ModelFile, Plan, cli_
         found = load_model_file(args.model_file, model=args.model, inputs=args.inputs, loss=args.loss)
         if args.device is not None:
             found = _to_device(found, args.device)
-        try:
-            saved = _profile_file(args, found)
-            plan = optimize(found.model, args.budget, inputs=found.inputs, loss_fn=found.loss_fn,
-                            time_limit_s=args.time_limit, solver=args.solver, progress=stage, profile=saved,
-                            world_size=args.world_size, parallel=args.parallel, selective=not args.whole_segments,
-                            must_save=args.must_save, must_recompute=args.must_recompute,
-                            max_chunks=args.max_chunks)
-        except (ValueError, TypeError) as exc:  # malformed budget or inputs, unknown solver, unmatched pattern
-            raise UserError(str(exc)) from exc
+        saved = _profile_file(args, found)  # a user's mistake raises a PlannerError (exit 2), anything else is
+        plan = optimize(found.model, args.budget, inputs=found.inputs, loss_fn=found.loss_fn,  # a bug (exit 1)
+                        time_limit_s=args.time_limit, solver=args.solver, progress=stage, profile=saved,
+                        world_size=args.world_size, parallel=args.parallel, selective=not args.whole_segments,
+                        must_save=args.must_save, must_recompute=args.must_recompute, max_chunks=args.max_chunks,
+                        keep_output=not args.drop_output)
         verification = None
         if args.verify:
             stage("verify")
-            verification = _verify(found, plan)
+            verification = _verify(found, plan, keep_output=not args.drop_output)
     return found, plan, verification
 
 
@@ -295,7 +298,7 @@ def _profile_file(args: argparse.Namespace, found: ModelFile) -> Profile | None:
         return load_profile(args.profile)
     if not args.save_profile:
         return None
-    made = profile(found.model, inputs=found.inputs, loss_fn=found.loss_fn)
+    made = profile(found.model, inputs=found.inputs, loss_fn=found.loss_fn, keep_output=not args.drop_output)
     try:
         made.save(args.save_profile)
     except OSError as exc:
@@ -303,14 +306,14 @@ def _profile_file(args: argparse.Namespace, found: ModelFile) -> Profile | None:
     return made
 
 
-def _verify(found: ModelFile, plan: Plan) -> cli_report.Verification:
+def _verify(found: ModelFile, plan: Plan, *, keep_output: bool) -> cli_report.Verification:
     """One real step of the model and of the planned module: peaks, then interleaved median step times."""
     example = as_inputs(found.model, found.inputs)
     assert plan.module is not None  # optimize() always returns the module
     base_ms, planned_ms = step_times_ms([found.model, plan.module], example, found.loss_fn, runs=VERIFY_RUNS)
     return cli_report.Verification(
-        baseline_peak_bytes=measure_peak(found.model, example, found.loss_fn),
-        planned_peak_bytes=measure_peak(plan.module, example, found.loss_fn),
+        baseline_peak_bytes=measure_peak(found.model, example, found.loss_fn, keep_output=keep_output),
+        planned_peak_bytes=measure_peak(plan.module, example, found.loss_fn, keep_output=keep_output),
         baseline_step_ms=base_ms,
         planned_step_ms=planned_ms,
         runs=VERIFY_RUNS,
@@ -366,10 +369,12 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         cli_report.print_error(err, "interrupted")
         return EXIT_INTERRUPTED
-    except Exception as exc:  # noqa: BLE001 - a bug in ckplan: the traceback is what a report needs
-        traceback.print_exception(exc, file=sys.stderr)
-        cli_report.print_error(err, f"internal error ({type(exc).__name__}: {exc}); this is a bug in ckplan, "
-                                    "please report it with the traceback above")
+    except Exception as exc:  # noqa: BLE001 - not a user's mistake: a bug in ckplan
+        _show_debug(args, exc)
+        message = _internal_error(exc, debug=args.debug)
+        if args.json:
+            cli_report.print_json({"error": "internal_error", "message": message})
+        cli_report.print_error(err, message)
         return EXIT_INTERNAL
     if args.json:
         cli_report.print_json(cli_report.plan_json(plan, model_file=args.model_file, solver=args.solver,
@@ -379,6 +384,14 @@ def main(argv: list[str] | None = None) -> int:
                                 explain=args.explain, verification=verification, saved=args.save,
                                 emitted=args.emit)
     return EXIT_OK
+
+
+def _internal_error(exc: BaseException, *, debug: bool) -> str:
+    """One line for an exception that is not a user's mistake: what it was, that it is a bug, how to
+    get the traceback a report needs."""
+    first = (str(exc).strip().splitlines() or [""])[0]
+    where = "the traceback above" if debug else "the traceback (rerun with --debug to see it)"
+    return f"internal error ({type(exc).__name__}: {first}): this is a bug in ckplan; please report it with {where}"
 
 
 def _show_debug(args: argparse.Namespace, exc: BaseException) -> None:

@@ -19,9 +19,9 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 from torch import nn
 
-from planner.budget import format_bytes, parse_budget
+from planner.budget import check_budget, format_bytes
 from planner.profiling.record import Profile
-from planner.errors import InfeasibleBudget
+from planner.errors import InfeasibleBudget, InputError, OptionError
 from planner.pipeline import Prepared, plan_for, prepare
 from planner.plan import Plan, html_table
 from planner.memory.simulate import simulate
@@ -184,18 +184,18 @@ def sweep(
         with ``feasible=False``.
 
     Raises:
-        TypeError: ``profile`` is neither a ``Prepared`` nor a ``Profile``. ValueError: no budgets, a malformed
-        budget, an unknown solver, ``inputs``/``loss_fn`` given with ``profile``, or a
-        ``profile`` of another model.
+        InputError (a TypeError): ``profile`` is neither a ``Prepared`` nor a ``Profile``.
+        BudgetError, OptionError (ValueErrors): no budgets, a malformed budget, an unknown solver,
+        ``inputs``/``loss_fn`` given with ``profile``, or a ``profile`` of another model.
 
     Example:
         >>> tradeoff = sweep(model, ["100%", "70%", "50%"], inputs=(x,))   # doctest: +SKIP
         >>> tradeoff.plot().savefig("tradeoff.png")                          # doctest: +SKIP
     """
     if not budgets:
-        raise ValueError("sweep needs at least one budget, e.g. ['100%', '70%', '50%']")
+        raise OptionError("sweep needs at least one budget, e.g. ['100%', '70%', '50%']")
     for budget in budgets:
-        parse_budget(budget, baseline_peak_bytes=1)  # reject a malformed budget before any work
+        check_budget(budget)  # reject a malformed budget before any work
     get_solver(solver)
     prepared = _prepared(model, profile, inputs=inputs, loss_fn=loss_fn, progress=progress)
     rows, min_peak = [], None
@@ -208,7 +208,7 @@ def sweep(
             rows.append(TradeoffRow(budget_bytes=exc.budget_bytes, feasible=False, predicted_peak_bytes=None,
                                     predicted_overhead=None, n_segments=None,
                                     solve_time_s=time.perf_counter() - start, plan=None))
-            min_peak = exc.min_peak_bytes if min_peak is None else min(min_peak, exc.min_peak_bytes)
+            min_peak = min((p for p in (min_peak, exc.min_peak_bytes) if p is not None), default=None)
             continue
         rows.append(_row(plan, plan.budget_bytes, plan.solve_time_s))
     rows.sort(key=lambda r: -r.budget_bytes)
@@ -222,13 +222,13 @@ def _prepared(model: nn.Module, profile: Any, *, inputs: Any, loss_fn: LossFn | 
     if profile is None or isinstance(profile, Profile):  # a saved profile: captured again, checked, not re-run
         return prepare(model, inputs=inputs, loss_fn=loss_fn, progress=progress, profile=profile)
     if not isinstance(profile, Prepared):
-        raise TypeError(f"profile= takes a Prepared from planner.prepare(model, inputs=..., loss_fn=...) or a "
-                        f"Profile (planner.profile, planner.load_profile), not {type(profile).__name__}")
+        raise InputError(f"profile= takes a Prepared from planner.prepare(model, inputs=..., loss_fn=...) or a "
+                         f"Profile (planner.profile, planner.load_profile), not {type(profile).__name__}")
     if profile.model is not model:
-        raise ValueError("profile= was prepared for another model instance; pass the same model to sweep")
+        raise OptionError("profile= was prepared for another model instance; pass the same model to sweep")
     if inputs is not None or loss_fn is not None:
-        raise ValueError("inputs and loss_fn are fixed when the profile is prepared; pass them to "
-                         "planner.prepare, not to sweep together with profile=")
+        raise OptionError("inputs and loss_fn are fixed when the profile is prepared; pass them to "
+                          "planner.prepare, not to sweep together with profile=")
     return profile
 
 
@@ -264,7 +264,7 @@ def reference_points(prepared: Prepared) -> tuple[ReferencePoint, ...]:
     for label, name in REFERENCES:
         try:
             solution = SOLVERS[name](memory, prepared.baseline.peak_bytes, time_limit_s=0.0)
-        except ValueError:  # every_block on a model without a container of numbered blocks
+        except OptionError:  # every_block on a model without a container of numbered blocks
             continue
         out.append(ReferencePoint(name=label, predicted_peak_bytes=simulate(memory, solution.plan).peak_bytes,
                                   predicted_overhead=solution.recompute_us / memory.step_us,

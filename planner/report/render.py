@@ -21,6 +21,7 @@ from rich.text import Text
 from planner.budget import format_bytes
 from planner.errors import InfeasibleBudget
 from planner.plan import Plan, Segment
+from planner.solve.result import SolverStatus
 
 MAX_PATHS = 3
 """Segments spanning more module paths than this are shown as ``first … last (N parts)``."""
@@ -122,9 +123,9 @@ def header(plan: Plan, *, model_file: str, solver: str) -> Table:
     keeps = f", {saved} op output{'' if saved == 1 else 's'} kept inside them" if saved else ""
     grid.add_row("plan", Text.assemble(
         f"{count} checkpointed segment{'' if count == 1 else 's'}{keeps}, solver {solver} ",
-        (plan.solver_status, "green" if plan.solver_status == "OPTIMAL" else "yellow"),
+        (str(plan.solver_status), "green" if plan.solver_status == SolverStatus.OPTIMAL else "yellow"),
         _gap(plan), f" in {plan.solve_time_s:.2f} s, on {plan.device}"))
-    grid.add_row("capture", plan.capture_method)
+    grid.add_row("capture", plan.capture_method.label)
     for note in plan.capture_notes:
         grid.add_row("", Text(note.splitlines()[0][:160], style="dim"))
     return grid
@@ -132,9 +133,10 @@ def header(plan: Plan, *, model_file: str, solver: str) -> Table:
 
 def _gap(plan: Plan) -> str:
     """How far a FEASIBLE plan may be from the best one, from the solver's proven bound ("" if none)."""
-    if plan.solver_status != "FEASIBLE" or plan.recompute_bound_ms <= 0 or plan.recompute_ms <= 0:
+    bound = plan.recompute_bound_ms
+    if plan.solver_status != SolverStatus.FEASIBLE or bound is None or bound <= 0 or plan.recompute_ms <= 0:
         return ""
-    return f" (at most {100 * (1 - plan.recompute_bound_ms / plan.recompute_ms):.1f}% more recompute than the best plan)"
+    return f" (at most {100 * (1 - bound / plan.recompute_ms):.1f}% more recompute than the best plan)"
 
 
 def _section(console: Console, renderable: Table | Text) -> None:
@@ -181,9 +183,12 @@ def print_explain(console: Console, plan: Plan) -> None:
     parts = _table(f"what the peak {format_bytes(plan.predicted_peak_bytes)} is made of")
     parts.add_column("component")
     parts.add_column("bytes", justify="right")
-    for name, nbytes in plan.peak_breakdown.items():
+    for name, nbytes in plan.peak_breakdown.items() if plan.peak_breakdown else ():
         parts.add_row(Text(name), format_bytes(nbytes))
     _section(console, parts)
+    if plan.sac_op_us is not None and plan.sac_cost_source is not None:
+        _section(console, Text(f"selective checkpointing charged {plan.sac_op_us:.1f} us per op of a segment that "
+                               f"keeps op outputs ({plan.sac_cost_source.label})"))
     if not plan.largest_kept:
         _section(console, Text("no activation is alive at the peak"))
         return
@@ -263,8 +268,10 @@ def plan_json(plan: Plan, *, model_file: str, solver: str, verification: Verific
 
 
 def infeasible_json(exc: InfeasibleBudget) -> dict[str, Any]:
+    """The ``--json`` object of an infeasible budget; ``min_peak_bytes`` and ``breakdown`` are null when no
+    plan satisfies the constraints at all (contradictory overrides)."""
     return {"error": "infeasible", "message": str(exc), "budget_bytes": exc.budget_bytes,
-            "min_peak_bytes": exc.min_peak_bytes, "breakdown": exc.breakdown}
+            "min_peak_bytes": exc.min_peak_bytes, "breakdown": exc.breakdown.to_dict() if exc.breakdown else None}
 
 
 def print_json(data: dict[str, Any]) -> None:
@@ -283,9 +290,14 @@ def print_error(err: Console, message: str, *, full: bool = True) -> None:
 
 def print_infeasible(err: Console, exc: InfeasibleBudget) -> None:
     """The smallest reachable peak, what it consists of, and the budget to ask for instead."""
-    reason = getattr(exc, "reason", "")  # the user's overrides (must_save/must_recompute) are the cause
-    if reason:
-        err.print(Text.assemble(("ckplan: infeasible: ", "bold red"), reason), soft_wrap=True, highlight=False)
+    if exc.reason:  # the user's overrides (must_save/must_recompute) are the cause
+        err.print(Text.assemble(("ckplan: infeasible: ", "bold red"), exc.reason), soft_wrap=True, highlight=False)
+    if exc.min_peak_bytes is None:
+        err.print(Text.assemble(("ckplan: infeasible: ", "bold red"), "no checkpointing plan satisfies the "
+                                "constraints at any budget, so there is no smallest peak to compare the budget ",
+                                (format_bytes(exc.budget_bytes), "bold"), " with; change --must-save/--must-recompute"),
+                  soft_wrap=True, highlight=False)
+        return
     err.print(Text.assemble(
         ("ckplan: infeasible: ", "bold red"), "budget ", (format_bytes(exc.budget_bytes), "bold"),
         " is below the smallest peak any checkpointing plan reaches, ", (format_bytes(exc.min_peak_bytes), "bold"),
@@ -294,7 +306,7 @@ def print_infeasible(err: Console, exc: InfeasibleBudget) -> None:
     table.add_column("component")
     table.add_column("bytes", justify="right")
     total = 0
-    for name, nbytes in exc.breakdown.items():
+    for name, nbytes in exc.breakdown.items() if exc.breakdown else ():
         if nbytes:
             table.add_row(Text(name), format_bytes(nbytes))
         total += nbytes

@@ -25,6 +25,7 @@ from planner.rewrite.sac import is_random, writes_new_memory
 from planner.memory.saves import SaveOptions, cacheable, cached
 from planner.memory.simulate import MemoryModel
 from planner.capture.scope import path_of
+from planner.errors import OptionError
 
 _MODULES = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.LayerNorm, nn.GELU, nn.ReLU, nn.SiLU, nn.Tanh,
             nn.Sigmoid, nn.Softmax)
@@ -52,22 +53,29 @@ def is_single_op(node: fx.Node, root: nn.Module) -> bool:
 
 def save_options(graph_module: fx.GraphModule, profile: Profile, memory: MemoryModel, *,
                  must_save: Sequence[str] = (), must_recompute: Sequence[str] = (), selective: bool = True,
-                 per_block: int = 4) -> SaveOptions:
+                 per_block: int = 4, savable: frozenset[int] | None = None) -> SaveOptions:
     """The candidates (when ``selective``) and the overrides of one prepared model.
 
+    ``savable``: the only nodes the executor can save (the module executor keeps whole module calls,
+    ``planner.memory.chains.alone_in_module``); None for any single-op node.
+
     Raises:
-        ValueError: a pattern matches no node, or asks to re-run a node no segment can hold.
+        OptionError (a ValueError): a pattern matches no node, or asks to re-run a node no segment can hold.
     """
     save = _resolve(profile, must_save, "must_save")
+    if savable is not None and save - savable:
+        name = profile.nodes[min(save - savable)].name
+        raise ValueError(f"must_save matches {name}, which this model's plan cannot keep: it runs the model's own "
+                         "modules, so it keeps whole module calls that run one op (a Linear, an activation)")
     recompute = _resolve(profile, must_recompute, "must_recompute")
     owner = memory.regions.chunk_of()
     for o in sorted(recompute):
         if o >= len(owner) or not memory.regions.checkpointable[owner[o]]:
-            raise ValueError(f"must_recompute matches {profile.nodes[o].name}, which no checkpointed segment "
-                             "can hold (it writes an input in place, or it is the loss)")
+            raise OptionError(f"must_recompute matches {profile.nodes[o].name}, which no checkpointed segment "
+                              "can hold (it writes an input in place, or it is the loss)")
     both = save & recompute
     if both:
-        raise ValueError(f"{profile.nodes[min(both)].name} matches both must_save and must_recompute")
+        raise OptionError(f"{profile.nodes[min(both)].name} matches both must_save and must_recompute")
     candidates: tuple[int, ...] = ()
     # Under autocast, its process-wide weight-cast cache makes a segment's re-run dispatch a different
     # number of _to_copy ops than its forward, which breaks SAC's per-op counters (pytorch#193338:
@@ -77,7 +85,7 @@ def save_options(graph_module: fx.GraphModule, profile: Profile, memory: MemoryM
         root = graph_module
         ok = [i for i, nd in enumerate(profile.nodes[:memory.regions.end])
               if nd.name in by_node and not nd.mutated_buffers and cacheable(memory, i)
-              and is_single_op(by_node[nd.name], root)]
+              and is_single_op(by_node[nd.name], root) and (savable is None or i in savable)]
         # a save must at least pay for SAC's dispatch cost over its own chunk (a heuristic cut: several
         # cheap saves sharing one segment could pay together), so CP-SAT only runs when saves can win
         worth = [o for o in ok if memory.node_cost_us[o] > (memory.sac_chunk_us[owner[o]]
@@ -133,11 +141,11 @@ def _resolve(profile: Profile, patterns: Sequence[str], what: str) -> set[int]:
     out: set[int] = set()
     for pattern in patterns:
         if not isinstance(pattern, str) or not pattern:
-            raise ValueError(f"{what} takes module paths or op names (glob patterns), got {pattern!r}")
+            raise OptionError(f"{what} takes module paths or op names (glob patterns), got {pattern!r}")
         hits = {i for i, nd in enumerate(profile.nodes[:-1]) if nd.kind != "get_attr" and any(
             fnmatch.fnmatchcase(text, pattern) for text in _names(nd))}
         if not hits:
-            raise ValueError(f"{what} pattern {pattern!r} matches no module path or op name of the graph")
+            raise OptionError(f"{what} pattern {pattern!r} matches no module path or op name of the graph")
         out |= hits
     return out
 

@@ -25,7 +25,7 @@ import torch.fx as fx
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from planner.capture.api import EXPORT, Captured
+from planner.capture.api import Captured
 from planner.capture.scope import SCOPE_KEY, path_of
 from planner.capture.fx import shallow_clone, trace
 from planner.rewrite.sac import compiled_sac_contexts, sac_contexts, sac_mark, trace_marks_into_graphs
@@ -96,10 +96,9 @@ def rewrite(model: nn.Module, captured: Captured, segments: Sequence[SegmentSpec
         if [n.name for n in flat[lo:hi]] != list(seg.nodes):
             raise ValueError(f"segment {seg.nodes[0]}..{seg.nodes[-1]} is not a contiguous run of the graph")
         ranges.append((lo, hi))
-    if captured.method == EXPORT:
-        groups = [flat[lo:hi] for lo, hi in ranges]
-        saved = [{n for n in group if n.name in seg.saved_nodes} for group, seg in zip(groups, segments)]
-        return _rewrite_exported(model, captured.graph_module, groups, segments, saved)
+    if captured.method.runs_modules:
+        raise ValueError(f"a graph captured as {captured.method.label} is run by module hooks "
+                         "(planner.rewrite.modules), not rewritten")
     opened = {path for path in _opened_modules(flat, ranges)
               if not any(path == o or path.startswith(o + ".") for o in captured.opaque)}
     every = {name for name, _ in model.named_modules() if name}
@@ -127,49 +126,6 @@ def _saved_in(group: list[fx.Node], spans: dict, flat: list[fx.Node], seg: Segme
         raise AssertionError(f"saved nodes {sorted(set(seg.saved_nodes) - names)} are not single nodes of "
                              "the re-traced segment")
     return found
-
-
-def _rewrite_exported(model: nn.Module, gm: fx.GraphModule, groups: list[list[fx.Node]],
-                      segments: Sequence[SegmentSpec], saved: list[set[fx.Node]]) -> Rewritten:
-    """The planned module of an exported graph: a clone of ``ExportedProgram.module()`` (same
-    parameter objects and state_dict keys as the model) whose forward runs the ATen graph with
-    the segments checkpointed; outside training it calls the user's model itself."""
-    main, pieces = _split(gm.graph, groups, [bool(s.restore_buffers or s.saved_nodes) for s in segments], saved)
-    main._codegen = gm.graph._codegen  # flatten inputs / unflatten outputs like the exported module
-    name = f"Checkpointed{type(model).__name__}"
-    source, namespace = _generate(type(gm), name, main, pieces, segments, guard=_eager_guard(gm))
-    namespace["_ckplan_module_mode"] = module_mode
-    planned = shallow_clone(gm)
-    for method in ("train", "eval"):  # ExportedProgram.module() forbids them per instance; ours switch paths
-        planned.__dict__.pop(method, None)
-    planned.__class__ = _compile(source, namespace, name)
-    planned.__dict__["_ckplan_eager"] = model  # not a registered submodule: no state_dict keys
-    return Rewritten(module=planned, source=source)
-
-
-@contextlib.contextmanager
-def module_mode(model: nn.Module, training: bool) -> Iterator[None]:
-    """Sets every module of ``model`` to training or eval mode, restoring each flag afterwards."""
-    flags = [(m, m.training) for m in model.modules()]
-    model.train(training)
-    try:
-        yield
-    finally:
-        for m, flag in flags:
-            m.training = flag
-
-
-def _eager_guard(gm: fx.GraphModule) -> str:
-    """First lines of an exported graph's forward: outside training, the user's model runs as is
-    (the exported graph is specialised to training mode and to the example shapes)."""
-    names = gm.graph._codegen.pytree_info.orig_args
-    spec = gm._in_spec
-    args_spec, kwargs_spec = spec.children() if callable(getattr(spec, "children", None)) else spec.children_specs
-    n_pos = args_spec.num_children
-    call = ", ".join([*names[:n_pos], *(f"{key}={name}" for key, name in zip(kwargs_spec.context, names[n_pos:]))])
-    return ("    if not (self.training and torch.is_grad_enabled()):  # the plan only matters for training\n"
-            "        with _ckplan_module_mode(self._ckplan_eager, self.training):\n"
-            f"            return self._ckplan_eager({call})")
 
 
 def _opened_modules(flat: list[fx.Node], ranges: list[tuple[int, int]]) -> set[str]:

@@ -25,41 +25,13 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
-import time
 from typing import Sequence
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts, noop_context_fn
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 _state = threading.local()
-
-
-@functools.lru_cache(maxsize=1)
-def dispatch_overhead_us() -> float:
-    """Time SAC's two dispatch modes add per ATen op of a segment (forward and re-run), measured once
-    per process on 16 tiny Linear+GELU pairs: checkpointed with SAC minus without, per op dispatched
-    in their forward (views included: the modes see them too)."""
-    from planner.profiling.memtrack import LiveStorages
-
-    torch.manual_seed(0)
-    net = nn.Sequential(*[m for _ in range(16) for m in (nn.Linear(8, 8), nn.GELU())])
-    x = torch.randn(4, 8, requires_grad=True)
-    with LiveStorages() as counter:
-        counter.trace = []
-        net(x)
-    ops = len(counter.trace)
-
-    def step(context_fn) -> float:
-        began = time.perf_counter()
-        for _ in range(10):
-            checkpoint(net, x, use_reentrant=False, context_fn=context_fn).sum().backward()
-        return (time.perf_counter() - began) / 10
-
-    plain, selective = noop_context_fn, (lambda: create_selective_checkpoint_contexts(policy))
-    step(plain), step(selective)
-    diff = min(step(selective) for _ in range(3)) - min(step(plain) for _ in range(3))
-    return max(0.0, diff * 1e6 / ops)
 
 
 def sac_mark(saving: bool) -> None:

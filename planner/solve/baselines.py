@@ -11,13 +11,14 @@ from __future__ import annotations
 import math
 
 from planner.memory.simulate import ChunkPlan, MemoryModel, simulate
-from planner.solve.result import Solution
+from planner.solve.result import Solution, SolverStatus
+from planner.errors import OptionError
 
 
 def _fixed(model: MemoryModel, plan: ChunkPlan) -> Solution:
-    plan = tuple((a, b) for a, b in plan if all(model.regions.checkpointable[a:b]))
-    return Solution(plan=plan, status="FIXED", recompute_us=simulate(model, plan).recompute_us, bound_us=0,
-                    solve_time_s=0.0)
+    plan = tuple((a, b) for a, b in plan if model.regions.allows(a, b))
+    return Solution(plan=plan, status=SolverStatus.FIXED, recompute_us=simulate(model, plan).recompute_us,
+                    bound_us=None, solve_time_s=0.0)
 
 
 def no_checkpointing(model: MemoryModel, budget_bytes: int, *, time_limit_s: float = 0.0) -> Solution:
@@ -29,11 +30,11 @@ def every_block(model: MemoryModel, budget_bytes: int, *, time_limit_s: float = 
     """Each block of the model's repeated container (``blocks.0``, ``layers.3``...) in its own segment.
 
     Raises:
-        ValueError: the model has no container of numbered blocks.
+        OptionError (a ValueError): the model has no container of numbered blocks.
     """
     if not model.regions.blocks:
-        raise ValueError("every_block needs a container of numbered blocks (e.g. an nn.ModuleList "
-                         "`blocks`); this model has none: use the sqrt_n or cpsat solver")
+        raise OptionError("every_block needs a container of numbered blocks (e.g. an nn.ModuleList "
+                          "`blocks`); this model has none: use the sqrt_n or cpsat solver")
     return _fixed(model, model.regions.blocks)
 
 

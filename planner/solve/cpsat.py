@@ -16,7 +16,7 @@ from ortools.sat.python import cp_model
 from planner.memory.saves import SaveOptions
 from planner.memory.simulate import (ChunkPlan, MemoryModel, prefix_by, recomputed_from, rerun_bytes, rerun_chunk,
                               simulate)
-from planner.solve.result import NoSolution, Solution
+from planner.solve.result import NoSolution, Solution, SolverStatus
 from planner.solve.cpsat_saves import (add_saves, backward_reliefs, cache_items, objective_relief, relief_rows,
                                      rerun_limits, sac_overhead, same_segment)
 
@@ -41,21 +41,23 @@ def build(model: MemoryModel, *, budget_bytes: int | None,
     cp = cp_model.CpModel()
     n_chunks = model.n_chunks
     ok = model.regions.checkpointable
-    # segment[a, b]: chunks a..b-1 are one checkpointed segment (all of them checkpointable).
+    # segment[a, b]: chunks a..b-1 are one checkpointed segment (one the regions allow).
     segment = {}
     for a in range(n_chunks):
         for b in range(a + 1, n_chunks + 1):
             if not ok[b - 1]:
                 break
-            segment[a, b] = cp.new_bool_var(f"segment[{a},{b}]")
+            if model.regions.allows(a, b):
+                segment[a, b] = cp.new_bool_var(f"segment[{a},{b}]")
     # covers[a, k]: the segment that starts at a extends at least to chunk k.
     covers = {}
     for a in range(n_chunks):
         for k in range(n_chunks - 1, a - 1, -1):
-            if (a, k + 1) not in segment:
+            here, longer = segment.get((a, k + 1)), covers.get((a, k + 1))
+            if here is None and longer is None:
                 continue
             var = cp.new_bool_var(f"covers[{a},{k}]")
-            cp.add(var == segment[a, k + 1] + (covers[a, k + 1] if (a, k + 1) in covers else 0))
+            cp.add(var == (0 if here is None else here) + (0 if longer is None else longer))
             covers[a, k] = var
     # ckpt[k]: at most one segment covers chunk k.
     ckpt = []
@@ -102,7 +104,8 @@ def build(model: MemoryModel, *, budget_bytes: int | None,
 
 def _objective(model: MemoryModel, variables: _Vars):
     """Recompute time: forward time of every checkpointed chunk (re-run once in backward), plus
-    the fixed cost of each checkpoint call."""
+    the fixed cost of each checkpoint call, minus what saves spare, plus SAC's charge: the sum of
+    ``planner.memory.simulate.segment_recompute_us`` over the chosen segments, as a linear expression."""
     return (sum(int(model.chunk_cost_us[k]) * var for k, var in enumerate(variables.ckpt))
             + model.segment_cost_us * sum(variables.segment.values()) - objective_relief(model, variables.save)
             + variables.sac)
@@ -257,7 +260,8 @@ def search(model: MemoryModel, budget_bytes: int, *, hint: ChunkPlan | None = No
     if timeline.peak_bytes > budget_bytes:  # the encoding and the simulator must agree
         raise AssertionError(f"solver plan {plan} saving {sorted(saves)} simulates to {timeline.peak_bytes} "
                              f"> budget {budget_bytes}")
-    return Solution(plan=plan, status="OPTIMAL" if status == cp_model.OPTIMAL else "FEASIBLE",
+    optimal = status == cp_model.OPTIMAL
+    return Solution(plan=plan, status=SolverStatus.OPTIMAL if optimal else SolverStatus.FEASIBLE,
                     recompute_us=timeline.recompute_us, bound_us=int(solver.best_objective_bound),
                     solve_time_s=time.perf_counter() - began, saves=saves)
 

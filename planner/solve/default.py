@@ -13,7 +13,7 @@ from dataclasses import replace
 from planner.memory.saves import SaveOptions
 from planner.memory.simulate import MemoryModel, simulate
 from planner.solve.cpsat import search
-from planner.solve.result import NoSolution, Solution
+from planner.solve.result import NoSolution, Solution, SolverStatus, best_bound
 from planner.solve.rotor import relaxed, rotor, rotor_saves
 
 
@@ -39,7 +39,7 @@ def solve(model: MemoryModel, budget_bytes: int, *, time_limit_s: float = 30.0, 
     best, bound = _best_whole_segment(model, budget_bytes)
     if bound is None:
         raise NoSolution(True, "no plan fits the budget (not even a relaxation of the cost model)")
-    if best is not None and best.status == "OPTIMAL":
+    if best is not None and best.status == SolverStatus.OPTIMAL:
         return replace(best, solve_time_s=time.perf_counter() - began)
     left = max(1.0, time_limit_s - (time.perf_counter() - began))
     try:
@@ -48,8 +48,8 @@ def solve(model: MemoryModel, budget_bytes: int, *, time_limit_s: float = 30.0, 
     except NoSolution as exc:
         if exc.infeasible or best is None:
             raise
-        found = replace(best, status="FEASIBLE")
-    return replace(found, bound_us=max(bound, found.bound_us), solve_time_s=time.perf_counter() - began)
+        found = replace(best, status=SolverStatus.FEASIBLE)
+    return replace(found, bound_us=best_bound(bound, found.bound_us), solve_time_s=time.perf_counter() - began)
 
 
 def _best_whole_segment(model: MemoryModel, budget_bytes: int) -> tuple[Solution | None, int | None]:
@@ -60,12 +60,12 @@ def _best_whole_segment(model: MemoryModel, budget_bytes: int) -> tuple[Solution
         return None, None
     plan, bound = lower
     if simulate(model, plan).peak_bytes <= budget_bytes:
-        return Solution(plan=plan, status="OPTIMAL", recompute_us=bound, bound_us=bound, solve_time_s=0.0), bound
+        return Solution(plan=plan, status=SolverStatus.OPTIMAL, recompute_us=bound, bound_us=bound, solve_time_s=0.0), bound
     try:
         warm = rotor(model, budget_bytes)
     except NoSolution:
         return None, bound
-    return (replace(warm, status="OPTIMAL", bound_us=bound) if warm.recompute_us <= bound else warm), bound
+    return (replace(warm, status=SolverStatus.OPTIMAL, bound_us=bound) if warm.recompute_us <= bound else warm), bound
 
 
 POLISH_SHARE = 1 / 6
@@ -101,7 +101,9 @@ def _solve_with_options(model: MemoryModel, budget_bytes: int, *, time_limit_s: 
     except NoSolution as exc:
         if incumbent is None:
             raise
-        proven = exc.infeasible  # nothing strictly cheaper exists
-        found = replace(incumbent, status="OPTIMAL" if proven else "FEASIBLE",
-                        bound_us=incumbent.recompute_us if proven else min(exc.bound_us, incumbent.recompute_us))
+        if exc.infeasible:  # nothing strictly cheaper exists
+            found = replace(incumbent, status=SolverStatus.OPTIMAL, bound_us=incumbent.recompute_us)
+        else:
+            found = replace(incumbent, status=SolverStatus.FEASIBLE,
+                            bound_us=None if exc.bound_us is None else min(exc.bound_us, incumbent.recompute_us))
     return replace(found, solve_time_s=time.perf_counter() - began)

@@ -14,6 +14,7 @@ from planner.solve.rotor import rotor
 from planner.memory.simulate import MemoryModel
 from planner.solve.result import Solution
 from planner.solve.default import solve
+from planner.errors import OptionError
 
 
 class Solver(Protocol):
@@ -30,8 +31,8 @@ SOLVERS: dict[str, Solver] = {
 
 
 def get_solver(name: str) -> Solver:
-    """The strategy called ``name``; ValueError listing the known ones otherwise."""
+    """The strategy called ``name``; ``OptionError`` (a ValueError) listing the known ones otherwise."""
     try:
         return SOLVERS[name]
     except KeyError:
-        raise ValueError(f"unknown solver {name!r}; choose one of {', '.join(SOLVERS)}") from None
+        raise OptionError(f"unknown solver {name!r}; choose one of {', '.join(SOLVERS)}") from None

@@ -28,8 +28,9 @@ import numpy as np
 from planner.solve.rotor_saves import SaveTable, Variant
 from planner.solve.rotor_step import INF, Step
 from planner.memory.saves import SaveOptions, rerun_parts
-from planner.memory.simulate import ChunkPlan, MemoryModel, prefix_by, recomputed_from, rerun_bytes, rerun_chunk, simulate
-from planner.solve.result import NoSolution, Solution
+from planner.memory.simulate import (ChunkPlan, MemoryModel, prefix_by, recomputed_from, rerun_bytes, rerun_chunk,
+                                     segment_recompute_us, simulate)
+from planner.solve.result import NoSolution, Solution, SolverStatus
 
 MAX_OPEN = 6
 """Most storages tracked across one chunk boundary (the DP's state grows as 2 ** open)."""
@@ -79,8 +80,8 @@ def rotor(model: MemoryModel, budget_bytes: int, *, time_limit_s: float = 30.0) 
     timeline = simulate(model, plan)
     if timeline.peak_bytes > budget_bytes:
         raise AssertionError(f"rotor plan {plan} simulates to {timeline.peak_bytes} > budget {budget_bytes}")
-    return Solution(plan=plan, status="OPTIMAL" if exact else "FEASIBLE", recompute_us=timeline.recompute_us,
-                    bound_us=timeline.recompute_us if exact else 0, solve_time_s=time.perf_counter() - began)
+    return Solution(plan=plan, status=SolverStatus.OPTIMAL if exact else SolverStatus.FEASIBLE,
+                    recompute_us=timeline.recompute_us, bound_us=timeline.recompute_us if exact else None, solve_time_s=time.perf_counter() - began)
 
 
 def rotor_saves(model: MemoryModel, budget_bytes: int, options: SaveOptions) -> Solution:
@@ -101,7 +102,7 @@ def rotor_saves(model: MemoryModel, budget_bytes: int, options: SaveOptions) -> 
     if timeline.peak_bytes > budget_bytes:
         raise AssertionError(f"rotor plan {plan} saving {sorted(saves)} simulates to {timeline.peak_bytes} "
                              f"> budget {budget_bytes}")
-    return Solution(plan=plan, status="FEASIBLE", recompute_us=timeline.recompute_us, bound_us=0,
+    return Solution(plan=plan, status=SolverStatus.FEASIBLE, recompute_us=timeline.recompute_us, bound_us=None,
                     solve_time_s=time.perf_counter() - began, saves=saves)
 
 
@@ -119,7 +120,7 @@ def relaxed(model: MemoryModel, budget_bytes: int) -> tuple[ChunkPlan, int] | No
     if found is None:
         return None
     plan = found[0]
-    return plan, int(sum(int(model.chunk_cost_us[a:b].sum()) + model.segment_cost_us for a, b in plan))
+    return plan, sum(segment_recompute_us(model, a, b) for a, b in plan)
 
 
 def smallest_peak(model: MemoryModel) -> tuple[ChunkPlan, bool]:
@@ -339,9 +340,9 @@ class _ChainDP:
         """Every piece starting at chunk a allowed by the flags ``mask``: (cost, worst bytes, bytes
         closed into M, end chunk, flags at the end, checkpointed)."""
         m = self.m
-        pieces = [(a + 1, False)] + [(b, True) for b in range(a + 1, m.n_chunks + 1) if all(m.regions.checkpointable[a:b])]
+        pieces = [(a + 1, False)] + [(b, True) for b in range(a + 1, m.n_chunks + 1) if m.regions.allows(a, b)]
         for b, ckpt in pieces:
-            cost = int(m.chunk_cost_us[a:b].sum()) + m.segment_cost_us if ckpt else 0
+            cost = segment_recompute_us(m, a, b) if ckpt else 0
             kinds = list(enumerate(self.variants(a, b))) if ckpt and self.candidates else [(0, None)]
             for guess in range(1 << self._guesses(a, b, ckpt)):
                 plain = self.piece(a, b, ckpt, mask, guess)

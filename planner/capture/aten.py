@@ -1,0 +1,106 @@
+"""Capture tier 2: the ATen ops one real forward of the model runs, with the module call of each.
+
+For models ``torch.fx.symbolic_trace`` cannot trace (Hugging Face models: transformers 5 dropped its
+fx tracer; code with control flow on values). ``make_fx`` in real mode runs the model's own forward
+on the example inputs and records every ATen op it dispatches above autograd (``pre_dispatch``),
+with ``nn_module_stack``: the graph is what eager execution does, not what a tracer would see. That
+matters: Hugging Face code takes other paths when it detects tracing (``torch.export`` materialises
+causal masks and repeats grouped key/value heads that eager SDPA never copies), and the plan of such
+a model runs eagerly (``planner.rewrite.chains``). The graph is specialised to the example inputs;
+it is only profiled, never run by the planned module.
+
+Each module call's tensor arguments are held by a checkpoint around it until its backward, used or
+not (a Hugging Face decoder layer receives ``position_ids`` it never reads). So that the memory model
+sees that, the call's first node is preceded by a ``keep_args`` node of the call's scope that reads
+them: a no-op whose only effect is to mark those values as read inside the call.
+
+Models on the meta device cannot run for real: they go through ``torch.export`` (``export.py``).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.fx as fx
+from torch import nn
+from torch.fx.experimental import proxy_tensor
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.graph import _PyTreeCodeGen, _PyTreeInfo
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from planner.capture.fx import training_mode
+from planner.capture.scope import SCOPE_KEY
+
+
+def keep_args(*tensors: torch.Tensor) -> None:
+    """The graph's stand-in for a module call holding its tensor arguments (see the module docstring)."""
+
+
+def aten_graph(model: nn.Module, args: tuple, kwargs: dict) -> fx.GraphModule:
+    """The ATen graph of one training-mode forward of ``model`` on these inputs, taking the same
+    arguments and returning the same output structure as the model.
+
+    Raises whatever the model's forward raises; the caller reports it.
+    """
+    leaves, in_spec = tree_flatten((args, kwargs))
+    out_specs = []
+
+    def flat_forward(*flat):
+        call_args, call_kwargs = tree_unflatten(list(flat), in_spec)
+        out, out_spec = tree_flatten(model(*call_args, **call_kwargs))
+        out_specs.append(out_spec)
+        return out
+
+    flat_forward._orig_mod = model  # make_fx records module scopes relative to this root
+    calls: list[tuple[str, fx.Node, list[fx.Node]]] = []
+    hooks = [module.register_forward_pre_hook(functools.partial(_note_call, calls, path), with_kwargs=True)
+             for path, module in model.named_modules() if path]
+    try:
+        with training_mode(model):
+            gm = make_fx(flat_forward, tracing_mode="real", pre_dispatch=True, record_module_stack=True,
+                         _error_on_data_dependent_ops=False)(*leaves)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    names = [f"arg{i}" for i in range(len(args))] + list(kwargs)  # the call's own argument names
+    gm.graph._codegen = _PyTreeCodeGen(_PyTreeInfo(orig_args=names, in_spec=in_spec, out_spec=out_specs[-1]))
+    gm.recompile()
+    for node in gm.graph.nodes:
+        stack = node.meta.get("nn_module_stack") or {}
+        node.meta[SCOPE_KEY] = tuple(f"{path}#{key}" for key, (path, _) in stack.items() if path)
+    _add_keep_nodes(gm.graph, calls)
+    gm.recompile()
+    return gm
+
+
+def _note_call(calls: list, path: str, module: nn.Module, args: tuple, kwargs: dict) -> None:
+    """Pre-hook while tracing: the call's path, the graph's last node before it, its tensor arguments."""
+    mode = proxy_tensor.get_proxy_mode()
+    if mode is None:
+        return
+    graph = mode.tracer.graph
+    found = []
+    for leaf in tree_flatten((args, kwargs))[0]:
+        slot = proxy_tensor.get_proxy_slot(leaf, mode.tracer, None) if isinstance(leaf, torch.Tensor) else None
+        if slot is not None:
+            found.append(slot.proxy.node)
+    if found:
+        calls.append((path, graph._root.prev, found))
+
+
+def _add_keep_nodes(graph: fx.Graph, calls: list) -> None:
+    """A ``keep_args`` node before each call's first node, in the call's scope."""
+    for path, before, arguments in calls:
+        first = before.next
+        while first.op != "output" and not any(e.rsplit("#", 1)[0] == path for e in first.meta.get(SCOPE_KEY, ())):
+            first = first.next
+        if first.op == "output":
+            continue  # the call ran no op
+        scope = first.meta[SCOPE_KEY]
+        depth = next(i for i, e in enumerate(scope) if e.rsplit("#", 1)[0] == path)
+        arguments = list(dict.fromkeys(arguments))
+        with graph.inserting_before(first):
+            keep = graph.call_function(keep_args, tuple(arguments))
+        keep.meta[SCOPE_KEY] = scope[:depth + 1]
+        keep.meta["nn_module_stack"] = dict(list(first.meta.get("nn_module_stack", {}).items())[:depth + 1])

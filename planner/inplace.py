@@ -1,0 +1,50 @@
+"""Planning the user's own model object in place, the way ``gradient_checkpointing_enable()`` does.
+
+``enable(model, budget, inputs=...)`` plans ``model`` and puts the plan's hooks on it: the object the
+user holds, with every method, optimizer and ``Trainer`` that already refers to it, now checkpoints
+its training steps as planned. ``disable(model)`` takes the hooks off again. The plan always runs the
+model's own forward (module hooks, ``planner.rewrite.chains``), so its segments are chains of module
+calls even where torch.fx could trace the model.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from planner.budget import check_budget
+from planner.errors import OptionError
+from planner.pipeline import plan_for, prepare
+from planner.plan import Plan
+from planner.rewrite.modules import remove_plan
+
+_SOLVE_OPTIONS = ("solver", "time_limit_s", "selective", "must_save", "must_recompute", "progress")
+"""``optimize`` arguments that go to the solve stage (``plan_for``); the rest go to ``prepare``."""
+
+
+def enable(model: nn.Module, budget: int | str, **options: Any) -> Plan:
+    """Plans ``model`` for ``budget`` and applies the plan to ``model`` itself (``plan.module is model``).
+
+    Takes the keyword arguments of ``optimize`` (``inputs=``, ``loss_fn=``, ``keep_output=``...). A model
+    already planned in place is planned again from scratch (its old hooks come off first). When
+    planning fails, the model is left as it was.
+
+    Raises:
+        everything ``optimize`` raises; OptionError for ``world_size``/``device``, which plan for
+        another machine (use ``optimize`` for those).
+    """
+    check_budget(budget)
+    if options.get("world_size", 1) != 1 or options.get("device") is not None:
+        raise OptionError("enable() plans the model for this process and its own device: drop world_size= and "
+                          "device= (optimize() plans for another device or a distributed job)")
+    solve = {k: options.pop(k) for k in _SOLVE_OPTIONS if k in options}
+    remove_plan(model)  # profile the model as it is, without an older plan's hooks
+    prepared = prepare(model, modules=True, progress=solve.get("progress"), **options)
+    return plan_for(prepared, budget, target=model, **solve)
+
+
+def disable(model: nn.Module) -> bool:
+    """Takes the hooks ``enable`` (or any plan that runs the model's own forward) put on ``model`` off
+    again; True if there were any. The model then trains without checkpointing."""
+    return remove_plan(model)

@@ -1,0 +1,348 @@
+"""Runs a plan through the user's own module objects, with forward hooks.
+
+Each checkpointed segment is a *chain*: consecutive calls of sibling modules (``model.layers.3``, or
+``model.layers.2`` then ``model.layers.3``, or ``mlp`` alone), each fed with the outputs of the one
+before. The first member's forward pre-hook enters torch's non-reentrant checkpoint region (the
+generator ``torch.distributed._composable.checkpoint`` uses) with the member's tensor inputs; the
+last member's forward hook leaves it. Later members record their inputs, each tensor that *is* an
+output of an earlier member replaced by a reference, so nothing inside the chain is kept alive. In
+backward the checkpoint re-runs the chain: every member called again with its recorded inputs.
+
+So the planned module runs the model's own Python code: every method, every shape and every keyword
+it accepts, ``generate()``, ``save_pretrained()``. Hooks act only when the module is training with
+gradients enabled, as Hugging Face's gradient checkpointing does.
+
+Selective saves: a segment may name modules (a Linear, an activation) whose fresh outputs torch's
+selective checkpointing keeps instead of re-running; forward hooks on them mark the ops dispatched
+inside, and the policy returns ``MUST_SAVE`` for those (random ops never).
+
+On its first forward a chain watches the code between its members (``_Watch``): a differentiable
+op or a random draw there would not be re-run by the recompute, so it is an error naming the
+members, raised before the step goes on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Callable, NamedTuple, Sequence
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils.checkpoint import (CheckpointPolicy, _checkpoint_without_reentrant_generator,
+                                    create_selective_checkpoint_contexts)
+
+from planner.capture.cache import training_with_grad
+from planner.errors import PlannerError
+from planner.rewrite.graph import restore_buffers
+from planner.rewrite.sac import is_random, writes_new_memory
+
+
+class ChainError(PlannerError, RuntimeError):
+    """A chain does not match how the model runs (code between its members, members out of order)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Chain:
+    """One checkpointed segment as module calls."""
+
+    members: tuple[str, ...]
+    """Module paths of consecutive sibling calls, in call order."""
+    saved_modules: tuple[str, ...] = ()
+    """Modules inside the chain whose fresh outputs selective checkpointing keeps."""
+    restore_buffers: tuple[str, ...] = ()
+    """Buffers the chain's forward mutates (BatchNorm statistics): put back after the re-run."""
+
+
+class _OutRef(NamedTuple):
+    """Stands for leaf ``leaf`` of the flattened output of chain member ``member``."""
+
+    member: int
+    leaf: int
+
+
+class _SavedOps:
+    """Selective checkpointing policy: keep the fresh outputs of ops run inside the saved modules.
+
+    Forward hooks on those modules count how deep the current call is inside one of them; the
+    counter is thread-local because the re-run may happen on an autograd thread."""
+
+    def __init__(self) -> None:
+        self._depth = threading.local()
+
+    def enter(self, *_: Any) -> None:
+        self._depth.value = getattr(self._depth, "value", 0) + 1
+
+    def leave(self, *_: Any) -> None:
+        self._depth.value = max(0, getattr(self._depth, "value", 0) - 1)
+
+    def policy(self, ctx, op, *args, **kwargs) -> CheckpointPolicy:
+        if getattr(self._depth, "value", 0) and writes_new_memory(op) and not is_random(op):
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _rng_states() -> list[torch.Tensor]:
+    states = [torch.get_rng_state()]
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states.append(torch.cuda.get_rng_state())
+    return states
+
+
+class _Watch(TorchFunctionMode):
+    """Notes differentiable ops and random draws that run between a chain's members."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inside = True
+        self.foreign: list[str] = []
+        self._rng: list[torch.Tensor] | None = None
+
+    def left_member(self) -> None:
+        self.inside, self._rng = False, _rng_states()
+
+    def entered_member(self) -> None:
+        if self._rng is not None and not all(torch.equal(a, b) for a, b in zip(self._rng, _rng_states())):
+            self.foreign.append("a random draw")
+        self.inside = True
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if not self.inside and torch.is_grad_enabled():
+            if any(isinstance(t, torch.Tensor) and t.requires_grad for t in tree_flatten(out)[0]):
+                self.foreign.append(getattr(func, "__name__", repr(func)))
+        return out
+
+
+@dataclass
+class _Open:
+    """One forward through a chain, between its first member's pre-hook and its last member's hook."""
+
+    region: Any
+    """torch's checkpoint generator, paused inside the region."""
+    records: list = field(default_factory=lambda: [None])
+    """Per member after the first: (pytree spec, input leaves with ``_OutRef`` for chain outputs)."""
+    outputs: dict = field(default_factory=dict)
+    """id(tensor) -> (weak reference, member, leaf) of the outputs of members run so far."""
+    expect: int = 1
+    watch: _Watch | None = None
+
+
+def _split_tensors(args: tuple, kwargs: dict) -> tuple[list[torch.Tensor], Callable]:
+    """The tensor leaves of a call's arguments, and a function rebuilding the call from new tensors."""
+    leaves, spec = tree_flatten((args, kwargs))
+    where = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+    tensors = [leaves[i] for i in where]
+    static = [None if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]  # no extra references
+
+    def rebuild(*new: torch.Tensor) -> tuple[tuple, dict]:
+        filled = list(static)
+        for i, t in zip(where, new):
+            filled[i] = t
+        return tree_unflatten(filled, spec)
+
+    return tensors, rebuild
+
+
+class _Runner:
+    """The hooks and the forward state of one chain."""
+
+    def __init__(self, chain: Chain, members: list[nn.Module], root: nn.Module, saved: _SavedOps) -> None:
+        self.chain, self.members, self.root = chain, members, root
+        self.context_fn = functools.partial(create_selective_checkpoint_contexts, saved.policy) \
+            if chain.saved_modules else None
+        self.replaying = False
+        self.open: _Open | None = None
+        self.checked = False  # the code between members was watched once and found empty
+
+    def __repr__(self) -> str:
+        return f"checkpointed chain {' -> '.join(self.chain.members)}"
+
+    def register(self) -> list:
+        handles, last = [], len(self.members) - 1
+        for j, module in enumerate(self.members):
+            handles.append(module.register_forward_pre_hook(functools.partial(self._pre, j), with_kwargs=True,
+                                                            prepend=True))
+            # the last member leaves the region first among its hooks, and also when its forward raised
+            handles.append(module.register_forward_hook(functools.partial(self._post, j), prepend=j == last,
+                                                        always_call=j == last))
+        return handles
+
+    def _pre(self, j: int, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if self.replaying:
+            return
+        if j == 0:
+            if self.open is not None:
+                self.abort()
+                raise ChainError(f"{self}: {self.chain.members[0]} was called again before the chain ended")
+            if training_with_grad(module):
+                self._start(args, kwargs)
+        elif self.open is not None:
+            self._enter(j, args, kwargs)
+        elif training_with_grad(module):
+            raise ChainError(f"{self}: {self.chain.members[j]} ran without {self.chain.members[0]} just before it")
+
+    def _post(self, j: int, module: nn.Module, args: tuple, output: Any) -> None:
+        if self.replaying or self.open is None:
+            return
+        if j < len(self.members) - 1:
+            for k, leaf in enumerate(tree_flatten(output)[0]):
+                if isinstance(leaf, torch.Tensor):
+                    self.open.outputs[id(leaf)] = (weakref.ref(leaf), j, k)
+            if self.open.watch is not None:
+                self.open.watch.left_member()
+        else:
+            self._finish()
+
+    def _start(self, args: tuple, kwargs: dict) -> None:
+        tensors, rebuild = _split_tensors(args, kwargs)
+        state = _Open(region=None)
+        replay = functools.partial(self._replay, state.records, rebuild)
+        # preserve_rng_state: dropout inside the chain draws the same numbers when re-run
+        state.region = _checkpoint_without_reentrant_generator(replay, True, self._contexts, "default", False, True,
+                                                               *tensors)
+        next(state.region)
+        if not self.checked:
+            state.watch = _Watch()
+            state.watch.__enter__()
+        self.open = state
+
+    def _enter(self, j: int, args: tuple, kwargs: dict) -> None:
+        state = self.open
+        if j != state.expect:
+            self.abort()
+            raise ChainError(f"{self}: {self.chain.members[j]} ran before {self.chain.members[state.expect]}")
+        if state.watch is not None:
+            state.watch.entered_member()
+            if state.watch.foreign:
+                found = sorted(set(state.watch.foreign))
+                self.abort()
+                raise ChainError(
+                    f"{self}: {', '.join(found)} ran between {self.chain.members[j - 1]} and "
+                    f"{self.chain.members[j]}, which the re-run would skip; plan again (this model's forward "
+                    "differs from its captured graph)")
+        leaves, spec = tree_flatten((args, kwargs))
+        for k, leaf in enumerate(leaves):
+            hit = state.outputs.get(id(leaf)) if isinstance(leaf, torch.Tensor) else None
+            if hit is not None and hit[0]() is leaf:
+                leaves[k] = _OutRef(hit[1], hit[2])
+        state.records.append((spec, leaves))
+        state.expect = j + 1
+
+    def _finish(self) -> None:
+        state, self.open = self.open, None
+        state.outputs.clear()
+        if state.watch is not None:
+            state.watch.__exit__(None, None, None)
+            self.checked = not state.watch.foreign
+        try:
+            next(state.region)
+        except StopIteration:
+            return
+        raise AssertionError("torch's checkpoint region did not close")
+
+    def abort(self) -> None:
+        """Closes a region left open (the forward raised, or the chain stopped half-way)."""
+        state, self.open = self.open, None
+        if state is None:
+            return
+        if state.watch is not None:
+            state.watch.__exit__(None, None, None)
+        state.region.close()
+
+    @contextlib.contextmanager
+    def _replaying(self):
+        self.replaying = True
+        try:
+            yield
+        finally:
+            self.replaying = False
+
+    def _contexts(self):
+        """``context_fn`` of the region: (forward context, re-run context). Buffers are put back
+        outermost: the snapshot and the copy back must run outside SAC's mode."""
+        forward, rerun = (self.context_fn() if self.context_fn is not None
+                          else (contextlib.nullcontext(), contextlib.nullcontext()))
+        outer = [restore_buffers(self.root, self.chain.restore_buffers)] if self.chain.restore_buffers else []
+        return forward, _entered(*outer, rerun, self._replaying())
+
+    def _replay(self, records: list, rebuild: Callable, *tensors: torch.Tensor) -> None:
+        """The re-run in backward: every member called again, chain outputs wired to the next member."""
+        args, kwargs = rebuild(*tensors)
+        outputs: list[list[Any]] = []
+        for j, module in enumerate(self.members):
+            if j:
+                spec, leaves = records[j]
+                args, kwargs = tree_unflatten([outputs[x.member][x.leaf] if isinstance(x, _OutRef) else x
+                                               for x in leaves], spec)
+            outputs.append(tree_flatten(module(*args, **kwargs))[0])
+
+
+@contextlib.contextmanager
+def _entered(*contexts):
+    """Enters the given context managers in order (outermost first)."""
+    with contextlib.ExitStack() as stack:
+        for context in contexts:
+            stack.enter_context(context)
+        yield
+
+
+@dataclass(kw_only=True, slots=True)
+class Installed:
+    """A plan's hooks on a module tree; ``remove()`` takes every one of them off again."""
+
+    root: nn.Module
+    runners: list[_Runner]
+    handles: list
+
+    def remove(self) -> None:
+        for runner in self.runners:
+            runner.abort()
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+
+    def _closed(self, module: nn.Module, args: tuple, output: Any) -> None:
+        """After the root's forward: a chain still open stopped half-way (or the forward raised)."""
+        left = [runner for runner in self.runners if runner.open is not None]
+        for runner in left:
+            runner.abort()
+        if left and output is not None:
+            raise ChainError(f"{left[0]}: its last member never ran in this forward; plan again for this call")
+
+
+def install(root: nn.Module, chains: Sequence[Chain]) -> Installed:
+    """Puts the hooks of ``chains`` on ``root``'s own modules (the caller decides whether ``root`` is
+    the user's model or a clone of it).
+
+    Raises:
+        ChainError: a member path names no module of ``root``, or a chain's members are not siblings.
+    """
+    saved, runners, handles = _SavedOps(), [], []
+    for chain in chains:
+        members = [_module(root, path) for path in chain.members]
+        if len({path.rpartition(".")[0] for path in chain.members}) != 1:
+            raise ChainError(f"chain {' -> '.join(chain.members)}: members must be children of one module")
+        runner = _Runner(chain, members, root, saved)
+        runners.append(runner)
+        handles += runner.register()
+        for path in chain.saved_modules:
+            module = _module(root, path)
+            handles.append(module.register_forward_pre_hook(saved.enter, prepend=True))
+            handles.append(module.register_forward_hook(saved.leave, always_call=True))
+    installed = Installed(root=root, runners=runners, handles=handles)
+    handles.append(root.register_forward_hook(installed._closed, always_call=True))
+    return installed
+
+
+def _module(root: nn.Module, path: str) -> nn.Module:
+    try:
+        return root.get_submodule(path)
+    except AttributeError as exc:
+        raise ChainError(f"the plan names module {path!r}, which {type(root).__name__} does not have; "
+                         "apply the plan to the architecture it was made for") from exc

@@ -1,0 +1,155 @@
+"""The planned module of the module executor: the user's model (or a clone of it) with a plan's
+chains installed as hooks, ``use_cache`` turned off while training, and a warning for inputs larger
+than the plan was made for.
+
+The clone is a new object of the model's exact class, and so is every submodule in it, each sharing
+its parameters, buffers and attributes with the user's: ``type(clone) is type(model)``, every method
+works, ``state_dict()`` has the same keys and tensors, and nothing done to the clone (``train()``,
+hooks, Hugging Face's lazily installed output hooks) reaches the model.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import warnings
+import weakref
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+from torch import nn
+
+from planner.budget import format_bytes
+from planner.capture.cache import install_no_cache, training_with_grad
+from planner.rewrite.chains import Chain, Installed, install
+
+_CONTAINERS = tuple(key for key, value in vars(nn.Module()).items() if isinstance(value, (dict, set)))
+"""nn.Module's own per-instance containers (parameters, buffers, children, every hook dict)."""
+
+
+def clone_tree(model: nn.Module) -> nn.Module:
+    """Every module of ``model`` as a new object of its class with its own containers, sharing every
+    parameter, buffer and other attribute (a module reachable twice is cloned once)."""
+    memo: dict[int, nn.Module] = {}
+
+    def clone(module: nn.Module) -> nn.Module:
+        if id(module) in memo:
+            return memo[id(module)]
+        new = type(module).__new__(type(module))
+        state = dict(vars(module))
+        for key in _CONTAINERS:
+            if key in state:
+                state[key] = state[key].copy()
+        new.__dict__.update(state)
+        memo[id(module)] = new
+        for name, child in module._modules.items():
+            if child is not None:
+                new._modules[name] = clone(child)
+        return new
+
+    return clone(model)
+
+
+def _bind(module: nn.Module, args: tuple, kwargs: dict) -> dict[str, Any] | None:
+    """The call's arguments by parameter name (``**kwargs`` flattened in), or None if they do not bind."""
+    try:
+        bound = inspect.signature(module.forward).bind(*args, **kwargs)
+    except TypeError:
+        return None
+    named: dict[str, Any] = {}
+    for name, value in bound.arguments.items():
+        kind = bound.signature.parameters[name].kind
+        if kind is inspect.Parameter.VAR_KEYWORD:
+            named.update(value)
+        elif kind is not inspect.Parameter.VAR_POSITIONAL:
+            named[name] = value
+    return named
+
+
+def tensor_shapes(module: nn.Module, args: tuple, kwargs: dict) -> dict[str, tuple[int, ...]]:
+    """Shape of each tensor argument of a call of ``module``, by parameter name."""
+    return {name: tuple(value.shape) for name, value in (_bind(module, args, kwargs) or {}).items()
+            if isinstance(value, torch.Tensor)}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PlannedShapes:
+    """What the plan was made for, to notice calls it does not cover."""
+
+    shapes: dict[str, tuple[int, ...]]
+    """Shape of each tensor argument of the example call, by parameter name."""
+    predicted_peak_bytes: int
+    fixed_bytes: int
+    """Part of the predicted peak that does not grow with the inputs (parameters, gradients, state)."""
+    budget_bytes: int
+
+
+class _ShapeWarning:
+    """Forward pre-hook: warns once when a training call has inputs larger than the planned ones,
+    with the peak predicted at that size (activations scaled with the input elements)."""
+
+    def __init__(self, planned: PlannedShapes) -> None:
+        self.planned = planned
+        self.warned = False
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if self.warned or not training_with_grad(module):
+            return
+        bound = _bind(module, args, kwargs) or {}
+        ratio, what = 0.0, ""
+        for name, shape in self.planned.shapes.items():
+            value = bound.get(name)
+            if isinstance(value, torch.Tensor) and value.dim() == len(shape) and \
+                    any(a > b for a, b in zip(value.shape, shape)):
+                scale = value.numel() / max(1, math.prod(shape))
+                if scale > ratio:
+                    ratio, what = scale, f"{name} {list(value.shape)} (planned {list(shape)})"
+        if not what:
+            return
+        self.warned = True
+        p = self.planned
+        estimate = p.fixed_bytes + (p.predicted_peak_bytes - p.fixed_bytes) * max(ratio, 1.0)
+        warnings.warn(f"ckplan: {what} is larger than the inputs this plan was made for: its peak there is "
+                      f"about {format_bytes(int(estimate))} (activations scaled with the input size; the budget "
+                      f"is {format_bytes(p.budget_bytes)}); plan with the largest batch: "
+                      "optimize(model, budget, inputs=<that batch>)", stacklevel=2)
+
+
+_INSTALLED: weakref.WeakKeyDictionary[nn.Module, Installed] = weakref.WeakKeyDictionary()
+"""Module trees with a plan installed, so that a plan can be replaced or removed (``remove_plan``)."""
+
+
+def install_plan(root: nn.Module, chains: Sequence[Chain], *, planned: PlannedShapes | None) -> Installed:
+    """The chains' hooks on ``root``, plus ``use_cache=False`` while training and the shape warning;
+    a plan installed on ``root`` before is removed first."""
+    remove_plan(root)
+    installed = install(root, chains)
+    _INSTALLED[root] = installed
+    handle = install_no_cache(root, warn=True) if chains else None
+    if handle is not None:
+        installed.handles.append(handle)
+    if planned is not None:
+        installed.handles.append(root.register_forward_pre_hook(_ShapeWarning(planned), with_kwargs=True))
+    return installed
+
+
+def remove_plan(root: nn.Module) -> bool:
+    """Takes the hooks ``install_plan`` put on ``root`` off again; True if there were any."""
+    installed = _INSTALLED.pop(root, None)
+    if installed is None:
+        return False
+    installed.remove()
+    return True
+
+
+def describe(chains: Sequence[Chain], model: nn.Module) -> str:
+    """What ``--emit`` writes for a module-executor plan: the chains, as comments a reviewer can read."""
+    lines = [f"# ckplan plan for {type(model).__name__}: the model's own forward runs; while training with",
+             "# gradients, each chain below is one torch.utils.checkpoint region (non-reentrant), entered and",
+             "# left by forward hooks; 'keeps' lists modules whose outputs selective checkpointing keeps.",
+             "CHAINS = ["]
+    for chain in chains:
+        keeps = f"  # keeps {', '.join(chain.saved_modules)}" if chain.saved_modules else ""
+        lines.append(f"    {list(chain.members)!r},{keeps}")
+    return "\n".join([*lines, "]"]) + "\n"
