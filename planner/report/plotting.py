@@ -3,7 +3,8 @@
 Figures are built with ``matplotlib.figure.Figure`` directly, not pyplot: nothing is shown
 or kept open, scripts and tests need no backend, and a notebook displays the returned
 Figure once (with ``%matplotlib inline``). Memory axes are in MiB, overhead in percent
-of the un-checkpointed step time.
+of the un-checkpointed step time. matplotlib is optional (``pip install 'ckplan[plot]'``): it is
+imported when a figure is drawn, so importing this module never needs it.
 """
 
 from __future__ import annotations
@@ -11,13 +12,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import numpy as np
-from matplotlib import colormaps
-from matplotlib.axes import Axes
-from matplotlib.figure import Figure
 
 from planner.budget import format_bytes
+from planner.errors import OptionError
 
 if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
+
     from planner.report.explore import Tradeoff
     from planner.plan import Plan
 
@@ -26,10 +28,24 @@ _PLAN, _BASE, _SHADE, _KNEE = "tab:blue", "tab:gray", "tab:orange", "tab:red"
 _REFERENCE_MARKERS = {"none": "s", "every block": "D", "√n": "^"}
 
 
+def _figure_class() -> type[Figure]:
+    """matplotlib's ``Figure``, imported on first use.
+
+    Raises:
+        OptionError: matplotlib is not installed (it is the ``plot`` extra).
+    """
+    try:
+        import matplotlib  # noqa: F401  (the package first: a stale submodule entry must not hide its absence)
+        from matplotlib.figure import Figure
+    except ImportError:
+        raise OptionError("plotting needs matplotlib: pip install 'ckplan[plot]'") from None
+    return Figure
+
+
 def plot_tradeoff(tradeoff: Tradeoff) -> Figure:
     """Predicted peak (MiB) against predicted overhead (%): every feasible row, the Pareto
     front as a line, the knee starred, and the reference strategies as labelled markers."""
-    fig = Figure(figsize=(7, 4.5), layout="constrained")
+    fig = _figure_class()(figsize=(7, 4.5), layout="constrained")
     ax = fig.subplots()
     feasible = [r for r in tradeoff.rows if r.feasible]
     if feasible:
@@ -64,15 +80,18 @@ def plot_blocks(tradeoff: Tradeoff) -> Figure:
     """Heatmap of ``tradeoff.blocks_table()``: one row per budget (largest on top), one column
     per block (or chunk); the colour is the fraction of the block's nodes checkpointed,
     grey for infeasible budgets."""
+    figure_class = _figure_class()
     table = tradeoff.blocks_table()
     labels = [key for key in table[0] if key != "budget_bytes"] if table else []
-    fig = Figure(figsize=(max(5.0, 0.45 * len(labels) + 2.5), max(2.5, 0.4 * len(table) + 1.5)), layout="constrained")
+    fig = figure_class(figsize=(max(5.0, 0.45 * len(labels) + 2.5), max(2.5, 0.4 * len(table) + 1.5)), layout="constrained")
     ax = fig.subplots()
     if not labels:
         ax.text(0.5, 0.5, "nothing in this model can be checkpointed", ha="center", va="center")
         ax.set_axis_off()
         return fig
     values = np.array([[np.nan if row[c] is None else row[c] for c in labels] for row in table], dtype=float)
+    from matplotlib import colormaps
+
     cmap = colormaps["Blues"].with_extremes(bad="lightgrey")  # grey: infeasible budgets
     image = ax.imshow(np.ma.masked_invalid(values), aspect="auto", cmap=cmap, vmin=0.0, vmax=1.0,
                       interpolation="nearest")
@@ -101,13 +120,15 @@ def plot_timeline(plan: Plan, ax: Axes | None = None) -> Figure:
 
     Raises:
         ValueError: the plan carries no timeline.
+        OptionError: matplotlib is not installed.
     """
+    figure_class = _figure_class()
     timeline = plan.timeline
     if timeline is None:
         raise ValueError("this plan carries no memory timeline (saved by an older ckplan?); plan again with "
                          "planner.optimize or planner.sweep to plot it")
     if ax is None:
-        ax = Figure(figsize=(9, 4), layout="constrained").subplots()
+        ax = figure_class(figsize=(9, 4), layout="constrained").subplots()
     n = len(timeline.nodes)
     backward = [i for i in range(n - 1, -1, -1) if timeline.backward_bytes[i] is not None]
     x_bwd = {i: n + j for j, i in enumerate(backward)}
