@@ -70,14 +70,18 @@ class InfeasibleBudget(PlannerError):
             None when there is no smallest peak.
         reason: what makes the budget infeasible when it is not the model itself (the user's
             overrides), else ``""``; it opens the message.
+        max_chunks: None when infeasibility is proven over every admissible cut position; else the
+            most chunks that were tried: plans among finer chunks were not searched, and
+            ``min_peak_bytes`` is the smallest peak found (an upper bound on the true one).
     """
 
     def __init__(self, budget_bytes: int, min_peak_bytes: int | None, breakdown: PeakBreakdown | None = None,
-                 reason: str = ""):
+                 reason: str = "", max_chunks: int | None = None):
         self.budget_bytes = budget_bytes
         self.min_peak_bytes = min_peak_bytes
         self.breakdown = breakdown
         self.reason = reason
+        self.max_chunks = max_chunks
         budget = format_bytes(budget_bytes)
         if min_peak_bytes is None:
             message = (f"no checkpointing plan satisfies the constraints at any budget, so the smallest "
@@ -87,10 +91,19 @@ class InfeasibleBudget(PlannerError):
             parts = ", ".join(f"{k} {format_bytes(v)}" for k, v in (breakdown.items() if breakdown else ()) if v)
             message = (f"budget {budget} is below the smallest peak any checkpointing plan reaches, {smallest} "
                        f"({parts}); raise the budget to at least {smallest} or shrink the batch")
+        if max_chunks is not None:
+            message = (f"not proven: no plan within {max_chunks} chunks (cut positions) fits, but the model has "
+                       f"more; plan with max_chunks={2 * max_chunks} (ckplan --max-chunks {2 * max_chunks}) to "
+                       f"search finer plans. Among these chunks: {message}")
         super().__init__(f"{reason}: {message}" if reason else message)
 
+    @property
+    def proven(self) -> bool:
+        """Whether no plan over every admissible cut position fits (else only those tried were searched)."""
+        return self.max_chunks is None
+
     def __reduce__(self):  # pickles with its fields (a rank sends it to the others), not its message
-        return type(self), (self.budget_bytes, self.min_peak_bytes, self.breakdown, self.reason)
+        return type(self), (self.budget_bytes, self.min_peak_bytes, self.breakdown, self.reason, self.max_chunks)
 
 
 _PLANNER_DIR = os.path.dirname(os.path.abspath(__file__))

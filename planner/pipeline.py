@@ -26,6 +26,7 @@ from planner.memory.saves import SaveOptions
 from planner.memory.simulate import (ChunkPlan, MemoryModel, Timeline, build_model, freed_bytes, segment_recompute_us,
                                      simulate)
 from planner.solve.peaks import min_peak_saves
+from planner.solve.rotor import relaxed
 from planner.solve.result import NoSolution, Solution, SolverStatus
 from planner.solve.registry import get_solver
 from planner.step import LossFn
@@ -154,14 +155,21 @@ def prepare(model: nn.Module, *, inputs: tuple | Mapping | torch.Tensor | None =
         measured = profile_for(captured, model, example, loss_fn=loss_fn,  # one real step node by node,
                                device=device, saved=profile,        # or a saved or estimated profile
                                keep_output=keep_output)
-    regions = find_regions(measured, max_chunks=max_chunks,         # where segments may start and end:
-                           modules=captured.method.runs_modules)    # chains of module calls for hooks
-    sac = sac_op_cost(measured, load_device(device) if is_device_spec(device) else None)  # from the
-    memory = build_model(measured, regions,                     # profile or the device spec, never from
-                         offset=dist and memory_offset(measured, dist),  # this machine; one rank's share
-                         sac_op_us=sac.op_us)                   # of the job; the cost model the solver optimises
-    return Prepared(model=model, example=example, captured=captured, profile=measured, regions=regions, memory=memory,
-                    baseline=simulate(memory, ()), sac_cost=sac, distributed=dist)
+    sac = sac_op_cost(measured, load_device(device) if is_device_spec(device) else None)  # from the profile
+    # or the device spec, never from this machine
+    return _chunked(Prepared(model=model, example=example, captured=captured, profile=measured, regions=None,
+                             memory=None, baseline=None, sac_cost=sac, distributed=dist), max_chunks)
+
+
+def _chunked(prepared: Prepared, max_chunks: int) -> Prepared:
+    """``prepared`` with its regions (at most ``max_chunks`` chunks) and the cost model over them."""
+    measured, dist = prepared.profile, prepared.distributed
+    regions = find_regions(measured, max_chunks=max_chunks,      # where segments may start and end:
+                           modules=prepared.captured.method.runs_modules)  # chains of module calls for hooks
+    memory = build_model(measured, regions,                      # the cost model the solver optimises
+                         offset=dist and memory_offset(measured, dist),  # one rank's share of the job
+                         sac_op_us=prepared.sac_cost.op_us)
+    return replace(prepared, regions=regions, memory=memory, baseline=simulate(memory, ()))
 
 
 def plan_for(prepared: Prepared, budget: int | str, *, solver: str = "cpsat", time_limit_s: float = 30.0,
@@ -169,21 +177,19 @@ def plan_for(prepared: Prepared, budget: int | str, *, solver: str = "cpsat", ti
              must_save: Sequence[str] = (), must_recompute: Sequence[str] = (),
              target: nn.Module | None = None) -> Plan:
     """Solves and rewrites a prepared model for one budget (arguments as for ``optimize``; ``target``
-    as for ``plan_from_solution``)."""
-    from planner.rewrite.candidates import save_options
+    as for ``plan_from_solution``).
 
+    When no plan over the prepared chunks fits and the graph has more cut positions, the chunks are
+    made finer (twice as many, up to ``WIDEST_CHUNKS``) until a plan fits; ``InfeasibleBudget`` then
+    says whether infeasibility is proven over every cut position or only over those tried
+    (``max_chunks``)."""
     stage = progress or (lambda name: None)
-    memory, baseline = prepared.memory, prepared.baseline
-    budget_bytes = parse_budget(budget, baseline_peak_bytes=baseline.peak_bytes)
-    savable = alone_in_module(prepared.profile, memory.regions.end) if prepared.captured.method.runs_modules else None
-    options = save_options(prepared.captured.graph_module, prepared.profile, memory, must_save=must_save,
-                           must_recompute=must_recompute,  # FSDP plans cut whole units: no saves there
-                           selective=selective and solver == "cpsat" and prepared.distributed is None,
-                           savable=savable)  # hooks keep whole module calls of one op
-    if (options.must_save or options.must_recompute) and solver != "cpsat":
-        raise OptionError(f"must_save/must_recompute need the cpsat solver, not {solver!r}")
+    budget_bytes = parse_budget(budget, baseline_peak_bytes=prepared.baseline.peak_bytes)
     stage("solve")
-    solution = _solve(solver, memory, budget_bytes, baseline.peak_bytes, time_limit_s, options)
+    prepared, solution = _solve_widening(prepared, solver, budget_bytes, time_limit_s, dict(
+        must_save=must_save, must_recompute=must_recompute,  # FSDP plans cut whole units: no saves there
+        selective=selective and solver == "cpsat" and prepared.distributed is None))
+    memory, baseline = prepared.memory, prepared.baseline
     if prepared.distributed is not None:  # FSDP: at most one unit per segment (docs/distributed.md)
         solution = split_at_units(memory, solution, budget_bytes, prepared.distributed, prepared.profile,
                                   time_limit_s=time_limit_s,
@@ -245,6 +251,57 @@ def plan_from_solution(prepared: Prepared, solution: Solution, budget_bytes: int
     if prepared.captured.method.runs_modules:
         install_plan(module, [s.chain_spec() for s in segments], planned=plan.planned_shapes())
     return plan
+
+
+WIDEST_CHUNKS = 256
+"""Finest chunking ``plan_for`` widens to on its own when the prepared chunks admit no plan."""
+
+
+def _solve_widening(prepared: Prepared, solver: str, budget_bytes: int, time_limit_s: float,
+                    save_args: dict) -> tuple[Prepared, Solution]:
+    """The solution at the prepared chunking, else at finer ones (see ``plan_for``), with the
+    ``Prepared`` it belongs to."""
+    try:
+        return prepared, _solve(solver, prepared.memory, budget_bytes, prepared.baseline.peak_bytes, time_limit_s,
+                                _save_options(prepared, solver, save_args))
+    except InfeasibleBudget as exc:
+        first = exc
+    memory = prepared.memory
+    below_fixed = budget_bytes < memory.param_bytes + prepared.profile.grad_bytes  # no plan frees either
+    if first.reason or not prepared.regions.capped or below_fixed or prepared.distributed is not None:
+        raise first if not prepared.regions.capped or below_fixed or first.reason else _unproven(first, prepared)
+    chunks = prepared.regions.n_chunks
+    while prepared.regions.capped and chunks < WIDEST_CHUNKS:
+        chunks *= 2
+        prepared = _chunked(prepared, chunks)
+        if prepared.regions.capped and relaxed(prepared.memory, budget_bytes) is None:
+            continue  # not even the relaxation has a plan at this chunking; perhaps at a finer one
+        try:
+            return prepared, _solve(solver, prepared.memory, budget_bytes, prepared.baseline.peak_bytes,
+                                    time_limit_s, _save_options(prepared, solver, save_args))
+        except InfeasibleBudget:
+            if not prepared.regions.capped:
+                raise  # proven: no plan over every cut position
+    raise _unproven(first, prepared)
+
+
+def _unproven(exc: InfeasibleBudget, prepared: Prepared) -> InfeasibleBudget:
+    """``exc`` marked as searched over at most ``prepared.regions.n_chunks`` chunks only."""
+    return InfeasibleBudget(exc.budget_bytes, exc.min_peak_bytes, exc.breakdown, exc.reason,
+                            max_chunks=prepared.regions.n_chunks)
+
+
+def _save_options(prepared: Prepared, solver: str, save_args: dict) -> SaveOptions:
+    """The save candidates and overrides at the prepared chunking."""
+    from planner.rewrite.candidates import save_options
+
+    savable = (alone_in_module(prepared.profile, prepared.memory.regions.end)
+               if prepared.captured.method.runs_modules else None)  # hooks keep whole module calls of one op
+    options = save_options(prepared.captured.graph_module, prepared.profile, prepared.memory, savable=savable,
+                           **save_args)
+    if (options.must_save or options.must_recompute) and solver != "cpsat":
+        raise OptionError(f"must_save/must_recompute need the cpsat solver, not {solver!r}")
+    return options
 
 
 def _solve(solver: str, memory: MemoryModel, budget_bytes: int, baseline_peak: int,

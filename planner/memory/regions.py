@@ -34,6 +34,9 @@ class Regions:
     """Chunk ranges ``(first, stop)`` of the calls of the model's repeated blocks, if any."""
     block_paths: tuple[str, ...] = ()
     """Module path of each block (children of the largest container of numbered submodules)."""
+    capped: bool = False
+    """True when the graph has more admissible cut positions than ``max_chunks`` allowed: a plan may
+    exist among finer chunks that these do not contain."""
     chains: Mapping[tuple[int, int], tuple[str, ...]] | None = None
     """For plans run by module hooks: the chunk ranges ``(first, stop)`` that are chains of module
     calls (``planner.memory.chains``), each with its members' paths; only these may be segments.
@@ -118,7 +121,7 @@ def find_regions(profile: Profile, *, max_chunks: int = 64, modules: bool = Fals
     if modules:
         chains = {(index[c.lo], index[c.hi]): c.members for c in found if c.lo in index and c.hi in index}
     return Regions(starts=starts, end=end, checkpointable=checkpointable, blocks=blocks, block_paths=block_paths,
-                   chains=chains)
+                   capped=len(candidates) > len(chosen), chains=chains)
 
 
 def find_blocks(profile: Profile, end: int) -> tuple[tuple[str, ...], list[tuple[int, int]]]:

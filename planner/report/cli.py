@@ -39,7 +39,7 @@ from planner.profiling.api import Profile, profile
 from planner.profiling.record import load_profile
 from planner.solve.registry import SOLVERS
 
-EXIT_OK, EXIT_INTERNAL, EXIT_USAGE, EXIT_INFEASIBLE, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
+EXIT_OK, EXIT_INTERNAL, EXIT_USAGE, EXIT_INFEASIBLE, EXIT_NOT_FOUND, EXIT_INTERRUPTED = 0, 1, 2, 3, 4, 130
 VERIFY_RUNS = 5
 MODEL_MODULE = "__ckplan_model__"
 """Name the model file runs under, so its ``if __name__ == "__main__":`` block does not run."""
@@ -77,7 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="ckplan",
         description="Plan activation checkpointing so one training step of a PyTorch model fits a memory budget.",
-        epilog="exit codes: 0 success, 1 internal error (a bug in ckplan), 2 user error, 3 infeasible budget. "
+        epilog="exit codes: 0 success, 1 internal error (a bug in ckplan), 2 user error, 3 infeasible budget (proven), "
+               "4 no plan found within the cut positions tried (--max-chunks; not proven infeasible). "
                "Full reference: docs/cli.md",
     )
     p.add_argument("model_file", help="Python file defining `model`, `inputs` and optionally `loss_fn`")
@@ -359,7 +360,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.json:
             cli_report.print_json(cli_report.infeasible_json(exc))
         cli_report.print_infeasible(err, exc)
-        return EXIT_INFEASIBLE
+        return EXIT_INFEASIBLE if exc.proven else EXIT_NOT_FOUND
     except (UserError, PlannerError) as exc:
         _show_debug(args, exc)
         if args.json:

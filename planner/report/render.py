@@ -271,7 +271,8 @@ def infeasible_json(exc: InfeasibleBudget) -> dict[str, Any]:
     """The ``--json`` object of an infeasible budget; ``min_peak_bytes`` and ``breakdown`` are null when no
     plan satisfies the constraints at all (contradictory overrides)."""
     return {"error": "infeasible", "message": str(exc), "budget_bytes": exc.budget_bytes,
-            "min_peak_bytes": exc.min_peak_bytes, "breakdown": exc.breakdown.to_dict() if exc.breakdown else None}
+            "min_peak_bytes": exc.min_peak_bytes, "breakdown": exc.breakdown.to_dict() if exc.breakdown else None,
+            "proven": exc.proven, "max_chunks": exc.max_chunks}
 
 
 def print_json(data: dict[str, Any]) -> None:
