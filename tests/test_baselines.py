@@ -11,6 +11,7 @@ from planner.solve.default import solve
 from planner.memory.synthetic import brute_force, memory_model, min_peak_brute, random_profile
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", range(8))
 def test_rotor_is_exact_on_small_chains(seed):
     model = memory_model(random_profile(9, seed))
@@ -21,6 +22,7 @@ def test_rotor_is_exact_on_small_chains(seed):
         rotor(model, lowest - 1)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", range(3))
 def test_rotor_equals_cpsat_on_50_node_chains(seed):
     model = memory_model(random_profile(50, seed))
@@ -31,6 +33,7 @@ def test_rotor_equals_cpsat_on_50_node_chains(seed):
         assert rotor(model, budget).recompute_us == exact.recompute_us
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", range(4))
 def test_rotor_is_feasible_and_never_beats_cpsat_with_skip_connections(seed):
     model = memory_model(random_profile(10, seed, skip_connections=True))

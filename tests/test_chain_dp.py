@@ -9,7 +9,9 @@ from planner.memory.simulate import simulate
 from planner.solve.result import NoSolution
 from planner.memory.synthetic import brute_force, memory_model, min_peak_brute, random_profile, transformer_profile
 
-CASES = [(n, seed, skips) for n, seed in [(6, 5), (8, 6), (9, 7), (9, 8)] for skips in (False, True)]
+# Graphs of 8 and 9 nodes take 10-50 s each against brute force: the quick run (-m "not slow") skips them.
+CASES = [pytest.param(n, seed, skips, marks=pytest.mark.slow if n >= 8 else ())
+         for n, seed in [(6, 5), (8, 6), (9, 7), (9, 8)] for skips in (False, True)]
 
 
 @pytest.mark.parametrize(("n", "seed", "skips"), CASES)
@@ -37,6 +39,7 @@ def test_smallest_peak_is_exact(n, seed, skips):
     assert simulate(model, plan).peak_bytes == min_peak_brute(model)
 
 
+@pytest.mark.slow
 def test_untracked_storages_keep_plans_feasible_and_bounds_valid(monkeypatch):
     """With at most one storage tracked per boundary, the conservative DP still fits the budget
     and the optimistic one still bounds it from below."""
@@ -57,6 +60,7 @@ def test_untracked_storages_keep_plans_feasible_and_bounds_valid(monkeypatch):
         assert not smallest_peak(model)[1] or len(model.varying()) == 0
 
 
+@pytest.mark.slow
 def test_transformer_graph_is_proven_optimal_by_the_dps():
     """On a residual stack every storage is tracked: the two DPs meet (solve needs no CP-SAT)."""
     from planner.memory.regions import find_regions
@@ -88,6 +92,7 @@ def test_more_chunks_never_cost_more_recompute_and_stay_exact(restore_buffers):
         prepare(model, inputs=inputs, max_chunks=0)
 
 
+@pytest.mark.slow
 def test_cli_rejects_a_bad_chunk_cap_in_one_line():
     import subprocess
     import sys

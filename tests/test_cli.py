@@ -2,7 +2,9 @@
 and on model files the tests write. User errors exit 2 with one line and no traceback; an
 infeasible budget exits 3 with the smallest peak.
 
-The error cases only import torch and fail, so they run concurrently (one module fixture).
+The error cases only import torch and fail, so they run concurrently (one module fixture). Every test
+that starts the command is marked slow (each run starts Python and imports torch); the user errors
+that go through ``main()`` in this process stay in the quick run.
 """
 
 from __future__ import annotations
@@ -136,6 +138,7 @@ def planned(work) -> subprocess.CompletedProcess:
                   "--time-limit", "10", "--device", "cpu", "--verify", cwd=work)
 
 
+@pytest.mark.slow
 def test_report_has_a_header_and_a_segment_table(planned):
     assert planned.returncode == 0, planned.stderr
     out = planned.stdout
@@ -149,11 +152,13 @@ def test_report_has_a_header_and_a_segment_table(planned):
     assert int(row.group(2)) >= 1 and row.group(3) != "0 B"
 
 
+@pytest.mark.slow
 def test_no_progress_when_stderr_is_not_a_terminal(planned):
     assert planned.returncode == 0
     assert not any(stage in planned.stderr for stage in STAGES), planned.stderr
 
 
+@pytest.mark.slow
 def test_save_writes_a_plan_load_plan_reads(planned, work):
     assert planned.returncode == 0, planned.stderr
     assert "plan saved to plan.json" in planned.stdout
@@ -162,6 +167,7 @@ def test_save_writes_a_plan_load_plan_reads(planned, work):
     assert all(seg.module_paths and seg.freed_bytes > 0 for seg in plan.segments)
 
 
+@pytest.mark.slow
 def test_emit_writes_the_rewritten_source(planned, work):
     assert planned.returncode == 0, planned.stderr
     assert "module source written to out.py" in planned.stdout
@@ -171,6 +177,7 @@ def test_emit_writes_the_rewritten_source(planned, work):
     compile(text, str(work / "out.py"), "exec")
 
 
+@pytest.mark.slow
 def test_empty_plan_emits_and_explains(work, tmp_path):
     result = ckplan(str(work / "mlp.py"), "--budget", "100%", "--emit", "empty.py", "--explain", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
@@ -184,6 +191,7 @@ def test_empty_plan_emits_and_explains(work, tmp_path):
 # -- --json, --verify, --explain, --quiet, progress ---------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_json_with_verify_is_one_object_on_stdout(work):
     result = ckplan("mlp.py", "--budget", "90%", "--json", "--verify", cwd=work)
     assert result.returncode == 0, result.stderr
@@ -202,6 +210,7 @@ def test_json_with_verify_is_one_object_on_stdout(work):
     assert verify["baseline_step_ms"] > 0 and verify["planned_step_ms"] > 0 and verify["runs"] == 5
 
 
+@pytest.mark.slow
 def test_verify_prints_measured_next_to_predicted(planned):
     assert planned.returncode == 0, planned.stderr
     out = planned.stdout
@@ -214,6 +223,7 @@ def test_verify_prints_measured_next_to_predicted(planned):
     assert re.search(r"overhead\s+\+[\d.]+%\s+[+-][\d.]+%", out), out
 
 
+@pytest.mark.slow
 def test_explain_on_the_seed_example():
     result = ckplan(SEED_CNN, "--budget", "95%", "--explain")
     assert result.returncode == 0, result.stderr
@@ -227,6 +237,7 @@ def test_explain_on_the_seed_example():
     assert "saved for backward by relu" in out
 
 
+@pytest.mark.slow
 def test_quiet_prints_the_header_only_and_no_progress(work):
     result, terminal = ckplan_tty("mlp.py", "--budget", "90%", "--quiet", cwd=work)
     assert result.returncode == 0, terminal
@@ -235,6 +246,7 @@ def test_quiet_prints_the_header_only_and_no_progress(work):
     assert not any(stage in terminal for stage in STAGES), terminal
 
 
+@pytest.mark.slow
 def test_progress_on_a_terminal_stderr(work):
     result, terminal = ckplan_tty("mlp.py", "--budget", "90%", cwd=work)
     assert result.returncode == 0, terminal
@@ -242,6 +254,7 @@ def test_progress_on_a_terminal_stderr(work):
     assert "checkpointed segments" in result.stdout and "capture:" not in result.stdout
 
 
+@pytest.mark.slow
 def test_other_names_callables_and_dict_inputs(work):
     result = ckplan("named.py", "--model", "build", "--inputs", "make_batch", "--loss", "criterion",
                     "--budget", "100%", "--json", cwd=work)
@@ -253,6 +266,7 @@ def test_other_names_callables_and_dict_inputs(work):
 # -- exit 3: infeasible ------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_infeasible_budget_on_the_seed_example_exits_3():
     result = ckplan(SEED_CNN, "--budget", "70%")
     assert result.returncode == 3, result.stderr
@@ -263,6 +277,7 @@ def test_infeasible_budget_on_the_seed_example_exits_3():
     assert result.stdout == ""
 
 
+@pytest.mark.slow
 def test_infeasible_budget_in_json(work):
     result = ckplan("mlp.py", "--budget", "50%", "--json", cwd=work)
     assert result.returncode == 3, result.stderr
@@ -330,6 +345,7 @@ def error_runs(tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
         return dict(zip(cases, pool.map(run, cases)))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(SUBPROCESS_ERRORS))
 def test_user_errors_exit_2_with_one_message_and_no_traceback(error_runs, case):
     result = error_runs[case]
@@ -338,12 +354,14 @@ def test_user_errors_exit_2_with_one_message_and_no_traceback(error_runs, case):
     assert "ckplan: error:" in result.stderr and no_traceback(result) and result.stdout == ""
 
 
+@pytest.mark.slow
 def test_debug_shows_the_traceback_with_the_same_exit_code(error_runs):
     result = error_runs["debug"]
     assert result.returncode == 2
     assert TRACEBACK in result.stderr and DEBUG[2] in result.stderr
 
 
+@pytest.mark.slow
 def test_json_user_error_is_a_json_object(error_runs):
     result = error_runs["json"]
     assert result.returncode == 2
@@ -402,6 +420,7 @@ def test_help_lists_every_option(capsys):
 # -- python -m planner is ckplan ---------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_python_m_planner_behaves_like_the_ckplan_script(tmp_path):
     script = shutil.which("ckplan", path=str(Path(sys.executable).parent)) or shutil.which("ckplan")
     if script is None:

@@ -160,6 +160,7 @@ def test_early_gathers_counts_units_re_run_before_their_backward():
     assert early_gathers([seg("blocks.3", "head")], UNITS) == 1
 
 
+@pytest.mark.slow
 def test_cli_plans_one_rank(tmp_path):
     model_file = tmp_path / "model.py"
     model_file.write_text(f"import sys\nsys.path.insert(0, {str(Path(__file__).parent)!r})\n"
@@ -275,6 +276,7 @@ def _check_ranks(results: list[dict]) -> None:
     assert results[0]["unplanned"]["losses"] != results[1]["unplanned"]["losses"]  # ranks saw different data
 
 
+@pytest.mark.slow
 def test_fsdp2_planned_module_trains_like_the_unplanned_one(tmp_path):
     results = run_ranks(fsdp_worker, tmp_path)
     _check_ranks(results)
@@ -286,6 +288,7 @@ def test_fsdp2_planned_module_trains_like_the_unplanned_one(tmp_path):
         torch.testing.assert_close(r["joint"]["losses"], r["unplanned"]["losses"], rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.slow
 def test_ddp_planned_module_trains_like_the_unplanned_one(tmp_path):
     results = run_ranks(ddp_worker, tmp_path)
     _check_ranks(results)

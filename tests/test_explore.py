@@ -90,12 +90,15 @@ def test_guarantees_hold_on_the_sweep(tradeoff):
     check_guarantees(tradeoff.rows)
 
 
-@pytest.mark.parametrize("budgets", [["95%", "85%", "75%", "65%", "55%", "45%"], ["60%", "61%", "62%"],
-                                     ["40%", "100%", "42%", "80%"]], ids=["ladder", "close", "unsorted"])
+@pytest.mark.parametrize("budgets", [  # the first two take 5-15 s each: the quick run keeps the last
+    pytest.param(["95%", "85%", "75%", "65%", "55%", "45%"], id="ladder", marks=pytest.mark.slow),
+    pytest.param(["60%", "61%", "62%"], id="close", marks=pytest.mark.slow),
+    pytest.param(["40%", "100%", "42%", "80%"], id="unsorted")])
 def test_guarantees_on_budget_sets(prepared, budgets):
     check_guarantees(sweep(prepared.model, budgets, profile=prepared, time_limit_s=10).rows)
 
 
+@pytest.mark.slow
 @settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(percents=st.lists(st.integers(min_value=25, max_value=100), min_size=2, max_size=4, unique=True))
 def test_guarantees_property(prepared, percents):

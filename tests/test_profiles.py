@@ -145,7 +145,7 @@ def test_roofline_is_compute_bound_for_matmuls_and_memory_bound_for_the_rest():
     assert roof.op_ms(mm, (half, half), half) == pytest.approx(overhead_ms + 2 * 4096**3 / 989.4e12 * 1e3)
 
 
-@pytest.mark.parametrize("name", ["seed_cnn", "resnet"])
+@pytest.mark.parametrize("name", ["seed_cnn", pytest.param("resnet", marks=pytest.mark.slow)])
 def test_meta_estimates_match_measured_cpu_memory(name, restore_buffers):
     """Memory from meta tensors agrees with a real CPU step within 5%, un-checkpointed and planned."""
     example = load_example(name)

@@ -41,6 +41,7 @@ def _plans_with_saves(model, options):
                 yield plan, frozenset(saves)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", range(4))
 def test_encoding_equals_simulator_with_saves(seed):
     model, options = _model(seed)
@@ -50,6 +51,7 @@ def test_encoding_equals_simulator_with_saves(seed):
         assert encoded_peak(model, plan, saves=saves, options=options) == simulate(model, plan, saves).peak_bytes
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", range(2))
 def test_selective_optimum_matches_brute_force(seed):
     """Saves and segments chosen jointly: CP-SAT's optimum equals the best of every plan x save set."""
@@ -65,6 +67,7 @@ def test_selective_optimum_matches_brute_force(seed):
         assert best <= whole
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", range(3))
 def test_save_variant_dp_is_exact_over_its_space(seed):
     """The chunk DP with per-segment save variants (planner.rotor_saves) finds the least recompute of
@@ -101,6 +104,7 @@ def test_saves_must_be_inside_segments():
         simulate(model, (), frozenset({options.candidates[0]}))
 
 
+@pytest.mark.slow
 def test_overrides_are_honoured_or_infeasible():
     model, options = _model(1)
     o = options.candidates[0]
@@ -261,6 +265,7 @@ def test_policy_saves_fresh_outputs_of_marked_nodes_and_never_random_ops():
         sac_mark(False)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", range(2))
 def test_sac_dispatch_cost_is_charged_and_optimal(seed):
     """With SAC's per-op cost charged to segments that save, the optimum still equals brute force."""

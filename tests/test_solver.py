@@ -11,11 +11,17 @@ from planner.solve.cpsat import search
 from planner.solve.default import solve
 from planner.memory.synthetic import all_plans, brute_force, memory_model, min_peak_brute, random_profile
 
-CASES = [(n, seed, skips) for n, seed in [(6, 0), (8, 1), (9, 2), (10, 3), (10, 4)] for skips in (False, True)]
+GRAPHS = [(n, seed, skips) for n, seed in [(6, 0), (8, 1), (9, 2), (10, 3), (10, 4)] for skips in (False, True)]
+
+
+def cases(slow_from: int) -> list:
+    """``GRAPHS``, those of ``slow_from`` nodes or more marked slow: against brute force they take 5-80 s
+    each, so the quick run (-m "not slow") keeps the small ones."""
+    return [pytest.param(*graph, marks=pytest.mark.slow if graph[0] >= slow_from else ()) for graph in GRAPHS]
 
 
 @pytest.mark.parametrize("engine", [solve, search], ids=["solve", "cpsat-alone"])
-@pytest.mark.parametrize(("n", "seed", "skips"), CASES)
+@pytest.mark.parametrize(("n", "seed", "skips"), cases(slow_from=8))
 def test_binding_budget_matches_brute_force(n, seed, skips, engine):
     model = memory_model(random_profile(n, seed, skip_connections=skips))
     lowest, highest = min_peak_brute(model), simulate(model, ()).peak_bytes
@@ -28,14 +34,14 @@ def test_binding_budget_matches_brute_force(n, seed, skips, engine):
         assert simulate(model, solution.plan).peak_bytes <= budget
 
 
-@pytest.mark.parametrize(("n", "seed", "skips"), CASES[:4])
+@pytest.mark.parametrize(("n", "seed", "skips"), GRAPHS[:4])
 def test_slack_budget_needs_no_checkpointing(n, seed, skips):
     model = memory_model(random_profile(n, seed, skip_connections=skips))
     solution = solve(model, simulate(model, ()).peak_bytes, time_limit_s=20)
     assert solution.recompute_us == 0 and solution.status == "OPTIMAL"
 
 
-@pytest.mark.parametrize(("n", "seed", "skips"), CASES)
+@pytest.mark.parametrize(("n", "seed", "skips"), cases(slow_from=9))
 def test_infeasible_budget_is_proven_and_min_peak_is_exact(n, seed, skips):
     model = memory_model(random_profile(n, seed, skip_connections=skips))
     lowest = min_peak_brute(model)

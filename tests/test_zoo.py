@@ -59,6 +59,7 @@ def test_autocast_bf16_profile_sees_the_saved_bf16_activations(restore_buffers):
         assert_plan_is_exact(model, plan, inputs, loss_fn, restore_buffers)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("budget", ["50%", "smallest"])
 def test_value_dependent_blocks_are_planned_on_their_own_forward(budget, restore_buffers):
     """fx cannot trace the blocks (value-dependent branch): the model is captured from one real forward
