@@ -28,7 +28,7 @@ from planner.memory.simulate import (ChunkPlan, MemoryModel, Timeline, build_mod
 from planner.solve.peaks import min_peak_saves
 from planner.solve.rotor import relaxed
 from planner.solve.result import NoSolution, Solution, SolverStatus
-from planner.solve.registry import get_solver
+from planner.solve.registry import capabilities, get_solver
 from planner.step import LossFn
 from planner.capture.scope import path_of
 
@@ -84,7 +84,7 @@ def optimize(
         loss_fn: ``output -> scalar`` differentiated by a step; default ``output.loss``
             or the sum of the floating outputs.
         time_limit_s: CP-SAT time limit; past it the best plan found is returned as FEASIBLE.
-        solver: which planner chooses the segments; one of ``planner.solvers.SOLVERS``
+        solver: which planner chooses the segments; one of ``planner.solve.registry.SOLVERS``
             (``cpsat``, the default, is optimal under the cost model).
         max_chunks: most cut positions segments may start or end at (``regions.find_regions``);
             more give finer plans and a slower solve (docs/solver.md).
@@ -188,7 +188,7 @@ def plan_for(prepared: Prepared, budget: int | str, *, solver: str = "cpsat", ti
     stage("solve")
     prepared, solution = _solve_widening(prepared, solver, budget_bytes, time_limit_s, dict(
         must_save=must_save, must_recompute=must_recompute,  # FSDP plans cut whole units: no saves there
-        selective=selective and solver == "cpsat" and prepared.distributed is None))
+        selective=selective and capabilities(solver).saves and prepared.distributed is None))
     memory, baseline = prepared.memory, prepared.baseline
     if prepared.distributed is not None:  # FSDP: at most one unit per segment (docs/distributed.md)
         solution = split_at_units(memory, solution, budget_bytes, prepared.distributed, prepared.profile,
@@ -299,7 +299,7 @@ def _save_options(prepared: Prepared, solver: str, save_args: dict) -> SaveOptio
                if prepared.captured.method.runs_modules else None)  # hooks keep whole module calls of one op
     options = save_options(prepared.captured.graph_module, prepared.profile, prepared.memory, savable=savable,
                            **save_args)
-    if (options.must_save or options.must_recompute) and solver != "cpsat":
+    if (options.must_save or options.must_recompute) and not capabilities(solver).saves:
         raise OptionError(f"must_save/must_recompute need the cpsat solver, not {solver!r}")
     return options
 

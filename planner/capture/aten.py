@@ -30,7 +30,7 @@ from torch.fx.graph import _PyTreeCodeGen, _PyTreeInfo
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from planner.capture.fx import training_mode
-from planner.capture.scope import SCOPE_KEY
+from planner.capture.scope import SCOPE_KEY, path_of
 
 
 def keep_args(*tensors: torch.Tensor) -> None:
@@ -93,12 +93,12 @@ def _add_keep_nodes(graph: fx.Graph, calls: list) -> None:
     """A ``keep_args`` node before each call's first node, in the call's scope."""
     for path, before, arguments in calls:
         first = before.next
-        while first.op != "output" and not any(e.rsplit("#", 1)[0] == path for e in first.meta.get(SCOPE_KEY, ())):
+        while first.op != "output" and not any(path_of(e) == path for e in first.meta.get(SCOPE_KEY, ())):
             first = first.next
         if first.op == "output":
             continue  # the call ran no op
         scope = first.meta[SCOPE_KEY]
-        depth = next(i for i, e in enumerate(scope) if e.rsplit("#", 1)[0] == path)
+        depth = next(i for i, e in enumerate(scope) if path_of(e) == path)
         arguments = list(dict.fromkeys(arguments))
         with graph.inserting_before(first):
             keep = graph.call_function(keep_args, tuple(arguments))

@@ -16,7 +16,7 @@ whether some node saves them for backward:
 
 Two plan conditions keep this exact (``check_saves``; constraints in CP-SAT): the re-run must reach
 ``o`` (``partner``), and no later segment may hold an unsaved cached storage as its input (it would
-count the storage a second time with another lifetime). Torch-free; ``planner.simulate`` and the
+count the storage a second time with another lifetime). Torch-free; ``planner.memory.simulate`` and the
 CP-SAT encoding (``planner.solve_selective``) use it.
 """
 
@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 NEVER = np.iinfo(np.int64).max // 4
-"""``first_saver`` of a storage nobody saves (``planner.simulate.NEVER``)."""
+"""``first_saver`` of a storage nobody saves (``planner.memory.simulate.NEVER``)."""
 
 if TYPE_CHECKING:
     from planner.memory.simulate import ChunkPlan, MemoryModel

@@ -259,7 +259,7 @@ def kept_storages(model: MemoryModel, plan: ChunkPlan) -> np.ndarray:
 
 def simulate(model: MemoryModel, plan: ChunkPlan, saves: Saves = frozenset()) -> Timeline:
     """Predicted memory of every node of one training step under ``plan``, whose segments keep
-    the outputs of the ``saves`` nodes (selective checkpointing, ``planner.saves``)."""
+    the outputs of the ``saves`` nodes (selective checkpointing, ``planner.memory.saves``)."""
     check_plan(model, plan)
     saves = frozenset(int(o) for o in saves)
     check_saves(model, plan, saves)
@@ -354,7 +354,7 @@ def rerun_bytes(model: MemoryModel, first: int, last: int, stop: int, saves: Sav
     re-runs, alive are: the storages the segment produced before u that some node up to t
     saves (held until unpacked) or that a later node still reads, u's own allocations, and
     the copies of the buffers the segment mutates (restored after the re-run). Storages cached by
-    ``saves`` are counted as kept, not here (``planner.saves.rerun_parts``).
+    ``saves`` are counted as kept, not here (``planner.memory.saves.rerun_parts``).
     """
     base, relief, restored = rerun_parts(model, first, last, stop, saves)
     for o in saves:

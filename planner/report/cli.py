@@ -73,7 +73,7 @@ class ModelFile:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The ``ckplan`` argument parser; ``--solver`` choices come from ``planner.solvers.SOLVERS``."""
+    """The ``ckplan`` argument parser; ``--solver`` choices come from ``planner.solve.registry.SOLVERS``."""
     p = argparse.ArgumentParser(
         prog="ckplan",
         description="Plan activation checkpointing so one training step of a PyTorch model fits a memory budget.",
@@ -273,7 +273,7 @@ def _plan(args: argparse.Namespace, err: Console) -> tuple[ModelFile, Plan, cli_
         raise UserError("--profile and --save-profile together would only copy the profile; give one of them")
     if args.verify and (args.world_size > 1 or args.parallel):
         raise UserError("--verify measures one process, but --world-size/--parallel plan one rank of a job: measure "
-                        "inside the job with planner.distributed_rank.rank_peak_bytes (docs/distributed.md)")
+                        "inside the job with planner.distributed.rank_peak_bytes (docs/distributed.md)")
     show = not args.quiet and sys.stderr.isatty()
     with cli_report.StageProgress(err, enabled=show, solver=args.solver, time_limit_s=args.time_limit) as stage:
         stage("load")

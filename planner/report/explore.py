@@ -29,7 +29,7 @@ from planner.solve.registry import SOLVERS, get_solver
 from planner.step import LossFn
 
 REFERENCES = (("none", "none"), ("every block", "every_block"), ("√n", "sqrt_n"))
-"""Hand-made strategies shown next to the sweep: (label, name in ``planner.solvers.SOLVERS``)."""
+"""Hand-made strategies shown next to the sweep: (label, name in ``planner.solve.registry.SOLVERS``)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -173,7 +173,7 @@ def sweep(
         loss_fn: ``output -> scalar``, as for ``optimize``; not with a ``Prepared`` profile.
         profile: a ``Prepared`` from ``planner.prepare(model, ...)`` to skip capture and profile,
             or a ``Profile`` (``planner.profile``, ``planner.load_profile``) to skip profiling only.
-        solver: strategy from ``planner.solvers.SOLVERS``; ``cpsat`` is optimal.
+        solver: strategy from ``planner.solve.registry.SOLVERS``; ``cpsat`` is optimal.
         time_limit_s: solver time limit per budget, s.
         selective: op-level saves inside segments (``optimize``'s default, ~7 s per budget on the GPT
             example); ``False`` for whole-segment plans (~0.2 s per budget).

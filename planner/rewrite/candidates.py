@@ -2,7 +2,7 @@
 
 The torch side of selective checkpointing at planning time: it looks at the captured graph to tell
 what a node runs (a Linear, a softmax, a random op), and hands the solver plain ``SaveOptions``.
-A candidate must be exact in the memory model (``planner.saves.cacheable``: every output saved for
+A candidate must be exact in the memory model (``planner.memory.saves.cacheable``: every output saved for
 backward) and safe to cache with SAC: one fresh-output op per node (a ``torch.matmul`` may copy its
 operands first, so it is not a candidate), never a random op (``planner.sac`` explains why), never
 one that writes buffers. To keep CP-SAT small, each block keeps its ``per_block`` candidates with

@@ -1,6 +1,6 @@
 """The CP-SAT model of the plan space: least recompute time under a peak budget.
 
-The model encodes the formulas of ``planner.simulate`` over chunks (see
+The model encodes the formulas of ``planner.memory.simulate`` over chunks (see
 ``docs/memory-model.md``); it never sees torch objects, only the arrays of a
 ``MemoryModel``. Build, solve and read back are separate functions.
 """

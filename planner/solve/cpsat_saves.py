@@ -1,7 +1,7 @@
 """The CP-SAT side of op-level saves (selective checkpointing): variables, and the terms they add.
 
 ``planner.solve.build`` calls these when it is given ``SaveOptions``; they encode exactly what
-``planner.saves`` adds to ``planner.simulate`` (a test checks ``encoded_peak == simulate`` on random
+``planner.memory.saves`` adds to ``planner.memory.simulate`` (a test checks ``encoded_peak == simulate`` on random
 plans with saves). Torch-free.
 """
 
@@ -27,7 +27,7 @@ def add_saves(cp, model: MemoryModel, options: SaveOptions, ckpt: list, covers: 
         var = cp.new_bool_var(f"save[{o}]")
         cp.add_implication(var, ckpt[owner[o]])
         k, j = owner[partner(model, o)], owner[o]
-        if k != j:  # the first saver of o's output shares o's segment (planner.saves.partner)
+        if k != j:  # the first saver of o's output shares o's segment (planner.memory.saves.partner)
             cp.add(var <= sum(covers[a, k] for a in range(j + 1) if (a, k) in covers))
         save[o] = var
     # must_save: never re-run (its chunk is not checkpointed, or it is saved); must_recompute: re-run.
@@ -38,7 +38,7 @@ def add_saves(cp, model: MemoryModel, options: SaveOptions, ckpt: list, covers: 
         cp.add(ckpt[owner[o]] == 1)
         if o in save:
             cp.add(save[o] == 0)
-    for o, var in save.items():  # no later segment holds a storage only SAC's cache keeps (planner.saves)
+    for o, var in save.items():  # no later segment holds a storage only SAC's cache keeps (planner.memory.saves)
         for s in until_rerun(model, o):
             for w in model.consumer_chunks[s]:
                 for a in range(owner[o] + 1, w + 1):
@@ -54,12 +54,12 @@ def add_saves(cp, model: MemoryModel, options: SaveOptions, ckpt: list, covers: 
 
 def cache_items(model: MemoryModel, save: dict) -> list[tuple[int, int, object]]:
     """``(storage, release, save[o])`` for the cached storages nobody saves: kept from their production
-    until the re-run of o's segment, counted from ``release = o + 1`` (``planner.saves.dropped_at``)."""
+    until the re-run of o's segment, counted from ``release = o + 1`` (``planner.memory.saves.dropped_at``)."""
     return [(int(s), o + 1, var) for o, var in save.items() for s in until_rerun(model, o)]
 
 
 def relief_rows(model: MemoryModel, save: dict) -> dict[int, np.ndarray]:
-    """``planner.saves.relief_row`` of every candidate."""
+    """``planner.memory.saves.relief_row`` of every candidate."""
     return {o: relief_row(model, o) for o in save}
 
 

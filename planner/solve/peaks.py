@@ -1,6 +1,6 @@
 """CP-SAT questions other than the least recompute: the smallest reachable peak (to explain an
 infeasible budget), and the peak the encoding gives a fixed plan (tests check it against
-``planner.simulate``). Torch-free."""
+``planner.memory.simulate``). Torch-free."""
 
 from __future__ import annotations
 

@@ -7,6 +7,7 @@ they can be compared with it on the same cost model (``bench/``) and selected wi
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
 from planner.solve.baselines import every_block, no_checkpointing, sqrt_n
@@ -28,6 +29,34 @@ SOLVERS: dict[str, Solver] = {
     "sqrt_n": sqrt_n,
     "none": no_checkpointing,
 }
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Capabilities:
+    """What a strategy can do, so callers ask this instead of comparing names."""
+
+    reads_budget: bool
+    """It chooses its plan for the budget (the fixed placements do not)."""
+    proves_optimal: bool
+    """Its status can be OPTIMAL: least recompute under the cost model, with a proven bound."""
+    saves: bool
+    """It places op-level saves (selective checkpointing) and honours must_save/must_recompute."""
+
+
+CAPABILITIES: dict[str, Capabilities] = {
+    "cpsat": Capabilities(reads_budget=True, proves_optimal=True, saves=True),
+    "rotor": Capabilities(reads_budget=True, proves_optimal=True, saves=False),  # when its DP is exact
+    "every_block": Capabilities(reads_budget=False, proves_optimal=False, saves=False),
+    "sqrt_n": Capabilities(reads_budget=False, proves_optimal=False, saves=False),
+    "none": Capabilities(reads_budget=False, proves_optimal=False, saves=False),
+}
+"""Per entry of ``SOLVERS``."""
+
+
+def capabilities(name: str) -> Capabilities:
+    """What the strategy called ``name`` can do (``OptionError`` for an unknown name)."""
+    get_solver(name)
+    return CAPABILITIES[name]
 
 
 def get_solver(name: str) -> Solver:

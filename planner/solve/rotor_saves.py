@@ -44,7 +44,7 @@ class _Candidate:
     kept: tuple[int, ...]
     held: tuple[int, ...]
     relief: np.ndarray
-    """``planner.saves.relief_row`` of the node."""
+    """``planner.memory.saves.relief_row`` of the node."""
 
 
 class SaveTable:
