@@ -27,8 +27,9 @@ def enable(model: nn.Module, budget: int | str, **options: Any) -> Plan:
     """Plans ``model`` for ``budget`` and applies the plan to ``model`` itself (``plan.module is model``).
 
     Takes the keyword arguments of ``optimize`` (``inputs=``, ``loss_fn=``, ``keep_output=``...). A model
-    already planned in place is planned again from scratch (its old hooks come off first). When
-    planning fails, the model is left as it was.
+    already planned in place is planned again from scratch: its old hooks come off first (the real
+    forward that is recorded must not run them), and stay off if planning fails. Otherwise a failed
+    call leaves the model as it was.
 
     Raises:
         everything ``optimize`` raises; OptionError for ``world_size``/``device``, which plan for

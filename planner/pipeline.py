@@ -268,8 +268,10 @@ def _solve_widening(prepared: Prepared, solver: str, budget_bytes: int, time_lim
         first = exc
     memory = prepared.memory
     below_fixed = budget_bytes < memory.param_bytes + prepared.profile.grad_bytes  # no plan frees either
-    if first.reason or not prepared.regions.capped or below_fixed or prepared.distributed is not None:
-        raise first if not prepared.regions.capped or below_fixed or first.reason else _unproven(first, prepared)
+    if first.reason or below_fixed or not prepared.regions.capped:
+        raise first  # the overrides, or proven: no finer chunking can help
+    if prepared.distributed is not None:
+        raise _unproven(first, prepared)  # FSDP units fix the chunking: not widened
     chunks = prepared.regions.n_chunks
     while prepared.regions.capped and chunks < WIDEST_CHUNKS:
         chunks *= 2
