@@ -4,12 +4,16 @@ import json
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from conftest import training_step
 from models import DictModel, dict_loss, tower, tower_inputs
 from planner import InfeasibleBudget, load_plan, optimize
+from planner.capture.api import capture
 from planner.capture.inputs import as_inputs
+from planner.capture.scope import SCOPE_KEY, path_of
 from planner.profiling.measure import measure_peak
+from planner.rewrite.graph import SegmentSpec, rewrite
 
 
 @pytest.fixture(scope="module")
@@ -138,3 +142,50 @@ def test_eval_mode_of_a_sequential_whose_argument_is_named_input():
     mlp.eval()
     with torch.no_grad():
         torch.testing.assert_close(plan.module(x), mlp(x), rtol=0, atol=0)
+
+
+class _TiedBlock(torch.nn.Module):
+    """Reads a weight Parameter that another block holds too (an LM head tied to its embedding)."""
+
+    def __init__(self, weight: torch.nn.Parameter) -> None:
+        super().__init__()
+        self.weight = weight
+
+    def forward(self, x):
+        return x + torch.tanh(F.linear(x, self.weight))
+
+
+class _TiedModel(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        weight = torch.nn.Parameter(torch.randn(16, 16) / 4)
+        self.blocks = torch.nn.ModuleList([_TiedBlock(weight), torch.nn.Linear(16, 16), _TiedBlock(weight)])
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+@pytest.mark.parametrize("checkpointed", [("blocks.0",), ("blocks.2",), ("blocks.0", "blocks.2")],
+                         ids=["first holder", "second holder", "both holders"])
+def test_tied_weight_stays_one_parameter_with_exact_gradients(checkpointed):
+    # fx reads a parameter once per trace, where it is first used: inside blocks.0 in the captured
+    # graph, inside blocks.2 in the rewriter's re-trace when blocks.0 stays a module call
+    torch.manual_seed(0)
+    model = _TiedModel()
+    x = torch.randn(8, 16)
+    captured = capture(model, as_inputs(model, (x,)))
+    segments = [SegmentSpec(nodes=tuple(n.name for n in captured.graph_module.graph.nodes
+                                        if any(path_of(e) == path for e in n.meta.get(SCOPE_KEY, ()))))
+                for path in checkpointed]
+    planned = rewrite(model, captured, segments)
+    assert planned.source.count("torch.utils.checkpoint.checkpoint(") == len(checkpointed)
+    assert planned.module.blocks[0].weight is planned.module.blocks[2].weight is model.blocks[0].weight
+    assert [n for n, _ in planned.module.named_parameters()] == [n for n, _ in model.named_parameters()]
+    expected = training_step(model, model, (x,), lambda y: y.square().mean())
+    actual = training_step(planned.module, model, (x,), lambda y: y.square().mean())
+    torch.testing.assert_close(actual[0], expected[0], rtol=0, atol=0)
+    assert actual[1].keys() == expected[1].keys() == {"blocks.0.weight", "blocks.1.weight", "blocks.1.bias"}
+    for key in expected[1]:  # blocks.0.weight: both uses accumulate into the one gradient
+        torch.testing.assert_close(actual[1][key], expected[1][key], rtol=0, atol=0, msg=key)

@@ -106,8 +106,8 @@ def rewrite(model: nn.Module, captured: Captured, segments: Sequence[SegmentSpec
     spans = _flat_spans(coarse_gm.graph, flat)
     groups = [[n for n, (lo, hi) in spans.items() if a <= lo and hi <= b] for a, b in ranges]
     for (a, b), group in zip(ranges, groups):
-        covered = sum(spans[n][1] - spans[n][0] for n in group)
-        if covered != b - a:
+        covered = {i for n in group for i in range(*spans[n])}
+        if any(i not in covered and flat[i].op != "get_attr" for i in range(a, b)):
             raise AssertionError(f"segment nodes {a}:{b} do not align with the re-traced graph")
     saved = [_saved_in(group, spans, flat, seg) for group, seg in zip(groups, segments)]
     main, pieces = _split(coarse_gm.graph, groups, [bool(s.restore_buffers or s.saved_nodes) for s in segments],
@@ -146,12 +146,21 @@ def _opened_modules(flat: list[fx.Node], ranges: list[tuple[int, int]]) -> set[s
 
 
 def _flat_spans(coarse: fx.Graph, flat: list[fx.Node]) -> dict[fx.Node, tuple[int, int]]:
-    """Range of flat nodes each coarse node stands for."""
+    """Range of flat nodes each coarse node stands for.
+
+    ``get_attr`` nodes have no position to match: a trace reads each parameter once, where it is
+    first used, so a parameter two modules hold (weight tying) is read inside the first of them in
+    the flat trace but inside the second when the coarse trace keeps the first as a call. They get
+    no span; ``_split`` and ``_segment_graph`` copy them to wherever they are used, and a flat one
+    outside every call's span belongs to no segment's coverage.
+    """
     spans: dict[fx.Node, tuple[int, int]] = {}
     ptr = 0
     for node in coarse.nodes:
-        if node.op in ("placeholder", "output"):
+        if node.op in ("placeholder", "output", "get_attr"):
             continue
+        while ptr < len(flat) and flat[ptr].op == "get_attr":
+            ptr += 1
         if ptr >= len(flat):
             raise AssertionError(f"re-traced graph has more nodes than the captured one at {node.name}")
         if node.op == "call_module":
@@ -162,12 +171,12 @@ def _flat_spans(coarse: fx.Graph, flat: list[fx.Node]) -> dict[fx.Node, tuple[in
             while hi < len(flat) and entry in flat[hi].meta.get(SCOPE_KEY, ()):
                 hi += 1
         else:
-            if flat[ptr].op != node.op or (node.op != "get_attr" and flat[ptr].target != node.target):
+            if flat[ptr].op != node.op or flat[ptr].target != node.target:
                 raise AssertionError(f"re-traced node {node.format_node()} does not match {flat[ptr].format_node()}")
             hi = ptr + 1
         spans[node] = (ptr, hi)
         ptr = hi
-    if ptr != len(flat):
+    if any(n.op != "get_attr" for n in flat[ptr:]):
         raise AssertionError("re-traced graph covers fewer nodes than the captured one")
     return spans
 
