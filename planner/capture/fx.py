@@ -3,15 +3,42 @@ every node. Also the coarse re-trace the rewriter uses (modules kept as calls)."
 
 from __future__ import annotations
 
+import dis
+import inspect
+import sys
+from bisect import bisect_left
 from collections import Counter
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch.fx as fx
 from torch import nn
 
 from planner.capture.scope import SCOPE_KEY
 from planner.errors import CaptureError, user_frame
+
+
+def unpacked(value: Any) -> tuple:
+    """``a, b, c = value`` as Python runs it: a tensor is unbound along dim 0 by one op (``Tensor.__iter__``)."""
+    return tuple(value)
+
+
+class UnpackingProxy(fx.Proxy):
+    """A Proxy whose ``a, b, c = proxy`` records what eager code runs: one ``unpacked`` call (``unbind``
+    for a tensor), then items of its tuple. torch.fx's own Proxy records one ``select`` per item, whose
+    backward allocates a zero tensor the size of the whole input for each item: the profile of that
+    graph would not be the step the model's own forward runs (``q, k, v = qkv`` in attention)."""
+
+    def __iter__(self) -> Iterator[fx.Proxy]:
+        frame = inspect.currentframe().f_back
+        instructions = list(dis.get_instructions(frame.f_code))
+        at = (bisect_left(instructions, frame.f_lasti, key=lambda i: i.offset) if sys.version_info >= (3, 11)
+              else frame.f_lasti // 2)  # as torch.fx.Proxy.__iter__ finds the calling instruction
+        inst = instructions[at]
+        if inst.opname == "UNPACK_SEQUENCE":
+            items = self.tracer.create_proxy("call_function", unpacked, (self,), {})
+            return (items[i] for i in range(inst.argval))
+        return self.tracer.iter(self)
 
 
 class ScopeTracer(fx.Tracer):
@@ -40,6 +67,9 @@ class ScopeTracer(fx.Tracer):
             return super().call_module(m, forward, args, kwargs)
         finally:
             self._scope.pop()
+
+    def proxy(self, node: fx.Node) -> fx.Proxy:
+        return UnpackingProxy(node, self)
 
     def create_node(self, *args, **kwargs) -> fx.Node:
         node = super().create_node(*args, **kwargs)

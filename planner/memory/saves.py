@@ -213,6 +213,10 @@ def rerun_parts(model: MemoryModel, first: int, last: int, stop: int,
     np.add.at(alive, model.producer[inside] - lo + 1, model.size[inside])
     np.add.at(alive, until - lo + 1, -model.size[inside])
     base = np.cumsum(alive)[: t - lo + 1] + model.fwd_rise[lo:t + 1]
+    if len(model.stop_rise):  # the re-run stops once t has saved its last tensor
+        base[-1] += model.stop_rise[t] - model.fwd_rise[t]
+    if len(model.rerun_excess):  # the model's own forward re-runs: its locals inside the segment too
+        base = base + np.maximum(0, model.rerun_excess[lo:t + 1] - model.rerun_excess[lo])
     relief: dict[int, np.ndarray] = {}
     until_of = dict(zip(inside.tolist(), until.tolist()))
     for o in candidates:

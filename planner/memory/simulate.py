@@ -96,6 +96,13 @@ class MemoryModel:
     sac_chunk_us: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     """Per chunk: time selective checkpointing's dispatch modes add when the chunk is in a segment with
     saves (forward and re-run), microseconds (``sac_op_us`` of ``build_model`` per ATen op)."""
+    rerun_excess: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    """Per node: bytes the model's own forward keeps alive beyond the graph's values (its Python locals)
+    while the node re-runs, for plans that re-run the model's own modules (module hooks); empty when
+    the re-run is of the traced graph, which frees each value after its last use."""
+    stop_rise: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    """Per node: bytes its forward allocates up to its last saved tensor (``NodeCost.stop_peak_bytes``;
+    ``fwd_rise`` when unknown). A re-run ending at the node stops there."""
 
     @property
     def n_nodes(self) -> int:
@@ -178,7 +185,8 @@ def build_model(profile: Profile, regions: Regions, *, offset=None, sac_op_us: f
             release[s] = min(release[s], regions.starts[producer_chunk[s] + 1])
     # Outside segments the user's modules run their own forward, whose locals outlive the traced
     # graph's values; counting that excess everywhere is exact there and conservative inside.
-    fwd_peak = np.array([nd.fwd_peak_bytes + nd.eager_excess_bytes for nd in nodes], dtype=np.int64)
+    excess = np.array([nd.eager_excess_bytes for nd in nodes], dtype=np.int64)
+    fwd_peak = np.array([nd.fwd_peak_bytes for nd in nodes], dtype=np.int64) + excess
     has_bwd = np.array([nd.bwd_peak_bytes is not None for nd in nodes])
     bwd_peak = np.array([nd.bwd_peak_bytes or 0 for nd in nodes], dtype=np.int64)
     saved = (first_saver < NEVER) & ~np.isin(np.arange(n_storages), list(pinned))
@@ -218,6 +226,9 @@ def build_model(profile: Profile, regions: Regions, *, offset=None, sac_op_us: f
         sac_chunk_us=np.array([round(sac_op_us * sum(ops[slice(*regions.bounds(k))])) for k in range(regions.n_chunks)],
                               dtype=np.int64),
         step_us=max(1, round(profile.step_ms * 1000)),
+        stop_rise=np.array([nd.fwd_peak_bytes - nd.fwd_start_bytes if nd.stop_peak_bytes is None
+                            else nd.stop_peak_bytes - nd.fwd_start_bytes for nd in nodes], dtype=np.int64),
+        rerun_excess=excess if regions.chains is not None else np.zeros(0, dtype=np.int64),
         param_bytes=profile.param_bytes if offset is None else offset.param_bytes,
     )
 
@@ -352,7 +363,8 @@ def rerun_bytes(model: MemoryModel, first: int, last: int, stop: int, saves: Sav
 
     The segment is re-run up to ``t = recompute_at[last]`` (early stop). While node u
     re-runs, alive are: the storages the segment produced before u that some node up to t
-    saves (held until unpacked) or that a later node still reads, u's own allocations, and
+    saves (held until unpacked) or that a later node still reads, u's own allocations (at t only
+    those up to its last saved tensor, where the re-run stops: ``stop_rise``), the locals of the model's own forward when that is what re-runs (``rerun_excess``), and
     the copies of the buffers the segment mutates (restored after the re-run). Storages cached by
     ``saves`` are counted as kept, not here (``planner.memory.saves.rerun_parts``).
     """

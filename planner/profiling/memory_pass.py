@@ -126,7 +126,7 @@ def assemble(recorder: "MemoryRecorder", captured: Captured, model: nn.Module, i
             saves=tuple(sorted(rec["saves"])), mutates=tuple(sorted(rec["mutates"])),
             mutated_buffers=tuple(rec["buffers"]), checkpointable=rec["kind"] != LOSS_NODE,
             mutated_buffer_bytes=sum(recorder.buffer_bytes[name] for name in rec["buffers"]),
-            eager_excess_bytes=excess[i] if excess else 0, aten_ops=rec["ops"][1] - rec["ops"][0],
+            eager_excess_bytes=excess[i] if excess else 0, stop_peak_bytes=rec.get("stop_peak"), aten_ops=rec["ops"][1] - rec["ops"][0],
         )
         for i, rec in enumerate(recorder.records)
     )
@@ -270,6 +270,8 @@ class MemoryRecorder(StepRunner):
         index = self._index_of.get(storage_key(tensor)) if tensor.device.type == self.device.type else None
         if index is not None and self.records and self._current is not None:
             self._current["saves"].add(index)
+        if self._current is not None:  # where a re-run ending at this node stops (parameters count)
+            self._current["stop_peak"] = self.tracker.window_peak_bytes
         return tensor
 
     def _storages(self, values: list) -> set[int]:

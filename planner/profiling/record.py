@@ -79,6 +79,11 @@ class NodeCost:
     """Extra bytes the model's own forward keeps alive during this node (Python locals)."""
     checkpointable: bool = True
     """False for nodes that can never be inside a segment (the loss)."""
+    stop_peak_bytes: int | None = None
+    """Peak live bytes of its forward up to the moment autograd saved the last tensor it saves. A
+    checkpoint's re-run that ends at this node stops right there (torch stops re-running once every
+    saved tensor is back), before anything the node allocates later; None when unknown (profiles
+    saved before this field)."""
     aten_ops: int | None = None
     """ATen ops its forward dispatches, views included (each costs selective checkpointing's dispatch
     modes a Python call); None when unknown (profiles saved before this field)."""

@@ -43,15 +43,21 @@ def _stack_line(node: fx.Node) -> str | None:
     return None
 
 
-def _new_autograd_nodes(result: Any, seen: set) -> list:
-    """Autograd nodes reachable from ``result`` that no earlier graph node created."""
+SEEN_KEY = "ckplan.step"
+"""Key in an autograd node's ``metadata`` marking it as hooked in the step whose token it holds."""
+
+
+def _new_autograd_nodes(result: Any, step: object) -> list:
+    """Autograd nodes reachable from ``result`` that no earlier graph node of ``step`` created. The mark
+    lives on the node (``Node.metadata``): a set of nodes here would keep alive those of a branch off
+    the loss's path (``if h.abs().sum() > 0``), and with them the tensors they saved."""
     stack = [t.grad_fn for t in tree_leaves(result) if isinstance(t, torch.Tensor) and t.grad_fn is not None]
     found = []
     while stack:
         fn = stack.pop()
-        if fn in seen:
+        if fn.metadata.get(SEEN_KEY) is step:
             continue
-        seen.add(fn)
+        fn.metadata[SEEN_KEY] = step
         found.append(fn)
         stack.extend(nxt for nxt, _ in fn.next_functions
                      if nxt is not None and type(nxt).__name__ != "AccumulateGrad")
@@ -70,11 +76,11 @@ class StepRunner(fx.Interpreter):
         before it (Hugging Face Trainer's ``compute_loss``)."""
         self.index = {n: i for i, n in enumerate(n for n in gm.graph.nodes if n.op not in ("placeholder", "output"))}
         self.loss_index = len(self.index)
-        self._seen: set = set()
+        self._step = object()
         self._handles: list = []
 
     def step(self, inputs: Inputs, loss_fn: LossFn) -> None:
-        self._seen = set()
+        self._step = object()  # marks the autograd nodes this step has hooked
         try:
             output = self._run_pytree(inputs) if self._specs() else (
                 self.run(*inputs.args) if not inputs.kwargs else self._run_kwargs(inputs))
@@ -153,7 +159,7 @@ class StepRunner(fx.Interpreter):
         return result
 
     def _hook_backward(self, index: int, result: Any) -> None:
-        for fn in _new_autograd_nodes(result, self._seen):
+        for fn in _new_autograd_nodes(result, self._step):
             self._handles.append(fn.register_prehook(lambda grads, i=index: self.on_backward(i, "pre")))
             self._handles.append(fn.register_hook(lambda gi, go, i=index: self.on_backward(i, "post")))
 
