@@ -29,8 +29,8 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.graph import _PyTreeCodeGen, _PyTreeInfo
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from planner.capture.fx import training_mode
 from planner.capture.scope import SCOPE_KEY, path_of
+from planner.step import untouched
 
 
 def keep_args(*tensors: torch.Tensor) -> None:
@@ -39,7 +39,8 @@ def keep_args(*tensors: torch.Tensor) -> None:
 
 def aten_graph(model: nn.Module, args: tuple, kwargs: dict) -> fx.GraphModule:
     """The ATen graph of one training-mode forward of ``model`` on these inputs, taking the same
-    arguments and returning the same output structure as the model.
+    arguments and returning the same output structure as the model. The forward runs for real, so
+    ``model``'s buffers (BatchNorm statistics) and the RNG state are put back after it.
 
     Raises whatever the model's forward raises; the caller reports it.
     """
@@ -57,7 +58,7 @@ def aten_graph(model: nn.Module, args: tuple, kwargs: dict) -> fx.GraphModule:
     hooks = [module.register_forward_pre_hook(functools.partial(_note_call, calls, path), with_kwargs=True)
              for path, module in model.named_modules() if path]
     try:
-        with training_mode(model):
+        with untouched(model):  # training mode; BatchNorm statistics, gradients and the RNG put back after
             gm = make_fx(flat_forward, tracing_mode="real", pre_dispatch=True, record_module_stack=True,
                          _error_on_data_dependent_ops=False)(*leaves)
     finally:

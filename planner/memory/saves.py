@@ -223,6 +223,12 @@ def rerun_parts(model: MemoryModel, first: int, last: int, stop: int,
         if not lo <= o <= t:
             continue
         arr = np.zeros(t - lo + 2, dtype=np.int64)
+        if o == t:  # the re-run starts at o's own backward: o's cache is alive while the replay reaches o
+            gone = set(until_rerun(model, o).tolist())  # (the kept sum stops counting it at t)
+            for s in cached(model, o):
+                if model.release[s] > t or int(s) in gone:
+                    arr[0] -= model.size[s]
+                    arr[o - lo] += model.size[s]
         for s in cached(model, o):
             if model.first_saver[s] >= NEVER:  # counted as kept, gone once the re-run has read it
                 arr[o - lo + 1] += model.size[s]

@@ -175,9 +175,11 @@ def build_model(profile: Profile, regions: Regions, *, offset=None, sac_op_us: f
                        for s in range(n_storages)])
     saver_chunks = tuple(() if always[s] or producer[s] < 0 or s in pinned
                          else tuple(sorted({chunk_of[u] for u in savers[s]})) for s in range(n_storages))
+    latest_start = _latest_segment_start(regions)
     consumer_chunks = tuple(
         () if producer[s] < 0 or always[s] or s in pinned else tuple(sorted(
-            {chunk_of[w] for w in consumers[s] if chunk_of[w] > producer_chunk[s] and ckpt_chunk[w]}))
+            {chunk_of[w] for w in consumers[s]
+             if chunk_of[w] > producer_chunk[s] and ckpt_chunk[w] and latest_start[chunk_of[w]] > producer_chunk[s]}))
         for s in range(n_storages))
     release = first_saver.copy()
     for s in range(n_storages):
@@ -231,6 +233,19 @@ def build_model(profile: Profile, regions: Regions, *, offset=None, sac_op_us: f
         rerun_excess=excess if regions.chains is not None else np.zeros(0, dtype=np.int64),
         param_bytes=profile.param_bytes if offset is None else offset.param_bytes,
     )
+
+
+def _latest_segment_start(regions: Regions) -> list[int]:
+    """Per chunk w: the latest chunk a segment containing w may start at (-1 when none may contain it).
+    A storage read in w can be held as a segment's input only if such a segment starts after the chunk
+    that produced it (module-hook plans: only chains of module calls are segments)."""
+    if regions.chains is None:
+        return list(range(regions.n_chunks))
+    latest = [-1] * regions.n_chunks
+    for first, stop in regions.chains:
+        for w in range(first, stop):
+            latest[w] = max(latest[w], first)
+    return latest
 
 
 def prefix_by(index: np.ndarray, weight: np.ndarray, n: int) -> np.ndarray:
