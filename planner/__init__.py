@@ -19,6 +19,7 @@ _PUBLIC = {
     "Plan": "planner.plan", "Segment": "planner.plan", "load_plan": "planner.plan",
     "parse_budget": "planner.budget",
     "PlannerError": "planner.errors", "CaptureError": "planner.errors", "InfeasibleBudget": "planner.errors",
+    "OutOfTime": "planner.errors",
     "ProfileError": "planner.errors", "ProfileMismatch": "planner.errors", "ProfileFileError": "planner.errors",
     "profile": "planner.profiling.api", "Profile": "planner.profiling.record", "load_profile": "planner.profiling.record",
     "device_names": "planner.profiling.devices",

@@ -8,6 +8,8 @@ Accepted forms: an int (bytes), ``"4GB"``/``"512MB"``/``"64KB"`` (powers of 10),
 from __future__ import annotations
 
 import re
+import reprlib
+from fractions import Fraction
 
 from planner.errors import BudgetError
 from planner.units import format_bytes  # noqa: F401 - re-exported: budgets and byte counts go together
@@ -19,7 +21,10 @@ _UNITS = {
     "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
     "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40,
 }
-_PATTERN = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]+|%)\s*$")
+MAX_BUDGET_BYTES = 2**63 - 1
+"""The largest budget: an int64, as the solver holds it (far above any device's memory)."""
+_PATTERN = re.compile(r"^\s*([0-9]{1,100}(?:\.[0-9]{1,100})?)\s*([A-Za-z]+|%)\s*$")
+"""A decimal number (read exactly, as a fraction: ``"4.35GB"`` is 4_350_000_000 bytes) and a unit."""
 
 
 def parse_budget(budget: int | str, *, baseline_peak_bytes: int | None = None) -> int:
@@ -33,8 +38,8 @@ def parse_budget(budget: int | str, *, baseline_peak_bytes: int | None = None) -
         The budget in bytes.
 
     Raises:
-        BudgetError (a ValueError): the budget is malformed, non-positive or a percentage over 100,
-            or a percentage without ``baseline_peak_bytes``.
+        BudgetError (a ValueError): the budget is malformed, non-positive, above ``MAX_BUDGET_BYTES`` or a
+            percentage over 100, or a percentage without ``baseline_peak_bytes``.
 
     >>> parse_budget("4GB"), parse_budget("1KiB"), parse_budget("50%", baseline_peak_bytes=300)
     (4000000000, 1024, 150)
@@ -57,25 +62,30 @@ def check_budget(budget: int | str) -> None:
     _read(budget)
 
 
-def _read(budget: int | str) -> tuple[int, float | None]:
+def _read(budget: int | str) -> tuple[int, Fraction | None]:
     """``(bytes, None)`` for an absolute budget, ``(0, percent)`` for ``"NN%"`` (percent in (0, 100])."""
+    shown = (f"({budget.bit_length()}-bit int)" if isinstance(budget, int) and budget.bit_length() > 128
+             else reprlib.repr(budget))  # a budget of 5000 digits is not echoed (nor can Python print it)
     if isinstance(budget, bool) or not isinstance(budget, (int, str)):
-        raise BudgetError(f"budget {budget!r} is not understood; use {ACCEPTED_FORMS}")
+        raise BudgetError(f"budget {shown} is not understood; use {ACCEPTED_FORMS}")
     if isinstance(budget, int):
-        if budget <= 0:
-            raise BudgetError(f"budget {budget} must be a positive number of bytes; use {ACCEPTED_FORMS}")
+        if not 0 < budget <= MAX_BUDGET_BYTES:
+            raise BudgetError(f"budget {shown} must be a positive number of bytes, at most 2**63 - 1; "
+                              f"use {ACCEPTED_FORMS}")
         return budget, None
     match = _PATTERN.match(budget)
     if match is None:
-        raise BudgetError(f"budget {budget!r} is not understood; use {ACCEPTED_FORMS}")
-    value, unit = float(match.group(1)), match.group(2).upper()
+        raise BudgetError(f"budget {shown} is not understood; use {ACCEPTED_FORMS}")
+    value, unit = Fraction(match.group(1)), match.group(2).upper()
     if unit == "%":
         if not 0 < value <= 100:
-            raise BudgetError(f"budget {budget!r}: a percentage must be in (0, 100]; use {ACCEPTED_FORMS}")
+            raise BudgetError(f"budget {shown}: a percentage must be in (0, 100]; use {ACCEPTED_FORMS}")
         return 0, value
     if unit not in _UNITS:
-        raise BudgetError(f"budget {budget!r} has unknown unit {match.group(2)!r}; use {ACCEPTED_FORMS}")
+        raise BudgetError(f"budget {shown} has unknown unit {match.group(2)!r}; use {ACCEPTED_FORMS}")
+    if value * _UNITS[unit] > MAX_BUDGET_BYTES:
+        raise BudgetError(f"budget {shown} is more than 2**63 - 1 bytes; use {ACCEPTED_FORMS}")
     nbytes = int(value * _UNITS[unit])
     if nbytes <= 0:
-        raise BudgetError(f"budget {budget!r} must be positive; use {ACCEPTED_FORMS}")
+        raise BudgetError(f"budget {shown} must be positive; use {ACCEPTED_FORMS}")
     return nbytes, None

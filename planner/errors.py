@@ -59,6 +59,11 @@ class PlanMismatch(PlannerError, ValueError):
     """A plan was applied to a model that does not trace to the graph it was made for."""
 
 
+class OutOfTime(PlannerError):
+    """The solve stage's time limit (``time_limit_s``, ``ckplan --time-limit``) ran out before any plan
+    that fits was found. Nothing is proven about the budget: a larger limit may find one."""
+
+
 class InfeasibleBudget(PlannerError):
     """No checkpointing plan fits the budget.
 
@@ -109,17 +114,24 @@ class InfeasibleBudget(PlannerError):
 _PLANNER_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
-def user_frame(exc: BaseException) -> str | None:
-    """``file:line: code`` of the innermost traceback frame in the user's own code."""
+def in_library(filename: str) -> bool:
+    """Whether ``filename`` is ckplan's, torch's, the standard library's or an installed package's code
+    (or not a file at all: ``<string>``), so not the user's own."""
+    import sysconfig
+
     import torch  # only callers that caught a torch error get here
 
+    path = os.path.abspath(filename)
     torch_dir = os.path.dirname(os.path.dirname(os.path.abspath(torch.__file__)))
+    stdlib = os.path.abspath(sysconfig.get_paths()["stdlib"]) + os.sep
+    return (filename.startswith("<") or path.startswith(_PLANNER_DIR) or path.startswith(torch_dir)
+            or path.startswith(stdlib) or "site-packages" in path or "dist-packages" in path)
+
+
+def user_frame(exc: BaseException) -> str | None:
+    """``file:line: code`` of the innermost traceback frame in the user's own code."""
     found = None
     for frame in traceback.extract_tb(exc.__traceback__):
-        path = os.path.abspath(frame.filename)
-        if path.startswith(_PLANNER_DIR) or path.startswith(torch_dir) or frame.filename.startswith("<"):
-            continue
-        if "site-packages" in path or "dist-packages" in path:
-            continue
-        found = f"{frame.filename}:{frame.lineno}: {(frame.line or '').strip()}"
+        if not in_library(frame.filename):
+            found = f"{frame.filename}:{frame.lineno}: {(frame.line or '').strip()}"
     return found

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, replace
 from typing import Callable, Mapping, Sequence
 
@@ -13,7 +14,7 @@ from planner.capture.api import Captured, capture
 from planner.capture.inputs import Inputs, as_inputs
 from planner.profiling.record import Profile
 from planner.distributed.memory import Distributed, memory_offset, setup, split_at_units
-from planner.errors import InfeasibleBudget, OptionError, PlannerError
+from planner.errors import InfeasibleBudget, OptionError, OutOfTime, PlannerError
 from planner.plan import MemoryTimeline, Plan, Segment
 from planner.profiling.api import capture_inputs, profile_for
 from planner.memory.regions import Regions, find_regions
@@ -83,7 +84,11 @@ def optimize(
             default ``model.example_inputs``.
         loss_fn: ``output -> scalar`` differentiated by a step; default ``output.loss``
             or the sum of the floating outputs.
-        time_limit_s: CP-SAT time limit; past it the best plan found is returned as FEASIBLE.
+        time_limit_s: seconds the solve stage may take, all of it: the chunk DPs and CP-SAT, for each
+            finer chunking ``plan_for`` widens to. Past it the best plan found is returned as FEASIBLE
+            (``OutOfTime`` when none was found). Not counted: capture and profiling, which run the model
+            and grow with it, and the smallest-peak DP that explains an infeasible budget (docs/solver.md,
+            "Time limit"). Ctrl-C while CP-SAT searches ends the search the same way.
         solver: which planner chooses the segments; one of ``planner.solve.registry.SOLVERS``
             (``cpsat``, the default, is optimal under the cost model).
         max_chunks: most cut positions segments may start or end at (``regions.find_regions``);
@@ -116,6 +121,7 @@ def optimize(
 
     Raises:
         InfeasibleBudget: no plan fits (under the overrides); carries the smallest reachable peak.
+        OutOfTime: no plan was found within ``time_limit_s`` (a PlannerError; nothing is proven).
         BudgetError: a malformed budget. OptionError: an unknown solver or device, a pattern matching
             nothing, options that exclude each other. InputError: no inputs. (All are PlannerErrors;
             the first two are ValueErrors, InputError a TypeError.)
@@ -182,18 +188,22 @@ def plan_for(prepared: Prepared, budget: int | str, *, solver: str = "cpsat", ti
     When no plan over the prepared chunks fits and the graph has more cut positions, the chunks are
     made finer (twice as many, up to ``WIDEST_CHUNKS``) until a plan fits; ``InfeasibleBudget`` then
     says whether infeasibility is proven over every cut position or only over those tried
-    (``max_chunks``)."""
+    (``max_chunks``). All of it shares ``time_limit_s``: a finer chunking is not searched once it has
+    run out (``InfeasibleBudget``, not proven), and ``OutOfTime`` when no plan was found at all."""
     stage = progress or (lambda name: None)
     budget_bytes = parse_budget(budget, baseline_peak_bytes=prepared.baseline.peak_bytes)
     stage("solve")
-    prepared, solution = _solve_widening(prepared, solver, budget_bytes, time_limit_s, dict(
+    started = time.perf_counter()
+    deadline = started + time_limit_s  # one limit for every solve below, not one each
+    prepared, solution = _solve_widening(prepared, solver, budget_bytes, deadline, dict(
         must_save=must_save, must_recompute=must_recompute,  # FSDP plans cut whole units: no saves there
         selective=selective and capabilities(solver).saves and prepared.distributed is None))
     memory, baseline = prepared.memory, prepared.baseline
     if prepared.distributed is not None:  # FSDP: at most one unit per segment (docs/distributed.md)
         solution = split_at_units(memory, solution, budget_bytes, prepared.distributed, prepared.profile,
-                                  time_limit_s=time_limit_s,
-                                  resolve=lambda b: _solve(solver, memory, b, baseline.peak_bytes, time_limit_s))
+                                  time_limit_s=_left_s(deadline),
+                                  resolve=lambda b: _solve(solver, memory, b, baseline.peak_bytes, deadline))
+    solution = replace(solution, solve_time_s=time.perf_counter() - started)  # the whole stage, widening included
     stage("rewrite")
     return plan_from_solution(prepared, solution, budget_bytes, target=target)
 
@@ -257,12 +267,12 @@ WIDEST_CHUNKS = 256
 """Finest chunking ``plan_for`` widens to on its own when the prepared chunks admit no plan."""
 
 
-def _solve_widening(prepared: Prepared, solver: str, budget_bytes: int, time_limit_s: float,
+def _solve_widening(prepared: Prepared, solver: str, budget_bytes: int, deadline: float,
                     save_args: dict) -> tuple[Prepared, Solution]:
     """The solution at the prepared chunking, else at finer ones (see ``plan_for``), with the
-    ``Prepared`` it belongs to."""
+    ``Prepared`` it belongs to. Every solve gets the time left before ``deadline`` (``time.perf_counter()``)."""
     try:
-        return prepared, _solve(solver, prepared.memory, budget_bytes, prepared.baseline.peak_bytes, time_limit_s,
+        return prepared, _solve(solver, prepared.memory, budget_bytes, prepared.baseline.peak_bytes, deadline,
                                 _save_options(prepared, solver, save_args))
     except InfeasibleBudget as exc:
         first = exc
@@ -274,23 +284,34 @@ def _solve_widening(prepared: Prepared, solver: str, budget_bytes: int, time_lim
         raise _unproven(first, prepared)  # FSDP units fix the chunking: not widened
     chunks = prepared.regions.n_chunks
     while prepared.regions.capped and chunks < WIDEST_CHUNKS:
+        searched = prepared
+        if _left_s(deadline) == 0:
+            raise _unproven(first, searched, out_of_time=True)
         chunks *= 2
         prepared = _chunked(prepared, chunks)
-        if prepared.regions.capped and relaxed(prepared.memory, budget_bytes) is None:
-            continue  # not even the relaxation has a plan at this chunking; perhaps at a finer one
         try:
+            if prepared.regions.capped and relaxed(prepared.memory, budget_bytes, deadline=deadline) is None:
+                continue  # not even the relaxation has a plan at this chunking; perhaps at a finer one
             return prepared, _solve(solver, prepared.memory, budget_bytes, prepared.baseline.peak_bytes,
-                                    time_limit_s, _save_options(prepared, solver, save_args))
-        except InfeasibleBudget:
-            if not prepared.regions.capped:
-                raise  # proven: no plan over every cut position
+                                    deadline, _save_options(prepared, solver, save_args),
+                                    explain=not prepared.regions.capped)  # else a finer chunking is next
+        except (NoSolution, OutOfTime):  # the DP screen or the solve ran out of time at this chunking
+            raise _unproven(first, searched, out_of_time=True) from None
+        except _NoPlan:
+            pass
     raise _unproven(first, prepared)
 
 
-def _unproven(exc: InfeasibleBudget, prepared: Prepared) -> InfeasibleBudget:
-    """``exc`` marked as searched over at most ``prepared.regions.n_chunks`` chunks only."""
-    return InfeasibleBudget(exc.budget_bytes, exc.min_peak_bytes, exc.breakdown, exc.reason,
+def _unproven(exc: InfeasibleBudget, prepared: Prepared, *, out_of_time: bool = False) -> InfeasibleBudget:
+    """``exc`` marked as searched over at most ``prepared.regions.n_chunks`` chunks only; ``out_of_time``:
+    because the time limit ran out before finer chunkings were searched."""
+    reason = "the time limit ran out before finer chunks were searched (raise time_limit_s)" if out_of_time else ""
+    return InfeasibleBudget(exc.budget_bytes, exc.min_peak_bytes, exc.breakdown, exc.reason or reason,
                             max_chunks=prepared.regions.n_chunks)
+
+
+class _NoPlan(Exception):
+    """No plan fits at this chunking, left unexplained (a finer chunking is tried next)."""
 
 
 def _save_options(prepared: Prepared, solver: str, save_args: dict) -> SaveOptions:
@@ -306,26 +327,39 @@ def _save_options(prepared: Prepared, solver: str, save_args: dict) -> SaveOptio
     return options
 
 
+def _left_s(deadline: float) -> float:
+    """Seconds left before ``deadline`` (a ``time.perf_counter()`` value), never below 0."""
+    return max(0.0, deadline - time.perf_counter())
+
+
 def _solve(solver: str, memory: MemoryModel, budget_bytes: int, baseline_peak: int,
-           time_limit_s: float, options: SaveOptions | None = None) -> Solution:
-    """The plan for a budget: empty when it already fits, else the strategy's, checked against the budget."""
+           deadline: float, options: SaveOptions | None = None, *, explain: bool = True) -> Solution:
+    """The plan for a budget: empty when it already fits, else the strategy's, checked against the budget.
+
+    The strategy gets the time left before ``deadline`` (``time.perf_counter()``); ``OutOfTime`` when it
+    found no plan in it. No plan that fits: ``InfeasibleBudget`` with the smallest peak (the chunk DP's,
+    which runs to the end: about 1 s at 64 chunks on 2700 nodes), or ``_NoPlan`` without ``explain``."""
     overrides = options is not None and bool(options.must_save or options.must_recompute)
     if budget_bytes >= baseline_peak and not (overrides and options.must_recompute):
         return Solution(plan=(), status=SolverStatus.OPTIMAL, recompute_us=0, bound_us=0, solve_time_s=0.0)
     try:
         if options is not None and not options.trivial:
-            solution = get_solver(solver)(memory, budget_bytes, time_limit_s=time_limit_s, options=options)
+            solution = get_solver(solver)(memory, budget_bytes, time_limit_s=_left_s(deadline), options=options)
         else:
-            solution = get_solver(solver)(memory, budget_bytes, time_limit_s=time_limit_s)
+            solution = get_solver(solver)(memory, budget_bytes, time_limit_s=_left_s(deadline))
     except NoSolution as exc:
+        if exc.interrupted:  # Ctrl-C before any plan was found: nothing to return
+            raise KeyboardInterrupt from exc
         if not exc.infeasible:
-            raise PlannerError(str(exc)) from exc
+            raise OutOfTime(str(exc)) from exc
         solution = None
     if solution is not None and simulate(memory, solution.plan, solution.saves).peak_bytes <= budget_bytes:
         return solution
+    if not explain:
+        raise _NoPlan()
     if overrides:
-        _infeasible_overrides(memory, budget_bytes, options, time_limit_s)
-    best = simulate(memory, *min_peak_saves(memory, time_limit_s=time_limit_s))
+        _infeasible_overrides(memory, budget_bytes, options, deadline)
+    best = simulate(memory, *min_peak_saves(memory, time_limit_s=_left_s(deadline)))
     if best.peak_bytes <= budget_bytes:  # a fixed or conservative strategy missed what cpsat can do
         peak = "no plan" if solution is None else f"a plan peaking at {simulate(memory, solution.plan).peak_bytes} B"
         raise PlannerError(f"solver {solver!r} finds {peak} for a budget of {budget_bytes} B, which plans down to "
@@ -334,15 +368,22 @@ def _solve(solver: str, memory: MemoryModel, budget_bytes: int, baseline_peak: i
     raise InfeasibleBudget(budget_bytes, best.peak_bytes, replace(best.breakdown, largest_kept=largest))
 
 
-def _infeasible_overrides(memory: MemoryModel, budget_bytes: int, options: SaveOptions, time_limit_s: float):
+def _infeasible_overrides(memory: MemoryModel, budget_bytes: int, options: SaveOptions, deadline: float):
     """Raises InfeasibleBudget saying the user's overrides are what makes the budget infeasible."""
     overrides = SaveOptions(must_save=options.must_save, must_recompute=options.must_recompute)
     try:
-        best = simulate(memory, *min_peak_saves(memory, time_limit_s=time_limit_s, options=overrides))
-    except NoSolution:  # no plan satisfies them at all: there is no smallest peak to report
+        best = simulate(memory, *min_peak_saves(memory, time_limit_s=_left_s(deadline), options=overrides))
+    except NoSolution as exc:
+        if exc.interrupted:
+            raise KeyboardInterrupt from exc
+        if not exc.infeasible:  # out of time: nothing is known about the overrides
+            raise PlannerError(f"no plan under must_save/must_recompute fits {format_bytes(budget_bytes)}, and the "
+                               "smallest peak they allow was not found within the time limit; raise "
+                               "time_limit_s to learn it") from exc
+        # no plan satisfies them at all: there is no smallest peak to report
         raise InfeasibleBudget(budget_bytes, None, None, "must_save/must_recompute contradict each other (a node "
                                "must be re-run in a chunk where another must not be)") from None
-    free = simulate(memory, *min_peak_saves(memory, time_limit_s=time_limit_s)).peak_bytes
+    free = simulate(memory, *min_peak_saves(memory, time_limit_s=_left_s(deadline))).peak_bytes
     if free <= budget_bytes:
         raise InfeasibleBudget(budget_bytes, best.peak_bytes, best.breakdown,
                                f"must_save/must_recompute make the budget infeasible (without them plans reach "

@@ -9,7 +9,7 @@ from __future__ import annotations
 import enum
 import html
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -26,6 +26,7 @@ from planner.rewrite.chains import Chain
 from planner.rewrite.graph import SegmentSpec, rewrite
 from planner.rewrite.modules import PlannedShapes, clone_tree, install_plan
 from planner.errors import PlanFileError, PlanMismatch
+from planner.records import INT_LIMIT, UNIT_LIMITS, as_list, as_tuple, check_record, read_json
 
 FORMAT = "ckplan-plan"
 VERSION = 1
@@ -101,8 +102,9 @@ class Plan:
     """Measured time of one un-checkpointed step, ms."""
     segments: tuple[Segment, ...]
     solver_status: SolverStatus
-    """``OPTIMAL`` (proven under the cost model), ``FEASIBLE`` (time limit hit) or ``FIXED`` (a baseline)."""
+    """``OPTIMAL`` (proven under the cost model), ``FEASIBLE`` (time limit or Ctrl-C hit) or ``FIXED`` (a baseline)."""
     solve_time_s: float
+    """Seconds the solve stage took: every strategy and finer chunking tried (what ``time_limit_s`` bounds)."""
     recompute_bound_ms: float | None = None
     """Proven lower bound on the recompute time of any plan that fits the budget (``recompute_ms``
     itself when OPTIMAL); None when nothing is proven, e.g. a fixed baseline's plan."""
@@ -251,40 +253,63 @@ def _describe(segment: Segment) -> str:
 def load_plan(path: str | Path) -> Plan:
     """Reads a plan written by ``Plan.save``; call ``.apply(model)`` to get the module.
 
-    Files of this version written before the enums and the typed breakdown (``capture_method`` as a
-    sentence, ``recompute_bound_ms`` 0 for "nothing proven") read as if written now.
+    The file is plain JSON and is never executed; every field is checked against its type, fields this
+    version does not know are ignored (newer optional fields). Files of this version written before the
+    enums and the typed breakdown (``capture_method`` as a sentence, ``recompute_bound_ms`` 0 for
+    "nothing proven") read as if written now.
 
     Raises:
-        PlanFileError (a ValueError): the file is not a ckplan plan, or of an unknown version.
+        PlanFileError (a ValueError): the file cannot be read, is not a ckplan plan, is of an unknown
+            version, or has a missing or malformed field; the message names the file and the field.
     """
     try:
-        data = json.loads(Path(path).read_text())
-    except json.JSONDecodeError as exc:
-        raise PlanFileError(f"{path} is not valid JSON ({exc}); pass a file written by Plan.save") from exc
+        data = read_json(path)
+    except OSError as exc:
+        raise PlanFileError(f"cannot read plan {path}: {exc.strerror or exc}") from None
+    except ValueError as exc:
+        raise PlanFileError(f"{path} is not a ckplan plan: {exc}; pass a file written by Plan.save") from None
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise PlanFileError(f"{path} is not a ckplan plan; pass a file written by Plan.save")
     if data.get("version") != VERSION:
-        raise PlanFileError(f"{path} has plan version {data.get('version')}, this ckplan reads version {VERSION}")
-    fields = {k: v for k, v in data.items() if k not in ("format", "version", "segments", "largest_kept", "timeline")}
-    segments = tuple(
-        Segment(nodes=tuple(s["nodes"]), module_paths=tuple(s["module_paths"]), recompute_ms=s["recompute_ms"],
-                freed_bytes=s.get("freed_bytes", 0), restore_buffers=tuple(s.get("restore_buffers", ())),
-                saved_nodes=tuple(s.get("saved_nodes", ())), chain=tuple(s.get("chain", ())),
-                saved_modules=tuple(s.get("saved_modules", ())))
-        for s in data["segments"]
-    )
-    largest = tuple(tuple(item) for item in data.get("largest_kept", ()))
+        raise PlanFileError(f"{path} has plan version {data.get('version')!r}, this ckplan reads version {VERSION}")
+    try:
+        plan = _plan_from_dict(data)
+        check_record(plan, where="plan", limits=_AMOUNTS, signed=("freed_bytes",))
+    except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as exc:
+        what = f"lacks the field {exc.args[0]!r}" if isinstance(exc, KeyError) else f"is malformed ({exc})"
+        raise PlanFileError(f"{path} {what}; the file is incomplete or was edited: plan the model again") from None
+    return plan
+
+
+_AMOUNTS = dict.fromkeys(UNIT_LIMITS, INT_LIMIT)
+"""A plan's amounts are reported, not computed with: any int64 (a budget of 10**18 bytes plans and saves)."""
+
+
+def _plan_from_dict(data: dict[str, Any]) -> Plan:
+    """The ``Plan`` (without its module) of ``to_dict``'s dict; lists become tuples, unknown keys are ignored."""
+    known = {f.name for f in fields(Plan)} - {"module", "segments", "largest_kept", "timeline"}
+    values = {k: v for k, v in data.items() if k in known}
+    segments = tuple(_record(Segment, s, f"plan.segments[{i}]")
+                     for i, s in enumerate(as_list(data["segments"], "plan.segments")))
+    largest = tuple(as_tuple(item) for item in as_list(data.get("largest_kept", []), "plan.largest_kept"))
     timeline = data.get("timeline")
     if timeline is not None:
-        timeline = MemoryTimeline(**{k: tuple(v) for k, v in timeline.items()})
-    fields["planned_inputs"] = {k: tuple(v) for k, v in (fields.get("planned_inputs") or {}).items()}
-    fields["capture_notes"] = tuple(fields.get("capture_notes", ()))
-    if fields.get("recompute_bound_ms") == 0 and fields.get("recompute_ms", 0) > 0:  # older files: 0 = unproven
-        fields["recompute_bound_ms"] = None
-    try:
-        return Plan(module=None, segments=segments, largest_kept=largest, timeline=timeline, **fields)
-    except ValueError as exc:  # an unknown status, capture method or peak component
-        raise PlanFileError(f"{path}: {exc}; pass a file written by Plan.save") from exc
+        timeline = _record(MemoryTimeline, timeline, "plan.timeline")
+    planned = values.get("planned_inputs") or {}
+    values["planned_inputs"] = {k: as_tuple(v) for k, v in planned.items()} if isinstance(planned, dict) else planned
+    values["capture_notes"] = as_tuple(values.get("capture_notes", []))
+    bound, recompute = values.get("recompute_bound_ms"), values.get("recompute_ms", 0)
+    if bound == 0 and isinstance(recompute, (int, float)) and recompute > 0:  # older files: 0 = unproven
+        values["recompute_bound_ms"] = None
+    return Plan(module=None, segments=segments, largest_kept=largest, timeline=timeline, **values)
+
+
+def _record(cls, raw: Any, where: str) -> Any:
+    """``cls`` from a JSON object: its known keys, lists as tuples (the types are checked afterwards)."""
+    if not isinstance(raw, dict):
+        raise TypeError(f"{where} is {type(raw).__name__}, expected an object")
+    known = {f.name for f in fields(cls)}
+    return cls(**{k: as_tuple(v) for k, v in raw.items() if k in known})
 
 
 def html_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:

@@ -1,11 +1,12 @@
 """What one training step is: the default loss, and leaving the model as it was found.
 
-Shared by the profile and measure stages, which both run real steps on the
-user's model and must not change it.
+Shared by the capture (tier 2: one real forward), profile and measure stages, which
+all run the user's model for real and must not change it.
 """
 
 from __future__ import annotations
 
+import reprlib
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
@@ -25,7 +26,11 @@ def default_loss(output: Any) -> torch.Tensor:
         return loss
     floats = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.is_floating_point()]
     if not floats:
-        raise ProfileError("the model returned no floating-point tensor to differentiate; pass loss_fn=")
+        got = (f"a tensor of dtype {str(output.dtype).removeprefix('torch.')}" if isinstance(output, torch.Tensor)
+               else reprlib.repr(output))
+        raise ProfileError(f"the model returned {got}, with no floating-point tensor to differentiate: return one "
+                           "from forward, or pass loss_fn=(output -> scalar loss) (ckplan: define loss_fn in the "
+                           "model file)")
     return sum(t.sum() for t in floats)
 
 

@@ -15,7 +15,7 @@ from torch import nn
 from planner.capture.cache import no_cache
 from planner.capture.api import Captured, capture
 from planner.capture.inputs import Inputs, as_inputs
-from planner.profiling.record import Profile
+from planner.profiling.record import LOSS_NODE, Profile
 from planner.profiling.devices import DeviceSpec, device_names, is_device_spec, load_device
 from planner.errors import InputError, OptionError, ProfileMismatch
 from planner.profiling.memory_pass import profile as measure
@@ -124,6 +124,14 @@ def check_profile(prof: Profile, captured: Captured, example: Inputs) -> None:
             f"now with {captured.method.label})"
         differences.append(f"graph fingerprint {prof.fingerprint or '(none)'} vs {captured.fingerprint} of this "
                            f"model{how}: another architecture or configuration")
+    else:  # the same graph: an edited file may still name other nodes
+        graph = [n.name for n in captured.graph_module.graph.nodes if n.op not in ("placeholder", "output")]
+        named = [n.name for n in prof.nodes]
+        if named != [*graph, LOSS_NODE]:
+            at = next((i for i, (a, b) in enumerate(zip(named, [*graph, LOSS_NODE])) if a != b), None)
+            differences.append(f"{len(named)} profiled nodes vs {len(graph) + 1} of this model's graph" if at is None
+                               else f"node {at} is {named[at]!r} in the profile but {[*graph, LOSS_NODE][at]!r} in "
+                                    "this model's graph (the file was edited)")
     given = example.describe()
     if tuple(prof.input_shapes) != given:
         pairs = [f"{a} vs {b}" for a, b in zip(prof.input_shapes, given) if a != b]

@@ -6,8 +6,8 @@ model, from a saved profile (profile once on the target GPU, plan anywhere after
 and in tests on hand-written graphs.
 
 The file's schema is versioned and documented in docs/profiles.md. Reading never trusts the
-file: a missing file, broken JSON, another schema or version, or a missing field is one
-``ProfileFileError`` naming the file and the problem. Torch-free.
+file: a missing file, broken JSON, another schema or version, a missing field or one of the wrong
+type is one ``ProfileFileError`` naming the file and the problem. Torch-free.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from typing import Any
 
 from planner.capture.method import CaptureMethod
 from planner.errors import ProfileFileError
+from planner.records import as_list, as_tuple, check_record, read_json
 
 LOSS_NODE = "loss"
 """Name of the pseudo-node appended after the graph: ``loss_fn(output)``."""
@@ -175,21 +176,19 @@ def save_profile(prof: Profile, path: str | Path) -> None:
 
 
 def load_profile(path: str | Path) -> Profile:
-    """Reads a profile written by ``Profile.save``.
+    """Reads a profile written by ``Profile.save``. The file is plain JSON and is never executed.
 
     Raises:
-        ProfileFileError: the file is missing, not JSON, of another schema or version,
-            or lacks a field; the message names the file and what is wrong.
+        ProfileFileError: the file is missing, not JSON, of another schema or version, or lacks a
+            field or holds one of the wrong type; the message names the file and what is wrong.
     """
     try:
-        text = Path(path).read_text()
+        data = read_json(path)
     except OSError as exc:
         raise ProfileFileError(f"cannot read profile {path}: {exc.strerror or exc}") from None
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ProfileFileError(f"{path} is not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg}); "
-                               "it is not a ckplan profile or it was cut short — profile the model again") from None
+    except ValueError as exc:
+        raise ProfileFileError(f"{path} is not a ckplan profile: {exc}; pass a file written by Profile.save, "
+                               "or profile the model again") from None
     return profile_from_dict(data, source=str(path))
 
 
@@ -202,17 +201,18 @@ def profile_from_dict(data: Any, *, source: str = "profile") -> Profile:
         raise ProfileFileError(f"{source} has profile schema version {data.get('version')!r}; this ckplan reads "
                                f"version {SCHEMA_VERSION}: profile the model again with this version")
     try:
-        storages = tuple(_record(StorageCost, s) for s in data["storages"])
-        nodes = tuple(_record(NodeCost, n) for n in data["nodes"])
+        storages = tuple(_record(StorageCost, s) for s in as_list(data["storages"], "profile.storages"))
+        nodes = tuple(_record(NodeCost, n) for n in as_list(data["nodes"], "profile.nodes"))
         run = {f.name: data[f.name] for f in fields(Profile) if f.name not in ("nodes", "storages")
                and (f.name in data or _required(f))}
-        run["input_shapes"] = tuple(run["input_shapes"])
+        run["input_shapes"] = as_tuple(run["input_shapes"])
         run.update(_legacy_run(run))
         prof = Profile(nodes=nodes, storages=storages, **run)
+        check_record(prof, where="profile")
     except KeyError as exc:
         raise ProfileFileError(f"{source} lacks the field {exc.args[0]!r}; the file is incomplete or was "
                                "edited: profile the model again") from None
-    except (TypeError, ValueError, AttributeError) as exc:
+    except (TypeError, ValueError, AttributeError, OverflowError) as exc:
         raise ProfileFileError(f"{source} has a malformed record ({exc}); profile the model again") from None
     _check_indices(prof, source)
     return prof
@@ -229,8 +229,8 @@ def _record(cls, raw: dict) -> Any:
     missing = [f.name for f in fields(cls) if _required(f) and f.name not in raw]
     if missing:
         raise KeyError(f"{cls.__name__}.{missing[0]}")
-    values = {k: tuple(v) if k in _TUPLE_FIELDS else v for k, v in raw.items() if k in known}
-    if values.get("aten_ops", 0) is not None and values.get("aten_ops", 0) < 0:  # files before None: -1
+    values = {k: as_tuple(v) if k in _TUPLE_FIELDS else v for k, v in raw.items() if k in known}
+    if isinstance(values.get("aten_ops"), int) and values["aten_ops"] < 0:  # files before None: -1
         values["aten_ops"] = None
     return cls(**values)
 
@@ -239,9 +239,9 @@ def _legacy_run(run: dict) -> dict:
     """Run-level fields as this version holds them, from files that wrote older forms: ``sac_op_us``
     -1 for "not measured" (now None), ``capture_method`` as a sentence or ``""`` (now the enum or None)."""
     out = {}
-    if run.get("sac_op_us") is not None and run["sac_op_us"] < 0:
+    if isinstance(run.get("sac_op_us"), (int, float)) and run["sac_op_us"] < 0:
         out["sac_op_us"] = None
-    if "capture_method" in run:
+    if isinstance(run.get("capture_method"), str):
         out["capture_method"] = CaptureMethod.parse(run["capture_method"]) if run["capture_method"] else None
     return out
 

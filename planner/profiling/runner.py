@@ -8,6 +8,7 @@ turns a failing node into one error naming it, the user's line and the input sha
 
 from __future__ import annotations
 
+import re
 from typing import Any, Callable
 
 import torch
@@ -16,31 +17,31 @@ import torch.fx._pytree as fx_pytree
 from torch.utils._pytree import tree_leaves
 
 from planner.capture.inputs import Inputs
-from planner.errors import ProfileError, user_frame
+from planner.errors import ProfileError, in_library, user_frame
 from planner.step import LossFn, backward, sync
 
 
-def _node_error(node_text: str, where: str | None, exc: Exception, values: list[Any]) -> ProfileError:
+def _node_error(node_text: str, where: str | None, exc: Exception, values: list[Any], fix: str) -> ProfileError:
     shapes = ", ".join(
         f"{str(v.dtype).removeprefix('torch.')}{list(v.shape)}" for v in values if isinstance(v, torch.Tensor)
     )
     return ProfileError(
         f"{node_text} failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
         + (f" (at {where})" if where else "")
-        + (f"; its tensor inputs are {shapes}" if shapes else "")
+        + (f"; its tensor inputs are {shapes}" if shapes else "") + f"; {fix}"
     )
 
 
 def _stack_line(node: fx.Node) -> str | None:
-    """Last ``file:line: code`` of the user's code that created ``node``."""
-    trace = node.stack_trace or ""
-    lines = [ln.strip() for ln in trace.strip().splitlines()]
-    for i in range(len(lines) - 1, -1, -1):
-        if lines[i].startswith("File "):
-            parts = lines[i].split(", ")
-            code = lines[i + 1] if i + 1 < len(lines) else ""
-            return f"{parts[0][6:-1]}:{parts[1].removeprefix('line ')}: {code}"
-    return None
+    """``file:line: code`` of the user's code that created ``node``: the innermost frame of the node's stack
+    trace outside torch and ckplan (the tracer's own frames end it), else its outermost (the forward of a
+    torch.nn layer traced as the model)."""
+    frames = re.findall(r'File "([^"]*)", line (\d+), in [^\n]*\n[ \t]*([^\n]*)', node.stack_trace or "")
+    mine = [f for f in frames if not in_library(f[0])]
+    if not frames:
+        return None
+    path, line, code = mine[-1] if mine else frames[0]
+    return f"{path}:{line}: {code.strip()}"
 
 
 SEEN_KEY = "ckplan.step"
@@ -70,6 +71,7 @@ class StepRunner(fx.Interpreter):
 
     def __init__(self, gm: fx.GraphModule, device: torch.device, *, keep_output: bool = True) -> None:
         super().__init__(gm)
+        self.extra_traceback = False  # a failing node's ProfileError names it and the user's line in one line
         self.device = device
         self.keep_output = keep_output
         """Whether the step's output stays referenced through backward (a plain loop) or is dropped
@@ -128,7 +130,8 @@ class StepRunner(fx.Interpreter):
                 raise
             except Exception as exc:  # noqa: BLE001 - report the user's loss failure clearly
                 where = user_frame(exc)
-                raise _node_error("loss_fn(output)", where, exc, list(tree_leaves(output))) from exc
+                raise _node_error("loss_fn(output)", where, exc, list(tree_leaves(output)),
+                                  "make loss_fn accept the model's output") from exc
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
                 raise ProfileError(f"loss_fn must return a scalar tensor, got {type(loss).__name__}"
                                    + (f" of shape {list(loss.shape)}" if isinstance(loss, torch.Tensor) else ""))
@@ -150,7 +153,8 @@ class StepRunner(fx.Interpreter):
             except ProfileError:
                 raise
             except Exception as exc:  # noqa: BLE001 - name the node and the user's line
-                raise _node_error(f"node {n.name} ({n.format_node()})", _stack_line(n), exc, values) from exc
+                raise _node_error(f"node {n.name} ({n.format_node()})", _stack_line(n), exc, values,
+                                  "make the model run on inputs of these dtypes, shapes and devices") from exc
         return self.around_node(self.index[n], n, compute, values)
 
     def around_node(self, index: int, node: fx.Node | None, compute: Callable[[], Any], values: list) -> Any:

@@ -52,8 +52,9 @@ _LIBRARY_DIRS = tuple(
 )
 
 
-class UserError(Exception):
-    """A mistake in the command line or the model file: one message, exit code 2."""
+class UserError(PlannerError):
+    """A mistake in the command line or the model file: one message, exit code 2 (a ``PlannerError``, as
+    every user mistake is)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -125,7 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _budget(text: str) -> int | str:
     """A budget as the API takes it: digits (``4000000000``, ``4_000_000_000``) are bytes."""
-    value: int | str = int(text) if re.fullmatch(r"\s*\d[\d_]*\s*", text) else text
+    digits = re.fullmatch(r"\s*[0-9][0-9_]*\s*", text) and len(text) <= 100  # int() refuses 4300 digits
+    value: int | str = int(text) if digits else text
     try:
         check_budget(value)
     except BudgetError as exc:
@@ -214,6 +216,9 @@ def _run_file(path: str) -> dict[str, Any]:
     try:
         exec(compile(file.read_bytes(), path, "exec"), module.__dict__)
     except SyntaxError as exc:
+        if exc.filename is None:  # null bytes: not Python source at all (a pickle, a checkpoint)
+            raise UserError(f"{path}: {type(exc).__name__}: {exc.msg}; give the Python file that defines "
+                            "the model") from exc
         raise UserError(f"{exc.filename}:{exc.lineno}: {type(exc).__name__}: {exc.msg}") from exc
     except SystemExit as exc:
         raise UserError(f"{_located(exc, fallback=path)}: the model file exited while loading; keep training "
@@ -276,20 +281,24 @@ def _plan(args: argparse.Namespace, err: Console) -> tuple[ModelFile, Plan, cli_
                         "inside the job with planner.distributed.rank_peak_bytes (docs/distributed.md)")
     show = not args.quiet and sys.stderr.isatty()
     with cli_report.StageProgress(err, enabled=show, solver=args.solver, time_limit_s=args.time_limit) as stage:
-        stage("load")
-        found = load_model_file(args.model_file, model=args.model, inputs=args.inputs, loss=args.loss)
-        if args.device is not None:
-            found = _to_device(found, args.device)
-        saved = _profile_file(args, found)  # a user's mistake raises a PlannerError (exit 2), anything else is
-        plan = optimize(found.model, args.budget, inputs=found.inputs, loss_fn=found.loss_fn,  # a bug (exit 1)
-                        time_limit_s=args.time_limit, solver=args.solver, progress=stage, profile=saved,
-                        world_size=args.world_size, parallel=args.parallel, selective=not args.whole_segments,
-                        must_save=args.must_save, must_recompute=args.must_recompute, max_chunks=args.max_chunks,
-                        keep_output=not args.drop_output)
-        verification = None
-        if args.verify:
-            stage("verify")
-            verification = _verify(found, plan, keep_output=not args.drop_output)
+        try:  # the file's code, factories, forward and loss_fn run from here on
+            stage("load")
+            found = load_model_file(args.model_file, model=args.model, inputs=args.inputs, loss=args.loss)
+            if args.device is not None:
+                found = _to_device(found, args.device)
+            saved = _profile_file(args, found)  # a user's mistake raises a PlannerError (exit 2), anything else
+            plan = optimize(found.model, args.budget, inputs=found.inputs, loss_fn=found.loss_fn,  # is a bug (exit 1)
+                            time_limit_s=args.time_limit, solver=args.solver, progress=stage, profile=saved,
+                            world_size=args.world_size, parallel=args.parallel, selective=not args.whole_segments,
+                            must_save=args.must_save, must_recompute=args.must_recompute,
+                            max_chunks=args.max_chunks, keep_output=not args.drop_output)
+            verification = None
+            if args.verify:
+                stage("verify")
+                verification = _verify(found, plan, keep_output=not args.drop_output)
+        except SystemExit as exc:  # sys.exit() in the model's code: not ckplan's exit code to give
+            raise UserError(f"{_located(exc, fallback=args.model_file)}: the model's code called sys.exit() while "
+                            "ckplan ran it; forward and loss_fn must return a value, not exit") from exc
     return found, plan, verification
 
 

@@ -7,6 +7,7 @@ The model encodes the formulas of ``planner.memory.simulate`` over chunks (see
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass
 
@@ -231,9 +232,11 @@ def search(model: MemoryModel, budget_bytes: int, *, hint: ChunkPlan | None = No
     """CP-SAT alone: the least-recompute plan, from an optional hint (a plan and its saves; no dynamic
     programs). ``below_us``: only plans strictly cheaper than that count.
 
+    Ctrl-C stops the search like the time limit: the best plan found is returned (FEASIBLE).
+
     Raises:
         NoSolution: infeasible (proven; with ``below_us``: nothing cheaper), or no plan found within the
-            time limit.
+            time limit or before Ctrl-C (``interrupted``).
     """
     began = time.perf_counter()
     cp, variables, _ = build(model, budget_bytes=budget_bytes, options=options)
@@ -247,14 +250,15 @@ def search(model: MemoryModel, budget_bytes: int, *, hint: ChunkPlan | None = No
             cp.add_hint(var, ab in chosen)
         for o, var in (variables.save or {}).items():
             cp.add_hint(var, o in hint_saves)
-    solver = _solver(time_limit_s, workers)
-    status = solver.solve(cp)
+    solver = _solver(max(0.0, time_limit_s - (time.perf_counter() - began)), workers)  # building counts too
+    status, interrupted = run(solver, cp)
     if status == cp_model.INFEASIBLE:
         raise NoSolution(True, "no plan fits the budget")
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        raise NoSolution(False, f"CP-SAT found no plan within {time_limit_s:g} s (status "
-                                f"{solver.status_name(status)}); raise time_limit_s",
-                         bound_us=max(0, int(solver.best_objective_bound)))
+        why = "stopped by Ctrl-C" if interrupted else f"within {time_limit_s:.1f} s"
+        raise NoSolution(False, f"CP-SAT found no plan {why} (status {solver.status_name(status)}); raise "
+                                "time_limit_s", bound_us=max(0, int(solver.best_objective_bound)),
+                         interrupted=interrupted)
     plan, saves = read_plan(solver, variables), read_saves(solver, variables)
     timeline = simulate(model, plan, saves)
     if timeline.peak_bytes > budget_bytes:  # the encoding and the simulator must agree
@@ -277,3 +281,40 @@ def _solver(time_limit_s: float, workers: int | None) -> cp_model.CpSolver:
     solver.parameters.linearization_level = 2
     solver.parameters.optimize_with_core = True
     return solver
+
+
+def run(solver: cp_model.CpSolver, cp: cp_model.CpModel) -> tuple[int, bool]:
+    """``solver.solve(cp)``'s status, and whether Ctrl-C stopped it.
+
+    CP-SAT's own SIGINT handler (``catch_sigint_signal``) is off: it left SIGINT at the OS default
+    when a solve ended, so any later Ctrl-C killed the process outright (no KeyboardInterrupt, no
+    ``finally`` blocks; OR-Tools 9.15), and it hid the interruption from the caller. In the
+    main thread the solve runs in a helper thread while this one waits, so Ctrl-C raises
+    KeyboardInterrupt here as anywhere in Python: the search is stopped and its status (FEASIBLE
+    with the best plan found, or UNKNOWN) returned with ``True``. Elsewhere, Ctrl-C is the main
+    thread's business: the solve runs here, to its limit.
+    """
+    solver.parameters.catch_sigint_signal = False
+    if threading.current_thread() is not threading.main_thread():
+        return solver.solve(cp), False
+    done, outcome = threading.Event(), []
+
+    def work() -> None:
+        try:
+            outcome.append(solver.solve(cp))
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread below
+            outcome.append(exc)
+        finally:
+            done.set()
+
+    threading.Thread(target=work, name="cp-sat", daemon=True).start()
+    interrupted = False
+    try:
+        done.wait()
+    except KeyboardInterrupt:
+        interrupted = True
+        solver.stop_search()
+        done.wait()
+    if isinstance(outcome[0], BaseException):
+        raise outcome[0]
+    return outcome[0], interrupted

@@ -29,6 +29,9 @@ def solve(model: MemoryModel, budget_bytes: int, *, time_limit_s: float = 30.0, 
     With ``options`` (op-level saves, overrides) the DPs, which know neither, give CP-SAT a hint only:
     saves can beat every whole-segment plan, so the relaxation is no bound there.
 
+    ``time_limit_s`` bounds the whole call: the DPs give up once it has passed (they check once per
+    chunk) and CP-SAT gets the time they leave.
+
     Raises:
         NoSolution: infeasible (proven), or no plan found within the time limit.
     """
@@ -36,12 +39,12 @@ def solve(model: MemoryModel, budget_bytes: int, *, time_limit_s: float = 30.0, 
         return _solve_with_options(model, budget_bytes, time_limit_s=time_limit_s, workers=workers,
                                    dump_path=dump_path, options=options)
     began = time.perf_counter()
-    best, bound = _best_whole_segment(model, budget_bytes)
+    best, bound = _best_whole_segment(model, budget_bytes, began + time_limit_s)
     if bound is None:
         raise NoSolution(True, "no plan fits the budget (not even a relaxation of the cost model)")
     if best is not None and best.status == SolverStatus.OPTIMAL:
         return replace(best, solve_time_s=time.perf_counter() - began)
-    left = max(1.0, time_limit_s - (time.perf_counter() - began))
+    left = max(0.0, time_limit_s - (time.perf_counter() - began))  # the DPs' time counts against the limit
     try:
         found = search(model, budget_bytes, hint=best.plan if best else None, time_limit_s=left, workers=workers,
                        dump_path=dump_path)
@@ -52,24 +55,27 @@ def solve(model: MemoryModel, budget_bytes: int, *, time_limit_s: float = 30.0, 
     return replace(found, bound_us=best_bound(bound, found.bound_us), solve_time_s=time.perf_counter() - began)
 
 
-def _best_whole_segment(model: MemoryModel, budget_bytes: int) -> tuple[Solution | None, int | None]:
+def _best_whole_segment(model: MemoryModel, budget_bytes: int,
+                        deadline: float) -> tuple[Solution | None, int | None]:
     """The DPs' best whole-segment plan (OPTIMAL when the relaxation's plan fits or Rotor's meets its
-    bound) and the relaxation's lower bound; no bound when not even the relaxation fits."""
-    lower = relaxed(model, budget_bytes)
+    bound) and the relaxation's lower bound; no bound when not even the relaxation fits. Both DPs stop
+    at ``deadline`` (``time.perf_counter()``): the relaxation with NoSolution, Rotor with no plan."""
+    lower = relaxed(model, budget_bytes, deadline=deadline)
     if lower is None:
         return None, None
     plan, bound = lower
     if simulate(model, plan).peak_bytes <= budget_bytes:
         return Solution(plan=plan, status=SolverStatus.OPTIMAL, recompute_us=bound, bound_us=bound, solve_time_s=0.0), bound
     try:
-        warm = rotor(model, budget_bytes)
+        warm = rotor(model, budget_bytes, time_limit_s=max(0.0, deadline - time.perf_counter()))
     except NoSolution:
         return None, bound
     return (replace(warm, status=SolverStatus.OPTIMAL, bound_us=bound) if warm.recompute_us <= bound else warm), bound
 
 
 POLISH_SHARE = 1 / 6
-"""Share of ``time_limit_s`` CP-SAT gets to beat the DPs' selective plan (5 s of the default 30 s)."""
+"""Share of ``time_limit_s`` CP-SAT gets to beat the DPs' selective plan (5 s of the default 30 s; at least
+1 s, never past the limit)."""
 
 
 def _solve_with_options(model: MemoryModel, budget_bytes: int, *, time_limit_s: float, workers: int | None,
@@ -81,17 +87,17 @@ def _solve_with_options(model: MemoryModel, budget_bytes: int, *, time_limit_s: 
     time returns it as FEASIBLE with CP-SAT's bound. With overrides, CP-SAT alone for the whole time
     limit, from the whole-segment plan as a hint."""
     began = time.perf_counter()
-    best, _ = _best_whole_segment(model, budget_bytes)
+    best, _ = _best_whole_segment(model, budget_bytes, began + time_limit_s)
     overrides = bool(options.must_save or options.must_recompute)
     if not overrides and options.candidates:
         try:
-            selective = rotor_saves(model, budget_bytes, options)
+            selective = rotor_saves(model, budget_bytes, options, deadline=began + time_limit_s)
             if best is None or selective.recompute_us < best.recompute_us:
                 best = selective
         except NoSolution:
             pass
     incumbent = None if overrides or best is None else best
-    left = max(1.0, time_limit_s - (time.perf_counter() - began))
+    left = max(0.0, time_limit_s - (time.perf_counter() - began))  # the DPs' time counts against the limit
     if incumbent is not None:  # CP-SAT rarely beats the DPs here (docs/selective.md): a short try
         left = min(left, max(1.0, time_limit_s * POLISH_SHARE))
     try:

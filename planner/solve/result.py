@@ -51,9 +51,10 @@ def best_bound(*bounds_us: int | None) -> int | None:
 class NoSolution(Exception):
     """CP-SAT ended without a plan: ``infeasible`` is True when it proved none exists; ``bound_us`` is
     its lower bound on the recompute time of any plan when it stopped at the time limit (None when
-    nothing is proven)."""
+    nothing is proven); ``interrupted`` when Ctrl-C stopped it."""
 
-    def __init__(self, infeasible: bool, message: str, bound_us: int | None = None):
+    def __init__(self, infeasible: bool, message: str, bound_us: int | None = None, interrupted: bool = False):
         super().__init__(message)
         self.infeasible = infeasible
         self.bound_us = bound_us
+        self.interrupted = interrupted
