@@ -20,9 +20,9 @@ class Block(nn.Module):
 class Tower(nn.Module):
     """Residual MLP blocks with BatchNorm and dropout."""
 
-    def __init__(self, width: int = 64, depth: int = 4) -> None:
+    def __init__(self, width: int = 64, depth: int = 4, block: type[Block] = Block) -> None:
         super().__init__()
-        self.blocks = nn.ModuleList(Block(width) for _ in range(depth))
+        self.blocks = nn.ModuleList(block(width) for _ in range(depth))
         self.head = nn.Linear(width, 10)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

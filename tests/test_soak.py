@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from models import Block, tower
+from models import Block, Tower, tower
 from planner import optimize
 from planner.capture.api import capture
 from planner.capture.inputs import as_inputs
@@ -36,21 +36,10 @@ class BranchyBlock(Block):
         return x + self.drop(self.fc2(h))
 
 
-class Branchy(nn.Module):
-    def __init__(self, width: int = 64, depth: int = 4) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList(BranchyBlock(width) for _ in range(depth))
-        self.head = nn.Linear(width, 10)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x)
-
-
-def branchy() -> Branchy:
+def branchy() -> Tower:
+    """``models.tower`` whose blocks branch on a value: captured from a real forward, run by hooks."""
     torch.manual_seed(0)
-    return Branchy()
+    return Tower(block=BranchyBlock)
 
 
 def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
