@@ -151,13 +151,17 @@ def check_saves(model: MemoryModel, plan: ChunkPlan, saves: Saves) -> None:
                 raise ValueError(f"saved node {o} caches storage {s}, which a later segment of plan {plan} reads")
 
 
-def kept_by_saves(model: MemoryModel, saves: Saves) -> tuple[np.ndarray, np.ndarray]:
-    """``(kept, release)``: per storage, cached by a save, and the release index of every storage (the
-    model's, or ``o + 1`` for a storage only SAC's cache holds, see ``dropped_at``)."""
+def kept_by_saves(model: MemoryModel, saves: Saves, release: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(kept, release)``: per storage, cached by a save, and the release index of every storage given
+    the plan's (``planner.memory.release.release_of``): a cached storage some node saves is held until
+    the backward of its first saver (in the save's segment), one only SAC's cache holds is released at
+    ``o + 1`` (see ``dropped_at``)."""
     kept = np.zeros(len(model.size), dtype=bool)
-    release = model.release.copy()
+    release = release.copy()
     for o in saves:
-        kept[cached(model, o)] = True
+        mine = cached(model, o)
+        kept[mine] = True
+        release[mine] = np.minimum(release[mine], model.first_saver[mine])
         release[until_rerun(model, o)] = o + 1
     return kept, release
 

@@ -29,6 +29,7 @@ import numpy as np
 from planner.profiling.record import Profile
 from planner.memory.regions import Regions
 from planner.memory.breakdown import PeakBreakdown
+from planner.memory.release import release_of, segment_starts
 from planner.memory.saves import NEVER, Saves, bump_relief, check_saves, kept_by_saves, rerun_parts
 
 ChunkPlan = tuple[tuple[int, int], ...]
@@ -52,7 +53,13 @@ class MemoryModel:
     first_saver: np.ndarray
     """Earliest node that saves each storage for backward (``NEVER`` if none)."""
     release: np.ndarray
-    """Earliest node whose backward can free a kept storage, under any plan."""
+    """Earliest node whose backward can free a kept storage, under any plan (a lower bound of
+    ``planner.memory.release.release_of``)."""
+    fixed_release: np.ndarray
+    """Per storage: the first saver that no plan checkpoints (``NEVER`` if none)."""
+    saver_firsts: tuple[tuple[tuple[int, int], ...], ...]
+    """Per storage: ``(chunk, node)`` for each checkpointable chunk that saves it, ``node`` its first
+    saver there (empty when the plan cannot free the storage: model outputs, parameters)."""
     fwd_fixed: np.ndarray
     """True for storages alive through the whole forward whatever the plan (autocast's cache)."""
     always_kept: np.ndarray
@@ -67,7 +74,8 @@ class MemoryModel:
     saver_chunks: tuple[tuple[int, ...], ...]
     """Chunks of each storage's savers (empty when always kept or unsaved)."""
     consumer_chunks: tuple[tuple[int, ...], ...]
-    """Checkpointable chunks after the producer's chunk that read each storage."""
+    """Checkpointable chunks after the producer's chunk that read each storage, where a segment
+    starting after the producer's chunk may hold it as its input (always-kept storages included)."""
     const_fwd: np.ndarray
     """Plan-independent part of each node's forward peak, bytes."""
     const_bwd: np.ndarray
@@ -177,9 +185,15 @@ def build_model(profile: Profile, regions: Regions, *, offset=None, sac_op_us: f
                          else tuple(sorted({chunk_of[u] for u in savers[s]})) for s in range(n_storages))
     latest_start = _latest_segment_start(regions)
     consumer_chunks = tuple(
-        () if producer[s] < 0 or always[s] or s in pinned else tuple(sorted(
+        () if producer[s] < 0 or s in pinned else tuple(sorted(
             {chunk_of[w] for w in consumers[s]
              if chunk_of[w] > producer_chunk[s] and ckpt_chunk[w] and latest_start[chunk_of[w]] > producer_chunk[s]}))
+        for s in range(n_storages))
+    frozen = [[u for u in savers[s] if not ckpt_chunk[u]] for s in range(n_storages)]
+    fixed_release = np.array([min(f) if f else NEVER for f in frozen], dtype=np.int64)
+    saver_firsts = tuple(
+        () if producer[s] < 0 or s in pinned else tuple(sorted(
+            (k, min(u for u in savers[s] if chunk_of[u] == k)) for k in {chunk_of[u] for u in savers[s] if ckpt_chunk[u]}))
         for s in range(n_storages))
     release = first_saver.copy()
     for s in range(n_storages):
@@ -216,6 +230,7 @@ def build_model(profile: Profile, regions: Regions, *, offset=None, sac_op_us: f
     return MemoryModel(
         regions=regions, node_names=tuple(nd.name for nd in nodes), size=size, producer=producer,
         producer_chunk=producer_chunk, last_use=last_use, first_saver=first_saver, release=release,
+        fixed_release=fixed_release, saver_firsts=saver_firsts,
         fwd_fixed=fwd_fixed,
         savers=tuple(tuple(sorted(sv)) for sv in savers),
         always_kept=always, saver_chunks=saver_chunks, consumer_chunks=consumer_chunks,
@@ -270,11 +285,8 @@ def check_plan(model: MemoryModel, plan: ChunkPlan) -> None:
 
 def kept_storages(model: MemoryModel, plan: ChunkPlan) -> np.ndarray:
     """Boolean per storage: does the plan keep it alive until backward?"""
-    checkpointed = np.zeros(model.n_chunks, dtype=bool)
-    seg_start = np.full(model.n_chunks, -1, dtype=np.int64)
-    for first, stop in plan:
-        checkpointed[first:stop] = True
-        seg_start[first:stop] = first
+    seg_start = segment_starts(model, plan)
+    checkpointed = seg_start >= 0
     kept = model.always_kept.copy()
     for s in model.varying():
         p = model.producer_chunk[s]
@@ -290,12 +302,13 @@ def simulate(model: MemoryModel, plan: ChunkPlan, saves: Saves = frozenset()) ->
     saves = frozenset(int(o) for o in saves)
     check_saves(model, plan, saves)
     n = model.n_nodes
-    cached, release = kept_by_saves(model, saves)
+    cached, release = kept_by_saves(model, saves, release_of(model, plan))
     kept = kept_storages(model, plan) | cached
     weight = model.size * kept
     fwd = model.const_fwd + prefix_by(model.last_use + 1, weight * ~model.fwd_fixed, n)
     kept_bwd = prefix_by(release, weight, n)
-    own_kept = np.array([int(weight[list(own)].sum()) if own else 0 for own in model.own_saved], dtype=np.int64)
+    own_kept = np.array([sum(int(weight[x]) for x in own if release[x] <= t) for t, own in enumerate(model.own_saved)],
+                        dtype=np.int64)
     recomputed = _recomputed(model, plan) - bump_relief(model, plan, saves)
     bwd = np.where(model.has_bwd, model.const_bwd + kept_bwd - own_kept + recomputed, -1)
     for first, stop in plan:  # the moment a segment is re-run: its last saving chunk, before its backward

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 from ortools.sat.python import cp_model
 
-from planner.memory.saves import SaveOptions
+from planner.memory.saves import NEVER, SaveOptions
 from planner.memory.simulate import (ChunkPlan, MemoryModel, prefix_by, recomputed_from, rerun_bytes, rerun_chunk,
                               simulate)
 from planner.solve.result import NoSolution, Solution, SolverStatus
@@ -32,6 +32,7 @@ class _Vars:
     same: dict = None     # same[o, k]: o is saved and chunk k is in its segment
     sac: object = 0       # time SAC's dispatch modes add to segments with saves (objective term)
     cache: list = None    # (storage, release, save[o]): cached storages nobody saves, kept until the re-run
+    held: dict = None     # held[s]: [(node, h)], h: some holder of s sits at or before node (ascending)
     rows: dict = None     # rows[o]: per node, the bytes a save of o keeps from being counted as recomputed
 
 
@@ -90,6 +91,7 @@ def build(model: MemoryModel, *, budget_bytes: int | None,
         kept[int(s)] = var
     rows = relief_rows(model, save)
     variables = _Vars(segment=segment, covers=covers, ckpt=ckpt, kept=kept, save=save,
+                      held=_holders(cp, model, ckpt, covers, save_reasons),
                       same=same_segment(cp, model, save, covers, rows), rows=rows,
                       sac=sac_overhead(cp, model, save, covers), cache=cache_items(model, save))
     peak = cp.new_int_var(0, _upper_bound(model), "peak") if budget_bytes is None else None
@@ -101,6 +103,67 @@ def build(model: MemoryModel, *, budget_bytes: int | None,
     else:
         cp.minimize(peak)
     return cp, variables, peak
+
+
+def _holders(cp, model: MemoryModel, ckpt: list, covers: dict, save_reasons: dict) -> dict:
+    """``held[s]``: for every storage a plan may keep, ``[(node, h), ...]`` by ascending node, ``h``
+    true when some holder of s sits at or before that node (``planner.memory.release``): s is alive
+    at backward node t iff the last ``h`` at or before t is. Each ``h`` is only bounded from below
+    (by its holders and the previous one); the backward limits keep it as small as allowed."""
+    held = {}
+    for s in range(len(model.size)):
+        if model.size[s] <= 0 or not (model.always_kept[s] or int(s) in save_reasons
+                                      or model.saver_chunks[s] or model.consumer_chunks[s]):
+            continue
+        at: dict[int, list] = {}
+        if model.fixed_release[s] < NEVER:
+            at[int(model.fixed_release[s])] = [1]
+        for k, u in model.saver_firsts[s]:
+            at.setdefault(u, []).append(ckpt[k].Not())
+        p = int(model.producer_chunk[s])
+        for w in model.consumer_chunks[s]:
+            for a in range(p + 1, w + 1):
+                if (a, w) in covers:
+                    at.setdefault(model.regions.starts[a], []).append(covers[a, w])
+        for v in save_reasons.get(int(s), ()):  # a save in the segment of s's first saver
+            at.setdefault(int(model.first_saver[s]), []).append(v)
+        chain, previous = [], 0
+        for node in sorted(at):
+            if any(isinstance(h, int) for h in at[node]):
+                chain.append((node, 1))
+                break
+            if isinstance(previous, int) and len(at[node]) == 1:
+                h = at[node][0]
+            else:
+                h = cp.new_bool_var(f"held[{s},{node}]")
+                for reason in at[node] + ([] if isinstance(previous, int) else [previous]):
+                    cp.add_implication(reason, h)
+            chain.append((node, h))
+            previous = h
+        held[int(s)] = chain
+    return held
+
+
+def _held_items(model: MemoryModel, variables: _Vars) -> list:
+    """``(node, bytes, expr)`` items whose sum over ``node <= t`` is the bytes of kept storages alive at
+    backward node t: each chain of ``held`` as its increments."""
+    items = []
+    for s, chain in variables.held.items():
+        previous = 0
+        for node, h in chain:
+            items.append((node, int(model.size[s]), h if isinstance(previous, int) else h - previous))
+            previous = h
+    return items
+
+
+def _held_at(model: MemoryModel, variables: _Vars, s: int, t: int):
+    """Whether storage s is alive (kept and held) at backward node t: 0, 1 or a literal."""
+    out = 0
+    for node, h in variables.held.get(s, ()):
+        if node > t:
+            break
+        out = h
+    return out
 
 
 def _objective(model: MemoryModel, variables: _Vars):
@@ -125,24 +188,21 @@ def _add_forward_limits(cp, model: MemoryModel, variables: _Vars, limit) -> None
     # The kept prefix only grows with t, so a limit is implied by any later one with a larger constant.
     later_max = np.maximum.accumulate(const[::-1])[::-1]
     times = [t for t in range(n) if t == n - 1 or const[t] > later_max[t + 1]]
-    kept_at = _kept_prefix(cp, model, variables, model.last_use + 1, times, "fwd_kept", skip=model.fwd_fixed,
-                           cache=[(int(model.last_use[s]) + 1, s, var) for s, _, var in variables.cache or ()])
+    items = [(int(model.last_use[s]) + 1, int(model.size[s]), var) for s, var in variables.kept.items()
+             if not model.fwd_fixed[s]]
+    items += [(int(model.last_use[s]) + 1, int(model.size[s]), var) for s, _, var in variables.cache or ()]
+    kept_at = _prefix(cp, items, times, "fwd_kept")
     for t in times:
         _add_limit(cp, kept_at[t] + int(const[t]), limit)
 
 
-def _kept_prefix(cp, model: MemoryModel, variables: _Vars, when: np.ndarray, times: list[int], name: str,
-                 skip: np.ndarray | None = None, cache: list = ()) -> dict:
-    """``t -> sum(size[s] * kept[s] for when[s] <= t)`` for each t in ``times`` (storages with
-    ``skip[s]`` left out), plus ``size[s] * var`` for each ``(when, s, var)`` of ``cache``, as chained
-    variables."""
+def _prefix(cp, items: list, times: list[int], name: str) -> dict:
+    """``t -> sum(bytes * expr for (node, bytes, expr) in items if node <= t)`` for each t in ``times``,
+    as chained variables (every ``expr`` between 0 and 1)."""
     pending: dict[int, list] = {}
-    for s, var in variables.kept.items():
-        if skip is None or not skip[s]:
-            pending.setdefault(int(when[s]), []).append((int(model.size[s]), var))
-    for at, s, var in cache:
-        pending.setdefault(int(at), []).append((int(model.size[s]), var))
-    total = int(sum(int(model.size[s]) for s in variables.kept) + sum(int(model.size[s]) for _, s, _ in cache))
+    for at, size, expr in items:
+        pending.setdefault(int(at), []).append((size, expr))
+    total = int(sum(size for _, size, _ in items))
     out: dict[int, object] = {}
     running, ready = 0, sorted(pending)
     i = 0
@@ -163,39 +223,35 @@ def _add_backward_limits(cp, model: MemoryModel, variables: _Vars, limit) -> Non
     """Backward: at node t, kept storages released at or after t, plus what t's segment recomputed;
     and, where a segment is re-run, the same plus the largest allocation of the re-run."""
     n = model.n_nodes
-    fixed = model.size * model.always_kept
-    const = model.const_bwd + prefix_by(model.release, fixed, n)
-    own_fixed = np.array([int(fixed[list(own)].sum()) if own else 0 for own in model.own_saved], dtype=np.int64)
+    const = model.const_bwd
     owner = model.regions.chunk_of() + [-1] * (n - model.regions.end)
     recomputed = recomputed_from(model)
     times = [t for t in range(n) if model.has_bwd[t]]
     reruns = [(var, last) for (a, b), var in variables.segment.items()
               if (last := rerun_chunk(model, a, b)) is not None]
-    kept_at = _kept_prefix(cp, model, variables, model.release,
-                           times + [int(model.recompute_at[last]) for _, last in reruns], "bwd_kept",
-                           cache=[(at, s, var) for s, at, var in variables.cache or ()])
+    items = _held_items(model, variables) + [(at, int(model.size[s]), var) for s, at, var in variables.cache or ()]
+    kept_at = _prefix(cp, items, times + [int(model.recompute_at[last]) for _, last in reruns], "bwd_kept")
     reliefs = backward_reliefs(model, variables.same, variables.rows) if variables.same else {}
     for t in times:
         k = owner[t]
         bump = sum(int(recomputed[a, t]) * variables.covers[a, k]
                    for a in range(k + 1) if (a, k) in variables.covers and recomputed[a, t]) if k >= 0 else 0
         # what t itself saves is in the measured constant at t, not in the kept prefix
-        own = sum(int(model.size[x]) * variables.kept[x] for x in model.own_saved[t] if x in variables.kept)
+        own = sum(int(model.size[x]) * _held_at(model, variables, x, t) for x in model.own_saved[t])
         relief = sum(reliefs.get(t, ()))
-        _add_limit(cp, kept_at[t] - own + int(const[t] - own_fixed[t]) + bump - relief, limit)
+        _add_limit(cp, kept_at[t] - own + int(const[t]) + bump - relief, limit)
     # Re-run of segment [a, b): just before the backward of its last saving node t.
-    extra = const - model.const_bwd  # always-kept storages released by t
     for (a, b), var in variables.segment.items():
         last = rerun_chunk(model, a, b)
         if last is None:
             continue
         t = int(model.recompute_at[last])
         if not variables.save:
-            fixed_bytes = int(model.const_recompute[last] + extra[t]) + rerun_bytes(model, a, last, b)
+            fixed_bytes = int(model.const_recompute[last]) + rerun_bytes(model, a, last, b)
             _add_limit(cp, kept_at[t] + fixed_bytes, limit, enforce=[var])
             continue
         for nbytes, relief in rerun_limits(model, a, last, b, variables.save):  # saves shrink the re-run
-            fixed_bytes = int(model.const_recompute[last] + extra[t]) + nbytes
+            fixed_bytes = int(model.const_recompute[last]) + nbytes
             spared = sum(c * variables.save[o] for o, c in relief.items())
             _add_limit(cp, kept_at[t] + fixed_bytes - spared, limit, enforce=[var])
 

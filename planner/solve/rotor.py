@@ -1,20 +1,22 @@
 """Dynamic programming over the chunks: exact under our cost model on chains and residual graphs.
 
 Plans are read left to right as *pieces*: a checkpointed segment ``[a, b)`` or one chunk left
-alone. Whether a plan keeps a storage produced in piece ``[a, b)`` is decided by that piece and
-the later ones (``simulate.kept_storages``): it is kept when a node outside the piece saves it,
-or when a later checkpointed piece reads it. The DP carries, at each chunk boundary, one flag per
-*open* storage (produced before the boundary, still read or released after it): kept or not.
-A flag that depends on later pieces is guessed when the storage is produced; "not kept" is then
-checked against every later piece that reads it, "kept" needs no check (keeping a storage
-without a reason only costs memory). Closed storages are summed in ``M``, the kept bytes carried
-forward; the value of each state is an exact step function of ``M`` (no rounding).
+alone. A storage kept for backward is freed at the backward of its earliest *holder*
+(``planner.memory.release``): a saver in a chunk left alone, a checkpointed segment starting after
+its chunk that reads it, a saver no plan checkpoints. Every holder reads the storage, so by its last
+use the plan has decided whether it is kept. The DP carries, at each chunk boundary, one flag per
+*open* storage (produced before the boundary, read after it): held by a piece before the boundary
+or not. A piece that holds it sets the flag; a storage is alive at backward node t of a piece when
+its flag was set before the piece or the piece holds it at or before t, and it is kept through the
+forward when its flag is set at its last use. Closed storages are summed in ``M``, the kept bytes
+carried forward; the value of each state is an exact step function of ``M`` (no rounding).
 
 On the graphs seen so far (transformers, residual CNNs) at most 2-4 storages are open at a
-boundary. When more are, the longest-lived ones are *untracked*: counted as always kept (the
-conservative reading, whose plans always fit) or never kept (the optimistic one, a relaxation).
-The conservative DP's plan always fits; the optimistic one's recompute time is a lower bound on
-every plan's; with every storage tracked the two are the same optimum.
+boundary. When more are, the longest-lived ones are *untracked*: counted as always kept from their
+earliest possible release (the conservative reading, whose plans always fit) or as kept only by
+what no plan changes (the optimistic one, a relaxation). The conservative DP's plan always fits;
+the optimistic one's recompute time is a lower bound on every plan's; with every storage tracked
+the two are the same optimum.
 """
 
 from __future__ import annotations
@@ -27,14 +29,13 @@ import numpy as np
 
 from planner.solve.rotor_saves import SaveTable, Variant
 from planner.solve.rotor_step import INF, Step
-from planner.memory.saves import SaveOptions, rerun_parts
+from planner.memory.saves import NEVER, SaveOptions, rerun_parts
 from planner.memory.simulate import (ChunkPlan, MemoryModel, prefix_by, recomputed_from, rerun_bytes, rerun_chunk,
                                      segment_recompute_us, simulate)
 from planner.solve.result import NoSolution, Solution, SolverStatus
 
 MAX_OPEN = 6
 """Most storages tracked across one chunk boundary (the DP's state grows as 2 ** open)."""
-KEPT, FREE, GUESS = 1, 0, -1
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -43,18 +44,21 @@ class _Storage:
     producer: int
     chunk: int
     last_use: int
-    release: int
     fwd_fixed: bool
+    fixed: int
+    """A saver no plan checkpoints (``NEVER`` if none)."""
     savers: tuple[int, ...]
-    saver_chunks: tuple[int, ...]
+    saver_firsts: dict[int, int]
+    """Checkpointable saver chunk -> its first saver of this storage."""
     consumer_chunks: tuple[int, ...]
 
-    def status(self, b: int, ckpt: bool) -> int:
-        """KEPT, FREE or GUESS (decided by later pieces) when produced in a piece ending at chunk b."""
-        last_saver = self.saver_chunks[-1] if self.saver_chunks else -1
-        if (not ckpt and last_saver >= 0) or last_saver >= b:
-            return KEPT  # saved outside its piece: kept under any later pieces
-        return GUESS if self.consumer_chunks and self.consumer_chunks[-1] >= b else FREE
+    def held_in(self, a: int, b: int, ckpt: bool, lo: int, hi: int) -> int | None:
+        """Node at which piece ``[a, b)`` (nodes ``[lo, hi)``) holds this storage, None if it does not:
+        a segment holds its inputs from its first node, a chunk left alone from its first saver."""
+        if ckpt:
+            return lo if self.chunk < a and self.read_in(a, b) else None
+        at = min(self.fixed if lo <= self.fixed < hi else NEVER, self.saver_firsts.get(a, NEVER))
+        return at if at < NEVER else None
 
     def read_in(self, a: int, b: int) -> bool:
         i = bisect.bisect_left(self.consumer_chunks, a)
@@ -147,20 +151,26 @@ def smallest_peak(model: MemoryModel) -> tuple[ChunkPlan, bool]:
     return best, dp.exact
 
 
+def _plan_dependent(model: MemoryModel) -> list[int]:
+    """Storages whose keeping or release depends on the plan."""
+    varying = set(model.varying().tolist())
+    return [s for s in range(len(model.size)) if model.size[s] > 0 and (
+        s in varying or (model.always_kept[s] and (model.consumer_chunks[s] or model.saver_firsts[s])))]
+
+
 def _storages(model: MemoryModel) -> dict[int, _Storage]:
-    return {int(s): _Storage(size=int(model.size[s]), producer=int(model.producer[s]),
-                             chunk=int(model.producer_chunk[s]), last_use=int(model.last_use[s]),
-                             release=int(model.release[s]), fwd_fixed=bool(model.fwd_fixed[s]),
-                             savers=model.savers[s], saver_chunks=model.saver_chunks[s],
-                             consumer_chunks=model.consumer_chunks[s])
-            for s in model.varying() if model.size[s] > 0}
+    return {s: _Storage(size=int(model.size[s]), producer=int(model.producer[s]),
+                        chunk=int(model.producer_chunk[s]), last_use=int(model.last_use[s]),
+                        fwd_fixed=bool(model.fwd_fixed[s]), fixed=int(model.fixed_release[s]),
+                        savers=model.savers[s], saver_firsts=dict(model.saver_firsts[s]),
+                        consumer_chunks=model.consumer_chunks[s])
+            for s in _plan_dependent(model)}
 
 
 def _open_sets(storages: dict[int, _Storage], edges: list[int]) -> list[list[int]]:
-    """Per chunk boundary (node ``edges[c]``): storages produced before it whose memory still
-    depends on the plan after it."""
-    return [[s for s, st in storages.items() if st.producer < e and (st.last_use >= e or st.release > e)]
-            for e in edges]
+    """Per chunk boundary (node ``edges[c]``): storages produced before it and read after it (every
+    holder reads the storage, so the plan after the boundary can still hold it)."""
+    return [[s for s, st in storages.items() if st.producer < e <= st.last_use] for e in edges]
 
 
 class _ChainDP:
@@ -175,21 +185,26 @@ class _ChainDP:
         opened = _open_sets(tracked, self.edges)
         while max(map(len, opened), default=0) > MAX_OPEN:  # untrack the longest-lived storage
             widest = max((s for c in opened if len(c) > MAX_OPEN for s in c),
-                         key=lambda s: max(tracked[s].last_use, tracked[s].release) - tracked[s].producer)
+                         key=lambda s: tracked[s].last_use - tracked[s].producer)
             del tracked[widest]
             opened = _open_sets(tracked, self.edges)
         self.tracked, self.opened = tracked, opened
         self.exact = len(tracked) == every  # then both readings are the cost model itself
         self.open_pos = [{s: i for i, s in enumerate(c)} for c in opened]
         self.made_in = [[s for s, st in tracked.items() if st.chunk == k] for k in range(model.n_chunks)]
+        # Untracked storages: kept from their earliest possible release (conservative), or only when
+        # no plan can free them, from their latest one (optimistic).
         fixed = model.size * model.always_kept
-        if not optimistic:
-            for s in model.varying():
-                if int(s) not in tracked:
-                    fixed[s] = model.size[s]
+        if optimistic:
+            fixed_at = np.where(model.always_kept, model.fixed_release, model.release)
+        else:
+            fixed_at = model.release
+            fixed = fixed + model.size * np.isin(np.arange(len(model.size)), model.varying())
+        fixed[list(tracked)] = 0
         self.const_fwd = model.const_fwd + prefix_by(model.last_use + 1, fixed * ~model.fwd_fixed, n)
-        self.kept_fixed = prefix_by(model.release, fixed, n)
-        own_fixed = np.array([int(fixed[list(own)].sum()) if own else 0 for own in model.own_saved], dtype=np.int64)
+        self.kept_fixed = prefix_by(fixed_at, fixed, n)
+        own_fixed = np.array([sum(int(fixed[x]) for x in own if fixed_at[x] <= t) for t, own in enumerate(model.own_saved)],
+                             dtype=np.int64)
         self.const_bwd = model.const_bwd + self.kept_fixed - own_fixed
         self.recompute_from = recomputed_from(model)
         self._pieces: dict[tuple, tuple[int, int, int] | None] = {}
@@ -207,49 +222,41 @@ class _ChainDP:
             self._variants[a, b] = self._table.variants(a, b)
         return self._variants[a, b]
 
-    def piece(self, a: int, b: int, ckpt: bool, mask: int, guess: int, v: int = 0) -> tuple[int, int, int] | None:
+    def piece(self, a: int, b: int, ckpt: bool, mask: int, v: int = 0) -> tuple[int, int, int]:
         """Worst plan-dependent bytes of piece ``[a, b)`` (``M`` excluded), bytes it closes into ``M``,
-        and the flags at ``b``; None when the flags at ``a`` contradict the piece. ``v``: the
-        segment's save variant."""
-        key = (a, b, ckpt, mask, guess, v)
+        and the flags at ``b``. ``v``: the segment's save variant."""
+        key = (a, b, ckpt, mask, v)
         if key not in self._pieces:
-            self._pieces[key] = self._piece(a, b, ckpt, mask, guess, self.variants(a, b)[v] if v else None)
+            self._pieces[key] = self._piece(a, b, ckpt, mask, self.variants(a, b)[v] if v else None)
         return self._pieces[key]
 
-    def _piece(self, a: int, b: int, ckpt: bool, mask: int, guess: int,
-               variant: Variant | None) -> tuple[int, int, int] | None:
+    def _piece(self, a: int, b: int, ckpt: bool, mask: int, variant: Variant | None) -> tuple[int, int, int]:
         m, lo, hi = self.m, self.edges[a], self.edges[b]
-        flags: dict[int, bool] = {}
+        since: dict[int, int] = {}  # held storage -> first node of the piece whose backward holds it
         for i, s in enumerate(self.opened[a]):
-            flags[s] = bool(mask >> i & 1)
-            if ckpt and not flags[s] and self.tracked[s].read_in(a, b):
-                return None  # a later segment reads a storage promised not kept
-        g = 0
-        for s in self._made(a, b, ckpt):
-            status = self.tracked[s].status(b, ckpt)
-            if status == GUESS:
-                flags[s], g = bool(guess >> g & 1), g + 1
-            else:
-                flags[s] = status == KEPT
+            at = lo if mask >> i & 1 else self.tracked[s].held_in(a, b, ckpt, lo, hi)
+            if at is not None:
+                since[s] = at
+        for s in () if ckpt else self.made_in[a]:  # a segment never holds what it produces
+            at = self.tracked[s].held_in(a, b, ckpt, lo, hi)
+            if at is not None:
+                since[s] = at
         alive_f = np.zeros(hi - lo + 1, dtype=np.int64)
         alive_b = np.zeros(hi - lo + 1, dtype=np.int64)
         own_b = np.zeros(hi - lo + 1, dtype=np.int64)  # kept bytes a node saves itself (in its constant)
-        held = self._saves(variant, a, b, flags, alive_f, alive_b) if variant is not None else 0
+        held = self._saves(variant, a, b, since, alive_f, alive_b) if variant is not None else 0
         added = held
         after = self.open_pos[b] if b < len(self.open_pos) else {}
-        for s, kept in flags.items():
+        for s, at in since.items():
             st = self.tracked[s]
-            if not kept:
-                continue
             if s not in after and not (self.optimistic and st.fwd_fixed):
                 added += st.size
             if st.last_use + 1 < hi and not st.fwd_fixed:
                 alive_f[max(st.last_use + 1, lo) - lo] += st.size
-            if st.release < hi:
-                alive_b[max(st.release, lo) - lo] += st.size
-                for u in st.savers:
-                    if lo <= u < hi:
-                        own_b[u - lo] += st.size
+            alive_b[at - lo] += st.size
+            for u in st.savers:
+                if at <= u < hi:
+                    own_b[u - lo] += st.size
         alive_f, alive_b = np.cumsum(alive_f)[:-1], np.cumsum(alive_b)[:-1]
         worst = int((self.const_fwd[lo:hi] + alive_f).max())
         bwd = self.const_bwd[lo:hi] + alive_b - own_b[:-1]
@@ -262,23 +269,21 @@ class _ChainDP:
         if rerun is not None:
             t, fixed_bytes = rerun
             worst = max(worst, fixed_bytes + int(alive_b[t - lo]) + held)
-        out = sum(1 << i for s, i in after.items() if flags.get(s, True))
+        out = sum(1 << i for s, i in after.items() if s in since)
         return worst, added, out
 
-    def _saves(self, variant: Variant, a: int, b: int, flags: dict, alive_f: np.ndarray, alive_b: np.ndarray) -> int:
-        """Applies a save variant to segment ``[a, b)``: the cached storages some node saves are kept
-        (their flags forced on), those nobody saves are held by SAC's cache until the re-run (their
-        flags forced off: no later segment may read them; their bytes added to the piece's forward
-        after their last reader and to its backward after the re-run point). Returns the held bytes."""
+    def _saves(self, variant: Variant, a: int, b: int, since: dict, alive_f: np.ndarray, alive_b: np.ndarray) -> int:
+        """Applies a save variant to segment ``[a, b)``: the cached storages some node saves are kept,
+        held from their first saver; those nobody saves are held by SAC's cache until the re-run (no
+        later segment reads them: ``SaveTable.variants``), their bytes added to the piece's forward
+        after their last reader and to its backward after the re-run point. Returns the held bytes."""
         m, lo, hi = self.m, self.edges[a], self.edges[b]
         t_r = int(m.recompute_at[rerun_chunk(m, a, b)])
-        for s in variant.kept:
-            if s in self.tracked:
-                flags[s] = True
+        for s in variant.kept:  # (a first saver after the segment holds it in its own piece)
+            if s in self.tracked and m.first_saver[s] < hi:
+                since[s] = min(since.get(s, NEVER), int(m.first_saver[s]))
         held = 0
         for s in variant.held:
-            if s in flags:
-                flags[s] = False
             size = int(m.size[s])
             held += size
             if m.last_use[s] + 1 < hi:
@@ -307,16 +312,6 @@ class _ChainDP:
                 replay = base - sum(relief[o] for o in saves if o in relief)
                 self._reruns[key] = (t, int(m.const_recompute[last] + self.kept_fixed[t]) + int(replay.max()) + restored)
         return self._reruns[key]
-
-    def _made(self, a: int, b: int, ckpt: bool) -> list[int]:
-        """Storages produced in piece ``[a, b)`` that may be kept. In a segment, one closed by b
-        (never read or released after it) is not: its savers and readers are all inside."""
-        if not ckpt:
-            return self.made_in[a]
-        return [s for s in self.opened[b] if self.tracked[s].chunk >= a] if b < len(self.opened) else []
-
-    def _guesses(self, a: int, b: int, ckpt: bool) -> int:
-        return sum(self.tracked[s].status(b, ckpt) == GUESS for s in self._made(a, b, ckpt))
 
     def _tail(self, *, closing: bool) -> int:
         """Bytes after the last chunk (the loss, the output's backward), M excluded; with
@@ -360,15 +355,12 @@ class _ChainDP:
         for b, ckpt in pieces:
             cost = segment_recompute_us(m, a, b) if ckpt else 0
             kinds = list(enumerate(self.variants(a, b))) if ckpt and self.candidates else [(0, None)]
-            for guess in range(1 << self._guesses(a, b, ckpt)):
-                plain = self.piece(a, b, ckpt, mask, guess)
-                if plain is None:
-                    break  # the flags at a rule this piece out, whatever the guesses and saves
-                for v, variant in kinds:
-                    if v and plain[0] > self.budget:
-                        break  # saves never lower a piece's bytes
-                    worst, added, out = self.piece(a, b, ckpt, mask, guess, v)
-                    yield cost - (variant.spared_us if variant else 0), worst, added, b, out, (ckpt, v)
+            plain = self.piece(a, b, ckpt, mask)
+            for v, variant in kinds:
+                if v and plain[0] > self.budget:
+                    break  # saves never lower a piece's bytes
+                worst, added, out = self.piece(a, b, ckpt, mask, v)
+                yield cost - (variant.spared_us if variant else 0), worst, added, b, out, (ckpt, v)
 
     def fits(self, budget: int) -> ChunkPlan | None:
         """Some plan whose peak is at most ``budget`` (<= the DP's own budget), or None."""

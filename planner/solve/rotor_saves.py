@@ -69,7 +69,9 @@ class SaveTable:
         qualifies when its ``partner`` lies in the segment."""
         m = self.m
         lo, hi = m.regions.starts[a], m.regions.bounds(b - 1)[1]
-        inside = [c for c in self.items if lo <= c.node < hi and lo <= c.partner < hi]
+        # a later segment must not hold what only SAC's cache keeps (planner.memory.saves.check_saves)
+        inside = [c for c in self.items if lo <= c.node < hi and lo <= c.partner < hi
+                  and all(w < b for h in c.held for w in m.consumer_chunks[h])]
         sac = int(m.sac_chunk_us[a:b].sum()) if len(m.sac_chunk_us) else 0
         out = [Variant(frozenset(), 0, (), (), np.zeros(hi - lo, dtype=np.int64))]
         for k in sorted({k for k in PREFIXES if k < len(inside)} | ({len(inside)} if inside else set())):
