@@ -259,3 +259,23 @@ def _check_indices(prof: Profile, source: str) -> None:
         if not -1 <= st.producer < n_nodes:
             raise ProfileFileError(f"{source}: storage {i} names producer node {st.producer}, but the profile "
                                    f"has {n_nodes} nodes; the file is corrupt: profile again")
+    # The lists must agree with each other: a storage is read and saved only once it exists, and
+    # its producer lists it among its outputs.
+    for i, node in enumerate(prof.nodes):
+        for key in ("inputs", "saves", "mutates"):
+            late = [s for s in getattr(node, key) if prof.storages[s].producer > i]
+            if late:
+                raise ProfileFileError(f"{source}: node {node.name!r} lists {key} storage {late[0]}, which node "
+                                       f"{prof.storages[late[0]].producer} produces later; the file is corrupt: "
+                                       "profile again")
+        touched = set(node.inputs) | set(node.outputs)  # autograd saves, and ops modify, what they touch
+        unread = [s for s in (*node.saves, *node.mutates) if s not in touched]
+        if unread:
+            raise ProfileFileError(f"{source}: node {node.name!r} saves or modifies storage {unread[0]}, which it "
+                                   "neither reads nor produces; the file is corrupt: profile again")
+        foreign = [s for s in node.outputs if prof.storages[s].producer != i]
+        if foreign:
+            raise ProfileFileError(f"{source}: node {node.name!r} lists output storage {foreign[0]}, whose producer "
+                                   f"is node {prof.storages[foreign[0]].producer}; the file is corrupt: profile again")
+    if len({node.name for node in prof.nodes}) != n_nodes:
+        raise ProfileFileError(f"{source}: two nodes share a name; the file is corrupt: profile again")
