@@ -15,6 +15,9 @@ from fuzz import KINDS, check_budget, budgets, loss_fn, random_model
 from planner.pipeline import prepare
 
 CI_SEEDS = range(10)
+FOUND_SEEDS = (121, 192)
+"""Seeds that once failed (bench/results/reliability.md): 121 and 192 measured over budget (a frozen
+Linear's weight pack moves the re-run's stop)."""
 MANY_SEEDS = range(100, 100 + int(os.environ.get("CKPLAN_FUZZ_SEEDS", "0")))
 
 
@@ -27,7 +30,7 @@ def _fuzz(seed: int, *, per_model: int = 3, **draw) -> None:
         assert not outcome.problems(), f"{drawn.describe()}, budget {budget} B: {outcome.problems()}"
 
 
-@pytest.mark.parametrize("seed", CI_SEEDS)
+@pytest.mark.parametrize("seed", [*CI_SEEDS, *FOUND_SEEDS])
 def test_random_model(seed):
     _fuzz(seed)
 

@@ -83,8 +83,8 @@ class MemoryModel:
     has_bwd: np.ndarray
     """True for nodes that run autograd nodes in backward."""
     recompute_at: np.ndarray
-    """Per chunk: last node that saves tensors (where a segment ending here is
-    recomputed, just before that node's backward); -1 if none."""
+    """Per chunk: last node that packs tensors for backward, parameters included (where a segment
+    ending here is recomputed, just before that node's backward, and where its re-run stops); -1 if none."""
     const_recompute: np.ndarray
     """Per chunk: plan-independent bytes when a segment is recomputed at ``recompute_at``."""
     fwd_rise: np.ndarray
@@ -213,10 +213,13 @@ def build_model(profile: Profile, regions: Regions, *, offset=None, sac_op_us: f
     kept_bwd = prefix_by(first_saver[saved], size[saved], n)
     own_saved = tuple(tuple(int(x) for x in sorted({x for x in nd.saves if saved[x] and size[x] > 0})) for nd in nodes)
     own_bytes = np.array([int(size[list(own)].sum()) if own else 0 for own in own_saved], dtype=np.int64)
+    # A segment is re-run at the backward of its last node that packed anything, parameters included
+    # (a frozen Linear saves only its weight; the profile records the pack as ``stop_peak_bytes``), and
+    # the re-run stops once that node has packed.
     recompute_at = np.full(regions.n_chunks, -1, dtype=np.int64)
     for k in range(regions.n_chunks):
         for t in range(*regions.bounds(k)):
-            if nodes[t].saves and nodes[t].bwd_start_bytes is not None:
+            if (nodes[t].saves or nodes[t].stop_peak_bytes is not None) and nodes[t].bwd_start_bytes is not None:
                 recompute_at[k] = t
     bwd_start = np.array([nd.bwd_start_bytes or 0 for nd in nodes], dtype=np.int64)
     const_recompute = np.array([bwd_start[t] - kept_bwd[t] if t >= 0 else 0 for t in recompute_at], dtype=np.int64)
