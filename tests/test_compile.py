@@ -88,9 +88,8 @@ def _gpt(layers: int):
     example = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = example
     spec.loader.exec_module(example)
-    example.LAYERS = layers
     torch.manual_seed(0)
-    model = example.GPT()
+    model = example.GPT(example.Config(layers=layers))
     for module in model.modules():
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0

@@ -1,9 +1,11 @@
 """CP-SAT against exact references on small graphs: brute force over every segmentation."""
 
+import dataclasses
 import random
 
 import pytest
 
+from planner.memory.excess import excess_of
 from planner.memory.simulate import simulate
 from planner.solve.peaks import encoded_peak, min_peak
 from planner.solve.result import NoSolution
@@ -58,3 +60,34 @@ def test_encoding_equals_simulator_on_random_plans(seed):
     rng = random.Random(seed)
     for plan in rng.sample(all_plans(model), 12):
         assert encoded_peak(model, plan) == simulate(model, plan).peak_bytes, plan
+
+
+def _with_eager_locals(n: int, seed: int):
+    """A random graph whose nodes sit in modules of three nodes each, with Python locals (eager excess)
+    on some of them: fx plans keep those locals only where they leave a module's code alone."""
+    profile = random_profile(n, seed, skip_connections=True)
+    rng = random.Random(seed)
+    nodes = list(profile.nodes)
+    for i in range(len(nodes) - 1):  # the loss pseudo-node last
+        path = f"m{i // 3}"
+        nodes[i] = dataclasses.replace(nodes[i], scope=(f"{path}#0",), module_path=path,
+                                       eager_excess_bytes=rng.choice([0, 0, 400, 3000, 12000]))
+    model = memory_model(dataclasses.replace(profile, nodes=tuple(nodes)))
+    assert model.excess.any() and model.regions.chains is None
+    return model
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_eager_locals_encoding_equals_simulator_and_solvers_are_optimal(seed):
+    model = _with_eager_locals(8, seed)
+    rng = random.Random(seed)
+    assert len({int(excess_of(model, plan).sum()) for plan in all_plans(model)}) > 2  # the plan decides
+    for plan in rng.sample(all_plans(model), 12):
+        assert encoded_peak(model, plan) == simulate(model, plan).peak_bytes, plan
+    lowest, highest = min_peak_brute(model), simulate(model, ()).peak_bytes
+    for budget in (lowest, (lowest + highest) // 2, highest - 1):
+        expected = brute_force(model, budget)
+        for engine in (solve, search):
+            solution = engine(model, budget, time_limit_s=20)
+            assert solution.status == "OPTIMAL" and solution.recompute_us == expected, (engine, budget)
+            assert simulate(model, solution.plan).peak_bytes <= budget

@@ -29,6 +29,7 @@ import numpy as np
 from planner.profiling.record import Profile
 from planner.memory.regions import Regions
 from planner.memory.breakdown import PeakBreakdown
+from planner.memory.excess import excess_of, openings
 from planner.memory.release import release_of, segment_starts
 from planner.memory.saves import NEVER, Saves, bump_relief, check_saves, kept_by_saves, rerun_parts
 
@@ -108,6 +109,13 @@ class MemoryModel:
     """Per node: bytes the model's own forward keeps alive beyond the graph's values (its Python locals)
     while the node re-runs, for plans that re-run the model's own modules (module hooks); empty when
     the re-run is of the traced graph, which frees each value after its last use."""
+    excess: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    """Per node: the modules' eager locals the plan decides (``planner.memory.excess``: there when the node
+    is outside every segment and a module call around it is not opened); not in ``const_fwd``."""
+    openers: tuple = ()
+    """What opens each module path (``planner.memory.excess.Opening``), path 0 the root."""
+    around: tuple[tuple[int, ...], ...] = ()
+    """Per node: the module paths whose calls enclose it (indices into ``openers``)."""
     stop_rise: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     """Per node: bytes its forward allocates up to its last saved tensor (``NodeCost.stop_peak_bytes``;
     ``fwd_rise`` when unknown). A re-run ending at the node stops there."""
@@ -199,10 +207,16 @@ def build_model(profile: Profile, regions: Regions, *, offset=None, sac_op_us: f
     for s in range(n_storages):
         if consumer_chunks[s]:  # a segment starting in the next chunk could hold it from there
             release[s] = min(release[s], regions.starts[producer_chunk[s] + 1])
-    # Outside segments the user's modules run their own forward, whose locals outlive the traced
-    # graph's values; counting that excess everywhere is exact there and conservative inside.
+    # The user's modules' own forward keeps Python locals beyond the traced graph's values: always in
+    # plans run by module hooks, only where the plan leaves the module's code alone in fx rewrites
+    # (planner.memory.excess); that part is the plan's (``excess``), the rest constant.
     excess = np.array([nd.eager_excess_bytes for nd in nodes], dtype=np.int64)
-    fwd_peak = np.array([nd.fwd_peak_bytes for nd in nodes], dtype=np.int64) + excess
+    if regions.chains is None:
+        openers, around = openings(profile, regions)
+        variable = np.array([e if around[t] else 0 for t, e in enumerate(excess)], dtype=np.int64)
+    else:
+        openers, around, variable = (), tuple(() for _ in nodes), np.zeros(n, dtype=np.int64)
+    fwd_peak = np.array([nd.fwd_peak_bytes for nd in nodes], dtype=np.int64) + excess - variable
     has_bwd = np.array([nd.bwd_peak_bytes is not None for nd in nodes])
     bwd_peak = np.array([nd.bwd_peak_bytes or 0 for nd in nodes], dtype=np.int64)
     saved = (first_saver < NEVER) & ~np.isin(np.arange(n_storages), list(pinned))
@@ -249,6 +263,7 @@ def build_model(profile: Profile, regions: Regions, *, offset=None, sac_op_us: f
         stop_rise=np.array([nd.fwd_peak_bytes - nd.fwd_start_bytes if nd.stop_peak_bytes is None
                             else nd.stop_peak_bytes - nd.fwd_start_bytes for nd in nodes], dtype=np.int64),
         rerun_excess=excess if regions.chains is not None else np.zeros(0, dtype=np.int64),
+        excess=variable, openers=openers, around=around,
         param_bytes=profile.param_bytes if offset is None else offset.param_bytes,
     )
 
@@ -308,7 +323,7 @@ def simulate(model: MemoryModel, plan: ChunkPlan, saves: Saves = frozenset()) ->
     cached, release = kept_by_saves(model, saves, release_of(model, plan))
     kept = kept_storages(model, plan) | cached
     weight = model.size * kept
-    fwd = model.const_fwd + prefix_by(model.last_use + 1, weight * ~model.fwd_fixed, n)
+    fwd = model.const_fwd + prefix_by(model.last_use + 1, weight * ~model.fwd_fixed, n) + excess_of(model, plan)
     kept_bwd = prefix_by(release, weight, n)
     own_kept = np.array([sum(int(weight[x]) for x in own if release[x] <= t) for t, own in enumerate(model.own_saved)],
                         dtype=np.int64)

@@ -70,6 +70,13 @@ def measure_peak(module: nn.Module, inputs: Inputs, loss_fn: Callable[[Any], tor
 def step_times_ms(modules: Sequence[nn.Module], inputs: Inputs, loss_fn: Callable[[Any], torch.Tensor] | None = None,
                   *, runs: int = 5) -> list[float]:
     """Median step time of each module, measured interleaved (a step of each, ``runs`` times)."""
+    return [statistics.median(s) for s in step_samples_ms(modules, inputs, loss_fn, runs=runs)]
+
+
+def step_samples_ms(modules: Sequence[nn.Module], inputs: Inputs, loss_fn: Callable[[Any], torch.Tensor] | None = None,
+                    *, runs: int = 5) -> list[list[float]]:
+    """Step times of each module, ms: ``runs`` rounds of one step of each module in turn, after one round
+    of warm-up (a slow drift of a shared machine hits every module alike)."""
     loss_fn = loss_fn or default_loss
     samples: list[list[float]] = [[] for _ in modules]
     contexts = [untouched(m) for m in modules]
@@ -89,7 +96,7 @@ def step_times_ms(modules: Sequence[nn.Module], inputs: Inputs, loss_fn: Callabl
     finally:
         for ctx in reversed(contexts):
             ctx.__exit__(None, None, None)
-    return [statistics.median(s[1:]) for s in samples]
+    return [s[1:] for s in samples]
 
 
 def measure(module: nn.Module, inputs: Inputs, loss_fn: Callable[[Any], torch.Tensor] | None = None,

@@ -33,6 +33,7 @@ class _Vars:
     sac: object = 0       # time SAC's dispatch modes add to segments with saves (objective term)
     cache: list = None    # (storage, release, save[o]): cached storages nobody saves, kept until the re-run
     held: dict = None     # held[s]: [(node, h)], h: some holder of s sits at or before node (ascending)
+    eager: dict = None    # eager[t]: node t's modules keep their Python locals (planner.memory.excess)
     rows: dict = None     # rows[o]: per node, the bytes a save of o keeps from being counted as recomputed
 
 
@@ -92,6 +93,7 @@ def build(model: MemoryModel, *, budget_bytes: int | None,
     rows = relief_rows(model, save)
     variables = _Vars(segment=segment, covers=covers, ckpt=ckpt, kept=kept, save=save,
                       held=_holders(cp, model, ckpt, covers, save_reasons),
+                      eager=_eager(cp, model, segment, covers, ckpt),
                       same=same_segment(cp, model, save, covers, rows), rows=rows,
                       sac=sac_overhead(cp, model, save, covers), cache=cache_items(model, save))
     peak = cp.new_int_var(0, _upper_bound(model), "peak") if budget_bytes is None else None
@@ -166,6 +168,39 @@ def _held_at(model: MemoryModel, variables: _Vars, s: int, t: int):
     return out
 
 
+def _eager(cp, model: MemoryModel, segment: dict, covers: dict, ckpt: list) -> dict:
+    """``eager[t]`` for every node with a plan-dependent excess: t is outside every segment and some
+    module path around it is not opened (``planner.memory.excess``). ``opened[p]`` is bounded from above
+    by what can open it, ``eager[t]`` from below; the forward limits keep the first large and the
+    second small, so both take their exact values."""
+    if not len(model.excess) or not model.excess.any():
+        return {}
+    n_chunks = model.n_chunks
+    boundary = [[] for _ in range(n_chunks + 1)]
+    for (a, b), var in segment.items():
+        boundary[a].append(var)
+        boundary[b].append(var)
+    opened = {}
+    owner = model.regions.chunk_of()
+    eager = {}
+    for t in np.flatnonzero(model.excess):
+        t = int(t)
+        k = owner[t]
+        for p in model.around[t]:
+            if p not in opened:
+                o = model.openers[p]
+                reasons = [v for j in o.cuts for v in boundary[j]]
+                reasons += [covers[a, k2] for k1, k2 in o.spans for a in range(k1 + 1) if (a, k2) in covers]
+                var = cp.new_bool_var(f"opened[{p}]")
+                cp.add(var <= sum(reasons))
+                opened[p] = var
+        var = cp.new_bool_var(f"eager[{t}]")
+        for p in model.around[t]:
+            cp.add(var >= 1 - ckpt[k] - opened[p])
+        eager[t] = var
+    return eager
+
+
 def _objective(model: MemoryModel, variables: _Vars):
     """Recompute time: forward time of every checkpointed chunk (re-run once in backward), plus
     the fixed cost of each checkpoint call, minus what saves spare, plus SAC's charge: the sum of
@@ -185,15 +220,18 @@ def _add_forward_limits(cp, model: MemoryModel, variables: _Vars, limit) -> None
     n = model.n_nodes
     fixed = model.size * (model.always_kept & ~model.fwd_fixed)
     const = model.const_fwd + prefix_by(model.last_use + 1, fixed, n)
-    # The kept prefix only grows with t, so a limit is implied by any later one with a larger constant.
+    # The kept prefix only grows with t, so a limit is implied by any later one with a larger constant
+    # (a node's eager excess may or may not be there: the larger value decides).
+    excess = {t: int(model.excess[t]) for t in variables.eager}
+    upper = const + (model.excess if excess else 0)
     later_max = np.maximum.accumulate(const[::-1])[::-1]
-    times = [t for t in range(n) if t == n - 1 or const[t] > later_max[t + 1]]
+    times = [t for t in range(n) if t == n - 1 or upper[t] > later_max[t + 1]]
     items = [(int(model.last_use[s]) + 1, int(model.size[s]), var) for s, var in variables.kept.items()
              if not model.fwd_fixed[s]]
     items += [(int(model.last_use[s]) + 1, int(model.size[s]), var) for s, _, var in variables.cache or ()]
     kept_at = _prefix(cp, items, times, "fwd_kept")
     for t in times:
-        _add_limit(cp, kept_at[t] + int(const[t]), limit)
+        _add_limit(cp, kept_at[t] + int(const[t]) + (excess[t] * variables.eager[t] if t in excess else 0), limit)
 
 
 def _prefix(cp, items: list, times: list[int], name: str) -> dict:

@@ -189,7 +189,9 @@ class _ChainDP:
             del tracked[widest]
             opened = _open_sets(tracked, self.edges)
         self.tracked, self.opened = tracked, opened
-        self.exact = len(tracked) == every  # then both readings are the cost model itself
+        # then both readings are the cost model itself (the modules' eager locals that the plan decides,
+        # planner.memory.excess, are counted everywhere by the conservative one, nowhere by the other)
+        self.exact = len(tracked) == every and not model.excess.any()
         self.open_pos = [{s: i for i, s in enumerate(c)} for c in opened]
         self.made_in = [[s for s, st in tracked.items() if st.chunk == k] for k in range(model.n_chunks)]
         # Untracked storages: kept from their earliest possible release (conservative), or only when
@@ -202,6 +204,8 @@ class _ChainDP:
             fixed = fixed + model.size * np.isin(np.arange(len(model.size)), model.varying())
         fixed[list(tracked)] = 0
         self.const_fwd = model.const_fwd + prefix_by(model.last_use + 1, fixed * ~model.fwd_fixed, n)
+        if not optimistic and len(model.excess):
+            self.const_fwd = self.const_fwd + model.excess
         self.kept_fixed = prefix_by(fixed_at, fixed, n)
         own_fixed = np.array([sum(int(fixed[x]) for x in own if fixed_at[x] <= t) for t, own in enumerate(model.own_saved)],
                              dtype=np.int64)
