@@ -134,8 +134,8 @@ def relaxed(model: MemoryModel, budget_bytes: int, *, deadline: float | None = N
 
 
 def smallest_peak(model: MemoryModel) -> tuple[ChunkPlan, bool]:
-    """A plan with the smallest peak under the conservative reading, and whether that reading is
-    exact (every storage tracked), in which case no plan has a smaller peak.
+    """A plan with the smallest peak under the conservative reading, and whether no plan has a smaller
+    peak: that reading is exact, or the relaxation's smallest peak meets the plan's.
 
     Bisects the budget with a forward pass that keeps, per state, only the fewest kept bytes."""
     baseline = simulate(model, ()).peak_bytes
@@ -148,7 +148,19 @@ def smallest_peak(model: MemoryModel) -> tuple[ChunkPlan, bool]:
             lo = mid + 1
         else:
             best, hi = plan, simulate(model, plan).peak_bytes
-    return best, dp.exact
+    if dp.exact:
+        return best, True
+    # Not every storage tracked, or eager locals the plan decides: the relaxation's smallest peak is a
+    # lower bound on every plan's, and proves the plan when they meet.
+    relaxation = _ChainDP(model, baseline, optimistic=True)
+    lo = 0
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if relaxation.fits(mid) is None:
+            lo = mid + 1
+        else:
+            hi = mid
+    return best, lo >= simulate(model, best).peak_bytes
 
 
 def _plan_dependent(model: MemoryModel) -> list[int]:
