@@ -7,7 +7,7 @@ un-checkpointed model (interleaved, median); and compare the roofline estimate f
 bundled device spec) with the measured profile. Writes ``gpu_check.md`` (and the profiles) under
 ``--out``::
 
-    python bench/gpu_check.py --out "$OUT"                                   # on the device machine
+    python bench/gpu_check.py --out "$OUT"                # on the device machine (the small examples and gpt_large)
     python bench/gpu_check.py --device cpu --examples seed_cnn gpt --out /tmp/gpu_check   # dry run here
 """
 
@@ -86,7 +86,7 @@ def example_rows(name: str, device: torch.device, budgets: list[int], runs: int,
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--examples", nargs="+", default=EXAMPLES)
+    parser.add_argument("--examples", nargs="+", default=[*EXAMPLES, "gpt_large"])
     parser.add_argument("--budgets", nargs="+", type=int, default=[70, 50, 30])
     parser.add_argument("--runs", type=int, default=20)
     parser.add_argument("--spec", default="h200", help="bundled device spec for the roofline row ('' to skip)")
