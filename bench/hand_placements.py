@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import gc
 import platform
-import runpy
 import statistics
 import sys
 from pathlib import Path
@@ -24,7 +23,10 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT))
+
+from compare_strategies import load  # noqa: E402
 
 
 def mib(nbytes: float) -> str:
@@ -38,8 +40,7 @@ def rows_for(name: str, runs: int) -> list[str]:
     from planner.profiling.measure import measure_peak, step_samples_ms
     from planner.solve.registry import SOLVERS
 
-    ns = runpy.run_path(str(ROOT / "examples" / f"{name}.py"))
-    model, inputs, loss_fn = ns["model"], ns["inputs"], ns["loss_fn"]
+    model, inputs, loss_fn = load(name)
     example = as_inputs(model, inputs)
     prepared = prepare(model, inputs=inputs, loss_fn=loss_fn)
     baseline = prepared.baseline.peak_bytes
