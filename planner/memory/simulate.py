@@ -96,6 +96,10 @@ class MemoryModel:
     """Fixed cost of one checkpointed segment (the checkpoint call itself), microseconds."""
     chunk_cost_us: np.ndarray
     """Forward time of each chunk, microseconds (what recomputing it costs)."""
+    skip_us: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    """Per chunk: forward time a re-run skips when the chunk holds its segment's last saving node: the
+    nodes after it, and the node itself when it packs before allocating anything (a Linear saving its
+    input: torch stops the re-run before the matmul runs)."""
     step_us: int
     """Time of one un-checkpointed step, microseconds."""
     param_bytes: int
@@ -244,6 +248,9 @@ def build_model(profile: Profile, regions: Regions, *, offset=None, sac_op_us: f
     fwd_us = np.array([round(nd.fwd_ms * 1000) for nd in nodes], dtype=np.int64)
     ops = [nd.aten_ops if nd.aten_ops is not None else int(bool(nd.inputs)) for nd in nodes]
     chunk_cost = np.array([fwd_us[slice(*regions.bounds(k))].sum() for k in range(regions.n_chunks)], dtype=np.int64)
+    skip = np.array([0 if t < 0 else int(fwd_us[t + 1:regions.bounds(k)[1]].sum())
+                     + (int(fwd_us[t]) if nodes[t].stop_peak_bytes == nodes[t].fwd_start_bytes else 0)
+                     for k, t in enumerate(recompute_at)], dtype=np.int64)
     return MemoryModel(
         regions=regions, node_names=tuple(nd.name for nd in nodes), size=size, producer=producer,
         producer_chunk=producer_chunk, last_use=last_use, first_saver=first_saver, release=release,
@@ -256,7 +263,7 @@ def build_model(profile: Profile, regions: Regions, *, offset=None, sac_op_us: f
         has_bwd=has_bwd,
         recompute_at=recompute_at, const_recompute=const_recompute, fwd_rise=rise,
         restore_bytes=np.array([nd.mutated_buffer_bytes for nd in nodes], dtype=np.int64),
-        chunk_cost_us=chunk_cost, segment_cost_us=round(profile.checkpoint_overhead_ms * 1000), node_cost_us=fwd_us,
+        chunk_cost_us=chunk_cost, skip_us=skip, segment_cost_us=round(profile.checkpoint_overhead_ms * 1000), node_cost_us=fwd_us,
         sac_chunk_us=np.array([round(sac_op_us * sum(ops[slice(*regions.bounds(k))])) for k in range(regions.n_chunks)],
                               dtype=np.int64),
         step_us=max(1, round(profile.step_ms * 1000)),
@@ -361,7 +368,7 @@ def segment_recompute_us(model: MemoryModel, first: int, stop: int, saves: Itera
     time plus the checkpoint call; when it keeps some of ``saves`` (selective checkpointing; other
     segments' saves are ignored), minus those nodes' forward time plus SAC's dispatch charge over it.
     Every strategy and report counts a segment's cost with this (CP-SAT's objective encodes it)."""
-    cost = int(model.chunk_cost_us[first:stop].sum()) + model.segment_cost_us
+    cost = int(model.chunk_cost_us[first:stop].sum()) - rerun_skip_us(model, first, stop) + model.segment_cost_us
     if not saves:
         return cost
     lo, hi = model.regions.starts[first], model.regions.bounds(stop - 1)[1]
@@ -369,6 +376,17 @@ def segment_recompute_us(model: MemoryModel, first: int, stop: int, saves: Itera
     if mine:
         cost += int(model.sac_chunk_us[first:stop].sum()) - sum(int(model.node_cost_us[o]) for o in mine)
     return cost
+
+
+def rerun_skip_us(model: MemoryModel, first: int, stop: int) -> int:
+    """Forward time of segment ``[first, stop)`` its re-run never runs: torch stops re-running once the
+    last saved tensor is back (``MemoryModel.skip_us``; a segment that saves nothing is never re-run)."""
+    if not len(model.skip_us):
+        return 0
+    last = rerun_chunk(model, first, stop)
+    if last is None:
+        return int(model.chunk_cost_us[first:stop].sum())
+    return int(model.skip_us[last] + model.chunk_cost_us[last + 1:stop].sum())
 
 
 def _why_kept(model: MemoryModel, plan: ChunkPlan, s: int, saves: Saves = frozenset()) -> str:

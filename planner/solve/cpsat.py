@@ -16,7 +16,7 @@ from ortools.sat.python import cp_model
 
 from planner.memory.saves import NEVER, SaveOptions
 from planner.memory.simulate import (ChunkPlan, MemoryModel, prefix_by, recomputed_from, rerun_bytes, rerun_chunk,
-                              simulate)
+                              rerun_skip_us, simulate)
 from planner.solve.result import NoSolution, Solution, SolverStatus
 from planner.solve.cpsat_saves import (add_saves, backward_reliefs, cache_items, objective_relief, relief_rows,
                                      rerun_limits, sac_overhead, same_segment)
@@ -206,7 +206,8 @@ def _objective(model: MemoryModel, variables: _Vars):
     the fixed cost of each checkpoint call, minus what saves spare, plus SAC's charge: the sum of
     ``planner.memory.simulate.segment_recompute_us`` over the chosen segments, as a linear expression."""
     return (sum(int(model.chunk_cost_us[k]) * var for k, var in enumerate(variables.ckpt))
-            + model.segment_cost_us * sum(variables.segment.values()) - objective_relief(model, variables.save)
+            + sum((model.segment_cost_us - rerun_skip_us(model, a, b)) * var for (a, b), var in variables.segment.items())
+            - objective_relief(model, variables.save)
             + variables.sac)
 
 
