@@ -17,7 +17,8 @@ import time
 from pathlib import Path
 
 from planner.memory.regions import find_regions
-from planner.memory.simulate import build_model, simulate
+from planner.memory.model import build_model
+from planner.memory.simulate import simulate
 from planner.solve.result import NoSolution
 from planner.solve.registry import SOLVERS
 from planner.memory.synthetic import transformer_profile

@@ -24,8 +24,8 @@ from planner.memory.chains import alone_in_module
 from planner.rewrite.graph import rewrite
 from planner.rewrite.modules import clone_tree, describe, install_plan, tensor_shapes
 from planner.memory.saves import SaveOptions
-from planner.memory.simulate import (ChunkPlan, MemoryModel, Timeline, build_model, freed_bytes, segment_recompute_us,
-                                     simulate)
+from planner.memory.model import ChunkPlan, MemoryModel, build_model
+from planner.memory.simulate import Timeline, freed_bytes, segment_recompute_us, simulate
 from planner.solve.peaks import min_peak_saves
 from planner.solve.rotor import relaxed
 from planner.solve.result import NoSolution, Solution, SolverStatus

@@ -64,7 +64,7 @@ def test_untracked_storages_keep_plans_feasible_and_bounds_valid(monkeypatch):
 def test_transformer_graph_is_proven_optimal_by_the_dps():
     """On a residual stack every storage is tracked: the two DPs meet (solve needs no CP-SAT)."""
     from planner.memory.regions import find_regions
-    from planner.memory.simulate import build_model
+    from planner.memory.model import build_model
     profile = transformer_profile(12)
     model = build_model(profile, find_regions(profile, max_chunks=128))
     budget = simulate(model, ()).peak_bytes // 2

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 import pytest
 
 from planner.memory.regions import Regions
-from planner.memory.simulate import ChunkPlan, build_model, simulate
+from planner.memory.model import ChunkPlan, build_model
+from planner.memory.simulate import simulate
 from planner.profiling.record import LOSS_NODE, NodeCost, Profile, StorageCost
 
 PARAMS = 1000

@@ -5,7 +5,8 @@ slack (the un-checkpointed peak fits), binding (between the smallest peak and th
 import pytest
 
 from planner.memory.regions import find_regions
-from planner.memory.simulate import build_model, simulate
+from planner.memory.model import build_model
+from planner.memory.simulate import simulate
 from planner.memory.synthetic import all_plans, brute_force, min_peak_brute, transformer_profile
 from planner.solve.registry import SOLVERS
 from planner.solve.result import NoSolution, SolverStatus

@@ -22,7 +22,8 @@ from torch import nn
 
 from planner.profiling.record import Profile
 from planner.errors import InfeasibleBudget, OptionError
-from planner.memory.simulate import ChunkPlan, MemoryModel, simulate
+from planner.memory.model import ChunkPlan, MemoryModel
+from planner.memory.simulate import simulate
 from planner.solve.peaks import min_peak
 from planner.solve.result import Solution, SolverStatus
 from planner.capture.scope import path_of, repeated_blocks

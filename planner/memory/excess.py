@@ -28,7 +28,7 @@ from planner.memory.regions import Regions
 from planner.profiling.record import Profile
 
 if TYPE_CHECKING:
-    from planner.memory.simulate import ChunkPlan, MemoryModel
+    from planner.memory.model import ChunkPlan, MemoryModel
 
 
 @dataclass(frozen=True, slots=True)

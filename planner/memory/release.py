@@ -25,7 +25,7 @@ import numpy as np
 from planner.memory.saves import NEVER
 
 if TYPE_CHECKING:
-    from planner.memory.simulate import ChunkPlan, MemoryModel
+    from planner.memory.model import ChunkPlan, MemoryModel
 
 
 def segment_starts(model: MemoryModel, plan: ChunkPlan) -> np.ndarray:

@@ -28,10 +28,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 NEVER = np.iinfo(np.int64).max // 4
-"""``first_saver`` of a storage nobody saves (``planner.memory.simulate.NEVER``)."""
+"""``first_saver`` of a storage nobody saves (``planner.memory.model``)."""
 
 if TYPE_CHECKING:
-    from planner.memory.simulate import ChunkPlan, MemoryModel
+    from planner.memory.model import ChunkPlan, MemoryModel
 
 Saves = frozenset
 """Saved node indices (each inside a checkpointed segment of the plan)."""

@@ -7,7 +7,8 @@ import random
 
 from planner.profiling.record import LOSS_NODE, NodeCost, Profile, StorageCost
 from planner.memory.regions import find_regions
-from planner.memory.simulate import ChunkPlan, MemoryModel, build_model, simulate
+from planner.memory.model import ChunkPlan, MemoryModel, build_model
+from planner.memory.simulate import simulate
 from planner.capture.scope import path_of
 
 PARAM_BYTES = 1000

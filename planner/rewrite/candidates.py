@@ -23,7 +23,7 @@ from torch import nn
 from planner.profiling.record import Profile
 from planner.rewrite.sac import is_random, writes_new_memory
 from planner.memory.saves import SaveOptions, cacheable, cached
-from planner.memory.simulate import MemoryModel
+from planner.memory.model import MemoryModel
 from planner.capture.scope import path_of
 from planner.errors import OptionError
 

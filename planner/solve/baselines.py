@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import math
 
-from planner.memory.simulate import ChunkPlan, MemoryModel, simulate
+from planner.memory.model import ChunkPlan, MemoryModel
+from planner.memory.simulate import simulate
 from planner.solve.result import Solution, SolverStatus
 from planner.errors import OptionError
 

@@ -15,8 +15,8 @@ import numpy as np
 from ortools.sat.python import cp_model
 
 from planner.memory.saves import NEVER, SaveOptions
-from planner.memory.simulate import (ChunkPlan, MemoryModel, prefix_by, recomputed_from, rerun_bytes, rerun_chunk,
-                              rerun_skip_us, simulate)
+from planner.memory.model import ChunkPlan, MemoryModel, prefix_by
+from planner.memory.simulate import recomputed_from, rerun_bytes, rerun_chunk, rerun_skip_us, simulate
 from planner.solve.result import NoSolution, Solution, SolverStatus
 from planner.solve.cpsat_saves import (add_saves, backward_reliefs, cache_items, objective_relief, relief_rows,
                                      rerun_limits, sac_overhead, same_segment)

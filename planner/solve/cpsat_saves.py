@@ -11,7 +11,7 @@ import numpy as np
 
 from planner.memory.saves import (NEVER, SaveOptions, cached, dropped_at, pack_chunks, partner, relief_row, rerun_parts,
                            until_rerun)
-from planner.memory.simulate import MemoryModel
+from planner.memory.model import MemoryModel
 
 
 def add_saves(cp, model: MemoryModel, options: SaveOptions, ckpt: list, covers: dict) -> tuple[dict, dict]:

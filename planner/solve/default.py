@@ -11,7 +11,8 @@ import time
 from dataclasses import replace
 
 from planner.memory.saves import SaveOptions
-from planner.memory.simulate import MemoryModel, simulate
+from planner.memory.model import MemoryModel
+from planner.memory.simulate import simulate
 from planner.solve.cpsat import search
 from planner.solve.result import NoSolution, Solution, SolverStatus, best_bound
 from planner.solve.rotor import relaxed, rotor, rotor_saves

@@ -9,7 +9,8 @@ import time
 from ortools.sat.python import cp_model
 
 from planner.memory.saves import SaveOptions
-from planner.memory.simulate import ChunkPlan, MemoryModel, simulate
+from planner.memory.model import ChunkPlan, MemoryModel
+from planner.memory.simulate import simulate
 from planner.solve.result import NoSolution
 from planner.solve.cpsat import _solver, build, read_plan, read_saves, run
 from planner.solve.rotor import smallest_peak

@@ -12,7 +12,7 @@ from typing import Protocol
 
 from planner.solve.baselines import every_block, no_checkpointing, sqrt_n
 from planner.solve.rotor import rotor
-from planner.memory.simulate import MemoryModel
+from planner.memory.model import MemoryModel
 from planner.solve.result import Solution
 from planner.solve.default import solve
 from planner.errors import OptionError

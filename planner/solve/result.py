@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from planner.memory.simulate import ChunkPlan
+from planner.memory.model import ChunkPlan
 
 
 class SolverStatus(str, enum.Enum):

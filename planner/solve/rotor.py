@@ -30,8 +30,8 @@ import numpy as np
 from planner.solve.rotor_saves import SaveTable, Variant
 from planner.solve.rotor_step import INF, Step
 from planner.memory.saves import NEVER, SaveOptions, rerun_parts
-from planner.memory.simulate import (ChunkPlan, MemoryModel, prefix_by, recomputed_from, rerun_bytes, rerun_chunk,
-                                     segment_recompute_us, simulate)
+from planner.memory.model import ChunkPlan, MemoryModel, prefix_by
+from planner.memory.simulate import recomputed_from, rerun_bytes, rerun_chunk, segment_recompute_us, simulate
 from planner.solve.result import NoSolution, Solution, SolverStatus
 
 MAX_OPEN = 6
