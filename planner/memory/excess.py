@@ -25,6 +25,8 @@ import numpy as np
 
 from planner.capture.scope import path_of
 from planner.memory.regions import Regions
+from planner.memory.release import segment_starts
+from planner.memory.saves import segment_of
 from planner.profiling.record import Profile
 
 if TYPE_CHECKING:
@@ -79,10 +81,9 @@ def openings(profile: Profile, regions: Regions) -> tuple[tuple[Opening, ...], t
 def opened(model: MemoryModel, plan: ChunkPlan) -> np.ndarray:
     """Per module path of ``model.openers``: does the rewrite of ``plan`` run its traced code?"""
     boundary = np.zeros(model.n_chunks + 1, dtype=bool)
-    start = np.full(model.n_chunks, -1, dtype=np.int64)
     for first, stop in plan:
         boundary[first] = boundary[stop] = True
-        start[first:stop] = first
+    start = segment_starts(model, plan)
     return np.array([any(boundary[j] for j in o.cuts)
                      or any(start[k1] >= 0 and start[k1] == start[k2] for k1, k2 in o.spans)
                      for o in model.openers], dtype=bool)
@@ -94,8 +95,6 @@ def excess_of(model: MemoryModel, plan: ChunkPlan) -> np.ndarray:
     if not model.excess.any():
         return np.zeros(model.n_nodes, dtype=np.int64)
     is_open = opened(model, plan)
-    inside = np.zeros(model.n_nodes, dtype=bool)
-    for first, stop in plan:
-        inside[model.regions.starts[first]:model.regions.bounds(stop - 1)[1]] = True
+    inside = segment_of(model, plan) >= 0
     eager = np.array([not inside[t] and any(not is_open[p] for p in model.around[t]) for t in range(model.n_nodes)])
     return np.where(eager, model.excess, 0)

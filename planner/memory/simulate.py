@@ -28,7 +28,7 @@ import numpy as np
 from planner.memory.breakdown import PeakBreakdown
 from planner.memory.excess import excess_of
 from planner.memory.model import ChunkPlan, MemoryModel, prefix_by
-from planner.memory.release import release_of, segment_starts
+from planner.memory.release import release_of
 from planner.memory.saves import NEVER, Saves, bump_relief, check_saves, kept_by_saves, rerun_parts
 
 
@@ -69,13 +69,15 @@ def check_plan(model: MemoryModel, plan: ChunkPlan) -> None:
 
 def kept_storages(model: MemoryModel, plan: ChunkPlan) -> np.ndarray:
     """Boolean per storage: does the plan keep it alive until backward?"""
-    seg_start = segment_starts(model, plan)
-    checkpointed = seg_start >= 0
+    return _kept(model, release_of(model, plan))
+
+
+def _kept(model: MemoryModel, release: np.ndarray) -> np.ndarray:
+    """Kept storages given the plan's releases: the always-kept ones, and those the plan can free that
+    something holds (``planner.memory.release``)."""
     kept = model.always_kept.copy()
-    for s in model.varying():
-        p = model.producer_chunk[s]
-        kept[s] = (any(not checkpointed[w] for w in model.saver_chunks[s])
-                   or any(checkpointed[w] and seg_start[w] > p for w in model.consumer_chunks[s]))
+    varying = model.varying()
+    kept[varying] = release[varying] < NEVER
     return kept
 
 
@@ -86,8 +88,10 @@ def simulate(model: MemoryModel, plan: ChunkPlan, saves: Saves = frozenset()) ->
     saves = frozenset(int(o) for o in saves)
     check_saves(model, plan, saves)
     n = model.n_nodes
-    cached, release = kept_by_saves(model, saves, release_of(model, plan))
-    kept = kept_storages(model, plan) | cached
+    release = release_of(model, plan)
+    kept = _kept(model, release)
+    cached, release = kept_by_saves(model, saves, release)
+    kept |= cached
     weight = model.size * kept
     fwd = model.const_fwd + prefix_by(model.last_use + 1, weight * ~model.fwd_fixed, n) + excess_of(model, plan)
     kept_bwd = prefix_by(release, weight, n)

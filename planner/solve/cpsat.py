@@ -76,18 +76,9 @@ def build(model: MemoryModel, *, budget_bytes: int | None,
     kept = {}
     for s in model.varying():
         var = cp.new_bool_var(f"kept[{s}]")
-        reasons = [ckpt[w].Not() for w in model.saver_chunks[s]]
-        for w in model.saver_chunks[s]:
-            cp.add_bool_or([var, ckpt[w]])
-        p = int(model.producer_chunk[s])
-        for w in model.consumer_chunks[s]:
-            for a in range(p + 1, w + 1):
-                if (a, w) in covers:
-                    cp.add_implication(covers[a, w], var)
-                    reasons.append(covers[a, w])
-        for v in save_reasons.get(int(s), ()):  # a save keeps its cached storages
-            cp.add_implication(v, var)
-            reasons.append(v)
+        reasons = [h for _, h in _holder_literals(model, int(s), ckpt, covers, save_reasons)]
+        for h in reasons:
+            cp.add_implication(h, var)
         cp.add_bool_or(reasons).only_enforce_if(var)
         kept[int(s)] = var
     rows = relief_rows(model, save)
@@ -107,6 +98,19 @@ def build(model: MemoryModel, *, budget_bytes: int | None,
     return cp, variables, peak
 
 
+def _holder_literals(model: MemoryModel, s: int, ckpt: list, covers: dict, save_reasons: dict) -> list[tuple[int, object]]:
+    """``(node, literal)`` per holder of storage s a plan may choose (``planner.memory.release``): a chunk
+    left alone that saves it (from its first saver there), a segment starting after s's chunk that reads
+    it (from its first node), a save in the segment of s's first saver (a save keeps its cached storages).
+    s is kept iff one of them holds."""
+    out = [(u, ckpt[k].Not()) for k, u in model.saver_firsts[s]]
+    p = int(model.producer_chunk[s])
+    for w in model.consumer_chunks[s]:
+        out += [(model.regions.starts[a], covers[a, w]) for a in range(p + 1, w + 1) if (a, w) in covers]
+    out += [(int(model.first_saver[s]), v) for v in save_reasons.get(s, ())]
+    return out
+
+
 def _holders(cp, model: MemoryModel, ckpt: list, covers: dict, save_reasons: dict) -> dict:
     """``held[s]``: for every storage a plan may keep, ``[(node, h), ...]`` by ascending node, ``h``
     true when some holder of s sits at or before that node (``planner.memory.release``): s is alive
@@ -120,15 +124,8 @@ def _holders(cp, model: MemoryModel, ckpt: list, covers: dict, save_reasons: dic
         at: dict[int, list] = {}
         if model.fixed_release[s] < NEVER:
             at[int(model.fixed_release[s])] = [1]
-        for k, u in model.saver_firsts[s]:
-            at.setdefault(u, []).append(ckpt[k].Not())
-        p = int(model.producer_chunk[s])
-        for w in model.consumer_chunks[s]:
-            for a in range(p + 1, w + 1):
-                if (a, w) in covers:
-                    at.setdefault(model.regions.starts[a], []).append(covers[a, w])
-        for v in save_reasons.get(int(s), ()):  # a save in the segment of s's first saver
-            at.setdefault(int(model.first_saver[s]), []).append(v)
+        for node, h in _holder_literals(model, int(s), ckpt, covers, save_reasons):
+            at.setdefault(node, []).append(h)
         chain, previous = [], 0
         for node in sorted(at):
             if any(isinstance(h, int) for h in at[node]):
@@ -262,7 +259,6 @@ def _add_backward_limits(cp, model: MemoryModel, variables: _Vars, limit) -> Non
     """Backward: at node t, kept storages released at or after t, plus what t's segment recomputed;
     and, where a segment is re-run, the same plus the largest allocation of the re-run."""
     n = model.n_nodes
-    const = model.const_bwd
     owner = model.regions.chunk_of() + [-1] * (n - model.regions.end)
     recomputed = recomputed_from(model)
     times = [t for t in range(n) if model.has_bwd[t]]
@@ -278,7 +274,7 @@ def _add_backward_limits(cp, model: MemoryModel, variables: _Vars, limit) -> Non
         # what t itself saves is in the measured constant at t, not in the kept prefix
         own = sum(int(model.size[x]) * _held_at(model, variables, x, t) for x in model.own_saved[t])
         relief = sum(reliefs.get(t, ()))
-        _add_limit(cp, kept_at[t] - own + int(const[t]) + bump - relief, limit)
+        _add_limit(cp, kept_at[t] - own + int(model.const_bwd[t]) + bump - relief, limit)
     # Re-run of segment [a, b): just before the backward of its last saving node t.
     for (a, b), var in variables.segment.items():
         last = rerun_chunk(model, a, b)
