@@ -25,6 +25,7 @@ _PUBLIC = {
     "device_names": "planner.profiling.devices",
     "sweep": "planner.report.explore", "Tradeoff": "planner.report.explore",
     "plot_timeline": "planner.report.plotting",
+    "optimize_compiled": "planner.compiled.api", "CompiledPlan": "planner.compiled.api",
 }
 __all__ = list(_PUBLIC)
 __version__ = "0.1.0"

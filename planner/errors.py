@@ -94,8 +94,8 @@ class InfeasibleBudget(PlannerError):
         else:
             smallest = format_bytes(min_peak_bytes)
             parts = ", ".join(f"{k} {format_bytes(v)}" for k, v in (breakdown.items() if breakdown else ()) if v)
-            message = (f"budget {budget} is below the smallest peak any checkpointing plan reaches, {smallest} "
-                       f"({parts}); raise the budget to at least {smallest} or shrink the batch")
+            message = (f"budget {budget} is below the smallest peak any checkpointing plan reaches, {smallest}"
+                       f"{f' ({parts})' if parts else ''}; raise the budget to at least {smallest} or shrink the batch")
         if max_chunks is not None:
             message = (f"not proven: no plan within {max_chunks} chunks (cut positions) fits, but the model has "
                        f"more; plan with max_chunks={2 * max_chunks} (ckplan --max-chunks {2 * max_chunks}) to "

@@ -1,0 +1,133 @@
+"""``optimize_compiled``: the fastest ``torch.compile`` partition whose measured peak fits a byte budget."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+from torch import nn
+
+from planner.budget import check_budget, parse_budget
+from planner.capture.inputs import as_inputs
+from planner.compiled.backend import CompiledModule
+from planner.compiled.search import FRACTIONS, Probe, Source, probe, probe_all, timed
+from planner.errors import InfeasibleBudget, OptionError, OutOfTime
+from planner.plan import Plan
+from planner.units import format_bytes
+
+
+@dataclass(frozen=True, kw_only=True)
+class CompiledPlan:
+    """The chosen partition and what every probe measured."""
+
+    module: CompiledModule
+    """The model (or ``plan.module``) compiled at ``fraction``; shares the model's parameters and buffers."""
+    source: Source
+    fraction: float
+    """The ``activation_memory_budget`` it was compiled with."""
+    plan: Plan | None
+    """The eager plan compiled, when ``source`` is ``Source.PLAN``."""
+    budget_bytes: int
+    peak_bytes: int
+    """Its measured peak (one training step)."""
+    baseline_peak_bytes: int
+    """The measured peak compiled at fraction 1.0 (compile's own partition): what ``"NN%"`` is of."""
+    step_ms: float
+    baseline_step_ms: float
+    """Median step at fraction 1.0, timed beside the others (whether or not it fits)."""
+    probes: tuple[Probe, ...]
+
+    @property
+    def overhead(self) -> float:
+        """Step time over fraction 1.0's, minus 1 (negative: faster)."""
+        return self.step_ms / self.baseline_step_ms - 1
+
+    def summary(self) -> str:
+        what = ("ckplan's plan compiled" if self.source is Source.PLAN
+                else f"torch.compile at activation_memory_budget={self.fraction:g}")
+        return (f"{what}: peak {format_bytes(self.peak_bytes)} "
+                f"measured (budget {format_bytes(self.budget_bytes)}, {format_bytes(self.baseline_peak_bytes)} at 1.0), "
+                f"step {self.step_ms:.1f} ms ({self.overhead:+.1%} vs 1.0)")
+
+
+def optimize_compiled(model: nn.Module, budget: int | str, *, inputs: tuple | Mapping | torch.Tensor | None = None,
+                      loss_fn: Callable[[Any], torch.Tensor] | None = None, fractions: Sequence[float] = FRACTIONS,
+                      runs: int = 3, keep_output: bool = True, eager_plan: bool = True,
+                      progress: Callable[[str], None] | None = None) -> CompiledPlan:
+    """Compiles ``model`` so that one training step's measured peak fits ``budget``, as fast as it can.
+
+    torch.compile's ``activation_memory_budget`` bounds saved bytes as a fraction, not the peak, and
+    the peak it gives is not monotonic in the fraction. This compiles the model at each of
+    ``fractions`` (1.0 always first), measures each step's peak, times the ones that fit against each
+    other (interleaved, median of ``runs``) and returns the fastest. Each probe is a compilation, so
+    this takes a compile per fraction (about 20 s each for a small transformer on a CPU).
+
+    The knapsack re-runs op by op and fuses what it re-runs, but its low fractions re-run so much at
+    once that their peak can exceed the un-checkpointed one. With ``eager_plan`` ckplan's own plan for
+    the budget (``optimize``: segments re-run one at a time) is compiled and measured too; it reaches
+    budgets no fraction does. When its compiled peak is over, it is planned once more at the budget
+    scaled by budget / measured peak.
+
+    Args:
+        budget: bytes, ``"4GB"``-style, or ``"60%"`` of the peak compiled at fraction 1.0.
+        fractions: the fractions to probe, each in [0, 1].
+        keep_output: whether the loop keeps the output through backward (as ``optimize``).
+
+    Raises:
+        InfeasibleBudget: no probe fits; carries the smallest measured peak.
+        BudgetError, OptionError, InputError: a malformed budget, a fraction out of [0, 1], no inputs.
+    """
+    check_budget(budget)
+    bad = [f for f in fractions if not 0.0 <= f <= 1.0]
+    if bad or not fractions:
+        raise OptionError(f"fractions {list(fractions)!r} must be a non-empty list of numbers in [0, 1] "
+                          f"(activation_memory_budget); got {bad[0] if bad else 'none'}")
+    example = as_inputs(model, inputs)
+    order = [1.0, *dict.fromkeys(f for f in fractions if f != 1.0)]
+    probed = probe_all(model, order, example, loss_fn, keep_output=keep_output, progress=progress)
+    baseline_peak = probed[0][1].peak_bytes
+    budget_bytes = parse_budget(budget, baseline_peak_bytes=baseline_peak)
+    plans: dict[int, Plan] = {}
+    if eager_plan:
+        planned = _plan_probe(model, budget_bytes, inputs, example, loss_fn, keep_output=keep_output,
+                              progress=progress)
+        if planned is not None:
+            plans[len(probed)] = planned[0]
+            probed.append(planned[1])
+    fitting = [i for i, (_, p) in enumerate(probed) if p.peak_bytes <= budget_bytes]
+    if not fitting:
+        smallest = min(p.peak_bytes for _, p in probed)
+        raise InfeasibleBudget(budget_bytes, smallest, reason=f"torch.compile at activation_memory_budget "
+                               f"{', '.join(f'{f:g}' for f in order)}{' and ckplan plans' if eager_plan else ''}")
+    if progress is not None:
+        progress(f"time {len(fitting)} fitting partitions")
+    chosen_and_base = sorted({0, *fitting})
+    times = dict(zip(chosen_and_base, timed([probed[i] for i in chosen_and_base], example, loss_fn, runs=runs)))
+    best = min(fitting, key=lambda i: times[i].step_ms)
+    probes = tuple(times.get(i, p) for i, (_, p) in enumerate(probed))
+    return CompiledPlan(module=probed[best][0], source=probes[best].source, fraction=probes[best].fraction,
+                        plan=plans.get(best), budget_bytes=budget_bytes, peak_bytes=probes[best].peak_bytes,
+                        baseline_peak_bytes=baseline_peak, step_ms=times[best].step_ms,
+                        baseline_step_ms=times[0].step_ms, probes=probes)
+
+
+def _plan_probe(model: nn.Module, budget_bytes: int, inputs, example, loss_fn, *, keep_output: bool,
+                progress: Callable[[str], None] | None) -> tuple[Plan, tuple[CompiledModule, Probe]] | None:
+    """ckplan's eager plan for the budget, compiled and measured; planned once more at a budget scaled by
+    budget / measured peak when the compiled peak is over. None when no eager plan fits."""
+    from planner.pipeline import optimize
+
+    target = budget_bytes
+    for _ in range(2):
+        if progress is not None:
+            progress(f"plan for {format_bytes(target)} and compile the plan")
+        try:
+            plan = optimize(model, target, inputs=inputs, loss_fn=loss_fn, keep_output=keep_output)
+        except (InfeasibleBudget, OutOfTime):
+            return None
+        probed = probe(plan.module, 1.0, example, loss_fn, keep_output=keep_output, source=Source.PLAN)
+        if probed[1].peak_bytes <= budget_bytes:
+            break
+        target = target * budget_bytes // probed[1].peak_bytes
+    return plan, probed

@@ -1,0 +1,97 @@
+"""Probes: the model compiled at each ``activation_memory_budget`` fraction, its peak measured.
+
+A probe is one compilation plus one measured step. Nothing here predicts a compiled peak: inductor
+fuses, reorders and reuses buffers, and the partitioner's peak is not monotonic in the fraction
+(a smaller fraction can re-run more at once in backward and peak higher), so every fraction is
+measured. The probes that fit the budget are then timed against each other, interleaved.
+"""
+
+from __future__ import annotations
+
+import enum
+import statistics
+import time
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Sequence
+
+import torch
+import torch._dynamo.config as dynamo_config
+from torch import nn
+
+from planner.capture.inputs import Inputs
+from planner.compiled.backend import CompiledModule
+from planner.profiling.measure import measure_allocated_peak, step_samples_ms
+from planner.step import backward, default_loss, untouched
+
+FRACTIONS = (1.0, 0.8, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1, 0.0)
+"""The ``activation_memory_budget`` fractions probed by default: 1.0 (compile's own partition, the
+baseline of ``"NN%"`` budgets) down to 0.0 (save only the graph's inputs)."""
+
+
+class Source(enum.Enum):
+    """What a probe compiles."""
+
+    KNAPSACK = "knapsack"
+    """The model, partitioned by compile's own knapsack at ``fraction``."""
+    PLAN = "plan"
+    """ckplan's eager plan (``optimize``), each segment a ``torch.utils.checkpoint`` region that the
+    partitioner keeps (re-run whole in backward), at ``fraction`` outside them."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Probe:
+    """One compilation, measured."""
+
+    source: Source
+    fraction: float
+    peak_bytes: int
+    """Measured peak of one training step (allocator events on CPU, ``max_memory_allocated`` on CUDA)."""
+    compile_s: float
+    """Seconds of the first step, which compiles forward and backward."""
+    step_ms: float | None = None
+    """Median step time, ms; None when not timed (over the budget)."""
+
+
+def probe(model: nn.Module, fraction: float, inputs: Inputs, loss_fn: Callable[[Any], torch.Tensor] | None,
+          *, keep_output: bool, source: Source = Source.KNAPSACK) -> tuple[CompiledModule, Probe]:
+    """Compiles ``model`` at ``fraction`` (one warm step) and measures the peak of the next step."""
+    module = CompiledModule(model, fraction)
+    start = time.perf_counter()
+    with untouched(module), _recompile_room(1):
+        backward((loss_fn or default_loss)(module(*inputs.args, **inputs.kwargs)))
+    compile_s = time.perf_counter() - start
+    peak = measure_allocated_peak(module, inputs, loss_fn, keep_output=keep_output)
+    return module, Probe(source=source, fraction=fraction, peak_bytes=peak, compile_s=compile_s)
+
+
+def probe_all(model: nn.Module, fractions: Sequence[float], inputs: Inputs,
+              loss_fn: Callable[[Any], torch.Tensor] | None, *, keep_output: bool,
+              progress: Callable[[str], None] | None = None) -> list[tuple[CompiledModule, Probe]]:
+    """``probe`` at each fraction, in order."""
+    results = []
+    for fraction in fractions:
+        if progress is not None:
+            progress(f"compile at activation_memory_budget={fraction:g}")
+        results.append(probe(model, fraction, inputs, loss_fn, keep_output=keep_output))
+    return results
+
+
+def _recompile_room(entries: int):
+    """Frames that start at the model's own graph breaks are shared by every probe, and each probe (a
+    backend of its own) adds an entry to their caches: dynamo's recompile limit grows by one per probe
+    rather than silently falling back to eager after eight."""
+    global _PROBES
+    _PROBES += entries
+    return dynamo_config.patch(recompile_limit=dynamo_config.recompile_limit + _PROBES,
+                               accumulated_recompile_limit=dynamo_config.accumulated_recompile_limit + _PROBES)
+
+
+_PROBES = 0
+"""Probes compiled in this process so far."""
+
+
+def timed(probed: Sequence[tuple[CompiledModule, Probe]], inputs: Inputs,
+          loss_fn: Callable[[Any], torch.Tensor] | None, *, runs: int) -> list[Probe]:
+    """The probes with their median step time, measured interleaved (a step of each, ``runs`` rounds)."""
+    samples = step_samples_ms([module for module, _ in probed], inputs, loss_fn, runs=runs)
+    return [replace(p, step_ms=statistics.median(s)) for (_, p), s in zip(probed, samples)]

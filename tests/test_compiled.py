@@ -1,0 +1,99 @@
+"""``optimize_compiled``: a byte budget for torch.compile, held when measured (inductor, CPU).
+
+The model is a Tower whose activations outweigh its parameters. Dropout is off: inductor draws its
+own random numbers. BatchNorm is on: its statistics must be updated once per step, compiled or not.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from models import Tower
+from planner import InfeasibleBudget, optimize_compiled
+from planner.capture.inputs import as_inputs
+from planner.compiled.backend import CompiledModule
+from planner.compiled.search import Source
+from planner.errors import OptionError
+from planner.profiling.measure import measure_allocated_peak, measure_peak
+
+
+def _tower() -> tuple[Tower, torch.Tensor]:
+    torch.manual_seed(0)
+    model = Tower(width=128, depth=4)
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    return model, torch.randn(1024, 128, generator=torch.Generator().manual_seed(1))
+
+
+def _step(module, model, x):
+    """Loss, gradients and buffers after one step of ``module``, from ``model``'s current buffers."""
+    snapshot = [(b, b.clone()) for b in model.buffers()]
+    for p in model.parameters():
+        p.grad = None
+    loss = module(x).square().mean()
+    loss.backward()
+    result = (loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()},
+              {n: b.clone() for n, b in model.named_buffers()})
+    with torch.no_grad():
+        for buffer, value in snapshot:
+            buffer.copy_(value)
+    return result
+
+
+def test_allocator_ruler_agrees_with_live_storages_on_an_eager_step():
+    """The allocator's peak sees everything LiveStorages sees, and little more (workspaces)."""
+    model, x = _tower()
+    inputs = as_inputs(model, (x,))
+    live, allocated = measure_peak(model, inputs), measure_allocated_peak(model, inputs)
+    assert live <= allocated <= 1.05 * live
+
+
+def test_bad_fractions_are_refused_before_compiling():
+    model, x = _tower()
+    with pytest.raises(OptionError, match=r"fractions .* in \[0, 1\]"):
+        optimize_compiled(model, "50%", inputs=(x,), fractions=[0.5, 1.5])
+
+
+@pytest.mark.slow
+def test_fractions_compile_apart():
+    """Each CompiledModule keeps its own dynamo cache: fraction 0 is not served fraction 1's graphs
+    (their partitions differ, so do their peaks), and neither changes the model."""
+    model, x = _tower()
+    inputs = as_inputs(model, (x,))
+    before = {n: p.clone() for n, p in model.state_dict().items()}
+    peaks = [measure_allocated_peak(CompiledModule(model, f), inputs) for f in (1.0, 0.0, 1.0)]
+    assert peaks[0] == peaks[2] != peaks[1]
+    for name, value in model.state_dict().items():
+        torch.testing.assert_close(value, before[name], rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.slow
+def test_compiled_plan_fits_its_budget_and_trains_like_the_model():
+    """At 60% of the compiled peak, the chosen module's measured peak fits (measured again here), and
+    a step of it gives the model's loss, gradients and BatchNorm statistics."""
+    model, x = _tower()
+    plan = optimize_compiled(model, "60%", inputs=(x,), loss_fn=lambda out: out.square().mean(),
+                             fractions=[0.5, 0.0], runs=1)
+    assert [(p.source, p.fraction) for p in plan.probes] == [
+        (Source.KNAPSACK, 1.0), (Source.KNAPSACK, 0.5), (Source.KNAPSACK, 0.0), (Source.PLAN, 1.0)]
+    fitting = [p for p in plan.probes if p.peak_bytes <= plan.budget_bytes]
+    assert fitting and all(p.step_ms is not None for p in fitting)
+    assert plan.step_ms == min(p.step_ms for p in fitting)
+    assert plan.budget_bytes == int(0.6 * plan.baseline_peak_bytes)
+    inputs = as_inputs(model, (x,))
+    assert measure_allocated_peak(plan.module, inputs, lambda out: out.square().mean()) <= plan.budget_bytes
+    compiled, eager = _step(plan.module, model, x), _step(model, model, x)
+    torch.testing.assert_close(compiled[0], eager[0], rtol=1e-5, atol=1e-6)
+    for part in (1, 2):
+        for name in eager[part]:
+            torch.testing.assert_close(compiled[part][name], eager[part][name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+@pytest.mark.slow
+def test_a_budget_below_every_probe_is_infeasible_with_the_smallest_measured_peak():
+    model, x = _tower()
+    with pytest.raises(InfeasibleBudget, match="torch.compile at activation_memory_budget 1, 0") as caught:
+        optimize_compiled(model, 2**20, inputs=(x,), fractions=[0.0], eager_plan=False)
+    assert caught.value.budget_bytes == 2**20 and caught.value.min_peak_bytes > 2**20
