@@ -4,7 +4,9 @@ Per example: profile one step on the device and save it to ``profiles/<example>-
 each budget, selective and whole-segment, from that profile; measure every plan's peak
 (``torch.cuda.max_memory_allocated``, ``planner.measure.measure_peak``) and its step time against the
 un-checkpointed model (interleaved, median); and compare the roofline estimate for ``--spec`` (a
-bundled device spec) with the measured profile. Writes ``gpu_check.md`` (and the profiles) under
+bundled device spec) with the measured profile. Then the compiled path (``--compiled``, default
+gpt_large): torch.compile at ``activation_memory_budget`` 0.5 and 0.3, and ``optimize_compiled`` at
+each one's measured peak, timed interleaved. Writes ``gpu_check.md`` (and the profiles) under
 ``--out``::
 
     python bench/gpu_check.py --out "$OUT"                # on the device machine (the small examples and gpt_large)
@@ -83,6 +85,29 @@ def example_rows(name: str, device: torch.device, budgets: list[int], runs: int,
     return rows
 
 
+def compiled_rows(name: str, device: torch.device, runs: int) -> list[str]:
+    """torch.compile's knapsack at 0.5 and 0.3 against ``optimize_compiled`` at each one's measured peak."""
+    from planner import optimize_compiled
+    from planner.capture.inputs import as_inputs
+    from planner.compiled.search import probe, timed
+
+    model, inputs, loss_fn = on_device(name, device)
+    example = as_inputs(model, inputs)
+    knapsack = {f: probe(model, f, example, loss_fn, keep_output=True) for f in (1.0, 0.5, 0.3)}
+    rows = []
+    for fraction in (0.5, 0.3):
+        began = time.perf_counter()
+        chosen = optimize_compiled(model, knapsack[fraction][1].peak_bytes, inputs=inputs, loss_fn=loss_fn, runs=runs)
+        took = time.perf_counter() - began
+        base, theirs, ours = timed([knapsack[1.0], knapsack[fraction], (chosen.module, chosen.probes[0])], example,
+                                   loss_fn, runs=runs)
+        what = "ckplan plan" if chosen.plan is not None else f"fraction {chosen.fraction:g}"
+        rows.append(f"| {name} | compiled: budget {fraction} vs ckplan ({what}, {took:.0f} s) | | "
+                    f"{mib(theirs.peak_bytes)} / {mib(chosen.peak_bytes)} | {theirs.step_ms / base.step_ms - 1:+.1%} | "
+                    f"{ours.step_ms / base.step_ms - 1:+.1%} | vs compile at 1.0 |")
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda")
@@ -90,6 +115,7 @@ def main() -> None:
     parser.add_argument("--budgets", nargs="+", type=int, default=[70, 50, 30])
     parser.add_argument("--runs", type=int, default=20)
     parser.add_argument("--spec", default="h200", help="bundled device spec for the roofline row ('' to skip)")
+    parser.add_argument("--compiled", nargs="*", default=["gpt_large"], help="examples for the compiled rows")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     device = torch.device(args.device)
@@ -105,6 +131,13 @@ def main() -> None:
     for name in args.examples:
         lines += example_rows(name, device, args.budgets, args.runs, out, args.spec)
         print("\n".join(lines[-1:]), flush=True)
+    if args.compiled:
+        lines += ["", "Compiled: peak MiB (compile's budget / ckplan's choice at that peak), overheads vs compile at "
+                  "1.0 (compile's budget, then ckplan).", "",
+                  "| example | row | | peak | theirs | ours | |", "|---|---|---|---|---|---|---|"]
+    for name in args.compiled:
+        lines += compiled_rows(name, device, args.runs)
+        print(lines[-1], flush=True)
     (out / "gpu_check.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

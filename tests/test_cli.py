@@ -324,6 +324,10 @@ IN_PROCESS_ERRORS = {
                      "mat1 and mat2 shapes cannot be multiplied"),
     "save-dir-missing": (LINEAR, ["--save", "nowhere/plan.json"], "--save nowhere/plan.json: directory nowhere"),
     "emit-over-model": (LINEAR, ["--emit", "model.py"], "--emit model.py would overwrite the model file"),
+    "compiled-with-verify": (LINEAR, ["--compiled", "--verify"], "--verify applies to eager plans, and --compiled"),
+    "compiled-with-solver": (LINEAR, ["--compiled", "--solver", "rotor"], "--solver applies to eager plans"),
+    "fractions-alone": (LINEAR, ["--fractions", "0.5"], "--fractions applies to --compiled only"),
+    "bad-fractions": (LINEAR, ["--compiled", "--fractions", "0.5,2"], "--fractions must be numbers in [0, 1]"),
 }
 DEBUG = ("import torch\n\nraise RuntimeError('boom')\n", ["--debug"], "model.py:3: RuntimeError: boom")
 JSON_ERROR = ("import torch\nmodel = torch.nn.Linear(2, 2)\n", ["--json"], "defines no `inputs`")
@@ -412,9 +416,23 @@ def test_help_lists_every_option(capsys):
     assert exit_info.value.code == 0
     text = capsys.readouterr().out
     for flag in ("--budget", "--solver", "--time-limit", "--device", "--json", "--save", "--emit", "--verify",
-                 "--explain", "--quiet", "--debug", "--model", "--inputs", "--loss"):
+                 "--explain", "--quiet", "--debug", "--model", "--inputs", "--loss", "--compiled", "--fractions"):
         assert flag in text, flag
     assert all(name in text for name in SOLVERS)  # --solver choices come from the registry
+
+
+@pytest.mark.slow
+def test_compiled_json_reports_every_probe_and_a_peak_that_fits(work):
+    """``--compiled --json``: compile's partition and the asked fraction probed, ckplan's plan too; the
+    chosen one fits the budget and is the fastest that fits."""
+    result = ckplan("mlp.py", "--compiled", "--budget", "80%", "--fractions", "0.5", "--json", cwd=work)
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    assert [(p["source"], p["fraction"]) for p in data["probes"]] == [("knapsack", 1.0), ("knapsack", 0.5),
+                                                                      ("plan", 1.0)]
+    assert data["budget_bytes"] == int(0.8 * data["baseline_peak_bytes"]) and data["peak_bytes"] <= data["budget_bytes"]
+    fitting = [p for p in data["probes"] if p["peak_bytes"] <= data["budget_bytes"]]
+    assert data["step_ms"] == min(p["step_ms"] for p in fitting)
 
 
 # -- python -m planner is ckplan ---------------------------------------------------------------------------------

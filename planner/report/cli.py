@@ -119,6 +119,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run a real training step with and without the plan and report measured peak and time")
     p.add_argument("--explain", action="store_true",
                    help="per segment, bytes freed and ms recomputed; the largest activations kept and why")
+    p.add_argument("--compiled", action="store_true",
+                   help="for torch.compile: the fastest compiled partition whose measured peak fits the budget "
+                        "(one compilation per probe; docs/compiled.md)")
+    p.add_argument("--fractions", type=_fractions, metavar="F,F,...",
+                   help="with --compiled: the activation_memory_budget fractions to probe (default: "
+                        "1,0.8,0.6,0.5,0.4,0.3,0.2,0.1,0)")
     p.add_argument("--quiet", action="store_true", help="no progress and no segment table: the header only")
     p.add_argument("--debug", action="store_true", help="show the traceback of an error")
     return p
@@ -133,6 +139,16 @@ def _budget(text: str) -> int | str:
     except BudgetError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
     return value
+
+
+def _fractions(text: str) -> tuple[float, ...]:
+    try:
+        values = tuple(float(part) for part in text.split(","))
+    except ValueError:
+        values = ()
+    if not values or not all(0.0 <= v <= 1.0 for v in values):
+        raise argparse.ArgumentTypeError(f"--fractions must be numbers in [0, 1] separated by commas, got {text!r}")
+    return values
 
 
 def _ranks(text: str) -> int:
@@ -272,6 +288,8 @@ def _to_device(found: ModelFile, device: torch.device) -> ModelFile:
 
 def _plan(args: argparse.Namespace, err: Console) -> tuple[ModelFile, Plan, cli_report.Verification | None]:
     """Loads the file, plans it, and verifies the plan when asked, with progress on stderr."""
+    if args.fractions is not None:
+        raise UserError("--fractions applies to --compiled only (the activation_memory_budget fractions it probes)")
     for flag, target in (("--save", args.save), ("--emit", args.emit), ("--save-profile", args.save_profile)):
         _check_output(flag, target, args.model_file)
     if args.profile and args.save_profile:
@@ -300,6 +318,37 @@ def _plan(args: argparse.Namespace, err: Console) -> tuple[ModelFile, Plan, cli_
             raise UserError(f"{_located(exc, fallback=args.model_file)}: the model's code called sys.exit() while "
                             "ckplan ran it; forward and loss_fn must return a value, not exit") from exc
     return found, plan, verification
+
+
+_EAGER_ONLY = ("--save", "--emit", "--profile", "--save-profile", "--verify", "--explain", "--whole-segments",
+               "--must-save", "--must-recompute", "--world-size", "--parallel")
+
+
+def _compiled(args: argparse.Namespace, out: Console, err: Console) -> int:
+    """``--compiled``: ``optimize_compiled`` on the file's model, then its report."""
+    from planner.compiled.api import optimize_compiled
+    from planner.report.compiled import compiled_json, print_compiled
+
+    defaults = build_parser()
+    given = [flag for flag in (*_EAGER_ONLY, "--solver")
+             if getattr(args, flag[2:].replace("-", "_")) != defaults.get_default(flag[2:].replace("-", "_"))]
+    if given:
+        raise UserError(f"{given[0]} applies to eager plans, and --compiled measures compiled partitions "
+                        "(docs/compiled.md): drop one of them")
+    show = not args.quiet and sys.stderr.isatty()
+    with cli_report.StageProgress(err, enabled=show, solver=args.solver, time_limit_s=args.time_limit) as stage:
+        stage("load")
+        found = load_model_file(args.model_file, model=args.model, inputs=args.inputs, loss=args.loss)
+        if args.device is not None:
+            found = _to_device(found, args.device)
+        plan = optimize_compiled(found.model, args.budget, inputs=found.inputs, loss_fn=found.loss_fn,
+                                 keep_output=not args.drop_output, progress=stage,
+                                 **({"fractions": args.fractions} if args.fractions else {}))
+    if args.json:
+        cli_report.print_json(compiled_json(plan, model_file=args.model_file))
+    else:
+        print_compiled(out, plan, model_file=args.model_file, quiet=args.quiet)
+    return EXIT_OK
 
 
 def _profile_file(args: argparse.Namespace, found: ModelFile) -> Profile | None:
@@ -362,6 +411,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     out, err = Console(), Console(stderr=True)
     try:
+        if args.compiled:
+            return _compiled(args, out, err)
         found, plan, verification = _plan(args, err)
         _write_outputs(args, plan, type(found.model).__name__)
     except InfeasibleBudget as exc:

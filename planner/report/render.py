@@ -303,6 +303,8 @@ def print_infeasible(err: Console, exc: InfeasibleBudget) -> None:
         ("ckplan: infeasible: ", "bold red"), "budget ", (format_bytes(exc.budget_bytes), "bold"),
         " is below the smallest peak any checkpointing plan reaches, ", (format_bytes(exc.min_peak_bytes), "bold"),
     ), soft_wrap=True, highlight=False)
+    if not exc.breakdown:  # measured, not predicted (--compiled): there are no parts to show
+        return
     table = _table("the smallest peak consists of")
     table.add_column("component")
     table.add_column("bytes", justify="right")

@@ -1,0 +1,45 @@
+"""What ``ckplan --compiled`` prints: the chosen partition and every probe it measured."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.console import Console
+from rich.text import Text
+
+from planner.compiled.api import CompiledPlan
+from planner.compiled.search import Probe, Source
+from planner.report.render import _section, _table
+from planner.units import format_bytes
+
+
+def _label(p: Probe) -> str:
+    return "ckplan's plan, compiled" if p.source is Source.PLAN else f"activation_memory_budget={p.fraction:g}"
+
+
+def print_compiled(console: Console, plan: CompiledPlan, *, model_file: str, quiet: bool) -> None:
+    console.print(Text.assemble(("ckplan ", "bold"), model_file, ": ", plan.summary()), soft_wrap=True, highlight=False)
+    if quiet:
+        return
+    table = _table("probes (peak measured, one training step; step: median, interleaved)")
+    for column in ("partition", "peak", "fits", "step", "vs 1.0"):
+        table.add_column(column, justify="left" if column == "partition" else "right")
+    chosen = plan.probes.index(next(p for p in plan.probes if p.source is plan.source and p.fraction == plan.fraction
+                                    and p.peak_bytes == plan.peak_bytes))
+    for i, p in enumerate(plan.probes):
+        timed = p.step_ms is not None
+        table.add_row(Text(_label(p), style="bold" if i == chosen else ""), format_bytes(p.peak_bytes),
+                      "yes" if p.peak_bytes <= plan.budget_bytes else "no",
+                      f"{p.step_ms:.1f} ms" if timed else "",
+                      f"{p.step_ms / plan.baseline_step_ms - 1:+.1%}" if timed else "")
+    _section(console, table)
+
+
+def compiled_json(plan: CompiledPlan, *, model_file: str) -> dict[str, Any]:
+    return {"model_file": model_file, "compiled": True, "source": plan.source.value, "fraction": plan.fraction,
+            "budget_bytes": plan.budget_bytes, "peak_bytes": plan.peak_bytes,
+            "baseline_peak_bytes": plan.baseline_peak_bytes, "step_ms": plan.step_ms,
+            "baseline_step_ms": plan.baseline_step_ms,
+            "segments": len(plan.plan.segments) if plan.plan is not None else None,
+            "probes": [{"source": p.source.value, "fraction": p.fraction, "peak_bytes": p.peak_bytes,
+                        "step_ms": p.step_ms, "compile_s": round(p.compile_s, 2)} for p in plan.probes]}
