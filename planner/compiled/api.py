@@ -83,6 +83,8 @@ def optimize_compiled(model: nn.Module, budget: int | str, *, inputs: tuple | Ma
     if bad or not fractions:
         raise OptionError(f"fractions {list(fractions)!r} must be a non-empty list of numbers in [0, 1] "
                           f"(activation_memory_budget); got {bad[0] if bad else 'none'}")
+    if runs < 1:
+        raise OptionError(f"runs={runs!r}: the steps timed per fitting probe must be at least 1")
     example = as_inputs(model, inputs)
     order = [1.0, *dict.fromkeys(f for f in fractions if f != 1.0)]
     probed = probe_all(model, order, example, loss_fn, keep_output=keep_output, progress=progress)
@@ -116,14 +118,17 @@ def _plan_probe(model: nn.Module, budget_bytes: int, inputs, example, loss_fn, *
                 progress: Callable[[str], None] | None) -> tuple[Plan, tuple[CompiledModule, Probe]] | None:
     """ckplan's eager plan for the budget, compiled and measured; planned once more at a budget scaled by
     budget / measured peak when the compiled peak is over. None when no eager plan fits."""
-    from planner.pipeline import optimize
+    from planner.pipeline import plan_for, prepare
 
+    if progress is not None:
+        progress("capture and profile the eager step")
+    prepared = prepare(model, inputs=inputs, loss_fn=loss_fn, keep_output=keep_output)
     target = budget_bytes
     for _ in range(2):
         if progress is not None:
             progress(f"plan for {format_bytes(target)} and compile the plan")
         try:
-            plan = optimize(model, target, inputs=inputs, loss_fn=loss_fn, keep_output=keep_output)
+            plan = plan_for(prepared, target)
         except (InfeasibleBudget, OutOfTime):
             return None
         probed = probe(plan.module, 1.0, example, loss_fn, keep_output=keep_output, source=Source.PLAN)
