@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from planner import load_plan
+from planner import load_plan, parse_budget
 from planner.report.cli import MODEL_MODULE, load_model_file, main
 from planner.solve.registry import SOLVERS
 
@@ -422,15 +422,16 @@ def test_help_lists_every_option(capsys):
 
 
 @pytest.mark.slow
-def test_compiled_json_reports_every_probe_and_a_peak_that_fits(work):
+def test_compiled_json_reports_every_probe_and_a_peak_that_fits(tmp_path):
     """``--compiled --json``: compile's partition and the asked fraction probed, ckplan's plan too; the
     chosen one fits the budget and is the fastest that fits."""
-    result = ckplan("mlp.py", "--compiled", "--budget", "80%", "--fractions", "0.5", "--json", cwd=work)
+    (tmp_path / "wide.py").write_text(MLP.replace("torch.randn(512, 64)", "torch.randn(8192, 64)"))
+    result = ckplan("wide.py", "--compiled", "--budget", "85%", "--fractions", "0.5", "--json", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     data = json.loads(result.stdout)
     assert [(p["source"], p["fraction"]) for p in data["probes"]] == [("knapsack", 1.0), ("knapsack", 0.5),
                                                                       ("plan", 1.0)]
-    assert data["budget_bytes"] == int(0.8 * data["baseline_peak_bytes"]) and data["peak_bytes"] <= data["budget_bytes"]
+    assert data["budget_bytes"] == parse_budget("85%", baseline_peak_bytes=data["baseline_peak_bytes"]) and data["peak_bytes"] <= data["budget_bytes"]
     fitting = [p for p in data["probes"] if p["peak_bytes"] <= data["budget_bytes"]]
     assert data["step_ms"] == min(p["step_ms"] for p in fitting)
 

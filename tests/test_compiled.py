@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from models import Tower
-from planner import InfeasibleBudget, optimize_compiled
+from planner import InfeasibleBudget, optimize_compiled, parse_budget
 from planner.capture.inputs import as_inputs
 from planner.compiled.backend import CompiledModule
 from planner.compiled.search import Source
@@ -81,7 +81,7 @@ def test_compiled_plan_fits_its_budget_and_trains_like_the_model():
     fitting = [p for p in plan.probes if p.peak_bytes <= plan.budget_bytes]
     assert fitting and all(p.step_ms is not None for p in fitting)
     assert plan.step_ms == min(p.step_ms for p in fitting)
-    assert plan.budget_bytes == int(0.6 * plan.baseline_peak_bytes)
+    assert plan.budget_bytes == parse_budget("60%", baseline_peak_bytes=plan.baseline_peak_bytes)
     inputs = as_inputs(model, (x,))
     assert measure_allocated_peak(plan.module, inputs, lambda out: out.square().mean()) <= plan.budget_bytes
     compiled, eager = _step(plan.module, model, x), _step(model, model, x)
