@@ -24,7 +24,8 @@ import pytest
 import torch
 
 from planner import load_plan, parse_budget
-from planner.report.cli import MODEL_MODULE, load_model_file, main
+from planner.report.cli import main
+from planner.report.model_file import MODEL_MODULE, load_model_file
 from planner.solve.registry import SOLVERS
 
 ROOT = Path(__file__).resolve().parent.parent

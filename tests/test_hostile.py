@@ -25,7 +25,8 @@ from planner.budget import _UNITS, ACCEPTED_FORMS, check_budget, parse_budget
 from planner.errors import BudgetError, PlanFileError, PlanMismatch, ProfileFileError, ProfileMismatch
 from planner.plan import MemoryTimeline, Plan, Segment
 from planner.profiling.record import NodeCost, Profile, StorageCost
-from planner.report.cli import MODEL_MODULE, load_model_file, main
+from planner.report.cli import main
+from planner.report.model_file import MODEL_MODULE, load_model_file
 
 FEW = settings(max_examples=100, deadline=None, derandomize=True)
 TRACEBACK = "Traceback (most recent call last)"

@@ -204,7 +204,8 @@ inputs = (torch.randn(256, 32),)
 def test_cli_override_errors_exit_2_in_one_line(flags, message, tmp_path, monkeypatch, capsys):
     import sys
 
-    from planner.report.cli import MODEL_MODULE, main
+    from planner.report.cli import main
+    from planner.report.model_file import MODEL_MODULE
 
     (tmp_path / "model.py").write_text(TINY)
     monkeypatch.chdir(tmp_path)
@@ -218,7 +219,8 @@ def test_cli_override_errors_exit_2_in_one_line(flags, message, tmp_path, monkey
 def test_cli_overrides_that_make_the_budget_infeasible_exit_3(tmp_path, monkeypatch, capsys):
     import sys
 
-    from planner.report.cli import MODEL_MODULE, main
+    from planner.report.cli import main
+    from planner.report.model_file import MODEL_MODULE
 
     (tmp_path / "model.py").write_text(TINY)
     monkeypatch.chdir(tmp_path)
@@ -232,7 +234,8 @@ def test_cli_overrides_that_make_the_budget_infeasible_exit_3(tmp_path, monkeypa
 def test_cli_whole_segments_and_saves(tmp_path, monkeypatch, capsys):
     import sys
 
-    from planner.report.cli import MODEL_MODULE, main
+    from planner.report.cli import main
+    from planner.report.model_file import MODEL_MODULE
 
     (tmp_path / "model.py").write_text(TINY)
     monkeypatch.chdir(tmp_path)

@@ -13,25 +13,19 @@ Exit codes: 0 success, 1 internal error, 2 user error, 3 infeasible budget (docs
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import sys
-import sysconfig
 import traceback
-import types
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
 
 import torch
 from rich.console import Console
-from torch import nn
-from torch.utils._pytree import tree_map
 
 from planner.report import render as cli_report
+from planner.report.model_file import ModelFile, UserError, load_model_file, located, to_device
 from planner.budget import ACCEPTED_FORMS, check_budget
 from planner.capture.inputs import as_inputs
-from planner.errors import BudgetError, InfeasibleBudget, InputError, PlannerError
+from planner.errors import BudgetError, InfeasibleBudget, PlannerError
 from planner.profiling.measure import measure_peak, step_times_ms
 from planner.pipeline import optimize
 from planner.plan import Plan
@@ -41,33 +35,7 @@ from planner.solve.registry import SOLVERS
 
 EXIT_OK, EXIT_INTERNAL, EXIT_USAGE, EXIT_INFEASIBLE, EXIT_NOT_FOUND, EXIT_INTERRUPTED = 0, 1, 2, 3, 4, 130
 VERIFY_RUNS = 5
-MODEL_MODULE = "__ckplan_model__"
-"""Name the model file runs under, so its ``if __name__ == "__main__":`` block does not run."""
 DEVICE_FORMS = "cpu, cuda or cuda:N"
-
-_LIBRARY_DIRS = tuple(
-    os.path.abspath(p) + os.sep
-    for p in (os.path.dirname(os.path.dirname(__file__)), os.path.dirname(torch.__file__),
-              sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["purelib"])
-)
-
-
-class UserError(PlannerError):
-    """A mistake in the command line or the model file: one message, exit code 2 (a ``PlannerError``, as
-    every user mistake is)."""
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class ModelFile:
-    """What the model file defines, resolved (callables called)."""
-
-    path: str
-    model: nn.Module
-    inputs: Any
-    """Positional (tuple) or keyword (dict) arguments of ``model``."""
-    loss_fn: Callable[[Any], torch.Tensor] | None
-    namespace: dict[str, Any]
-    """The file's globals (functions defined there read their tensors from it)."""
 
 
 # -- the command line ------------------------------------------------------------------------------------------
@@ -187,102 +155,6 @@ def _device(text: str) -> torch.device:
     return device
 
 
-# -- the model file --------------------------------------------------------------------------------------------
-
-
-def load_model_file(path: str, *, model: str = "model", inputs: str = "inputs",
-                    loss: str | None = None) -> ModelFile:
-    """Runs the model file and returns what it defines under the given names.
-
-    Raises:
-        UserError: the file is missing or fails, or lacks a name, or a value has the wrong type.
-    """
-    namespace = _run_file(path)
-    found_model = _resolve(namespace, path, model, "--model")
-    if not isinstance(found_model, nn.Module):
-        raise UserError(f"`{model}` in {path} is of type {type(found_model).__name__}, not a torch.nn.Module "
-                        "(nor a zero-argument callable returning one)")
-    if inputs in namespace or inputs != "inputs" or getattr(found_model, "example_inputs", None) is None:
-        found_inputs = _resolve(namespace, path, inputs, "--inputs")
-    else:  # the model's own `example_inputs`, as optimize() would use
-        inputs = "example_inputs"
-        found_inputs = _resolve({inputs: found_model.example_inputs}, path, inputs, "--inputs")
-    try:
-        as_inputs(found_model, found_inputs)
-    except InputError as exc:
-        raise UserError(f"`{inputs}` in {path}: {exc}") from exc
-    loss_fn = namespace.get(loss or "loss_fn")
-    if loss is not None and loss not in namespace:
-        raise UserError(f"{path} defines no `{loss}` (named by --loss)")
-    if loss_fn is not None and not callable(loss_fn):
-        raise UserError(f"`{loss or 'loss_fn'}` in {path} is of type {type(loss_fn).__name__}, not a function")
-    return ModelFile(path=path, model=found_model, inputs=found_inputs, loss_fn=loss_fn, namespace=namespace)
-
-
-def _run_file(path: str) -> dict[str, Any]:
-    """Executes the file as module ``__ckplan_model__`` (its directory importable) and returns its globals."""
-    file = Path(path)
-    if not file.is_file():
-        raise UserError(f"model file {path} does not exist" if not file.exists() else f"{path} is not a file")
-    module = types.ModuleType(MODEL_MODULE)
-    module.__file__ = str(file)
-    sys.modules[MODEL_MODULE] = module  # classes defined in the file find their module (inspect, fx)
-    sys.path.insert(0, str(file.resolve().parent))
-    argv, sys.argv = sys.argv, [path]  # as `python model.py` would see it (a module-level argparse)
-    try:
-        exec(compile(file.read_bytes(), path, "exec"), module.__dict__)
-    except SyntaxError as exc:
-        if exc.filename is None:  # null bytes: not Python source at all (a pickle, a checkpoint)
-            raise UserError(f"{path}: {type(exc).__name__}: {exc.msg}; give the Python file that defines "
-                            "the model") from exc
-        raise UserError(f"{exc.filename}:{exc.lineno}: {type(exc).__name__}: {exc.msg}") from exc
-    except SystemExit as exc:
-        raise UserError(f"{_located(exc, fallback=path)}: the model file exited while loading; keep training "
-                        "code under `if __name__ == \"__main__\":`") from exc
-    except Exception as exc:  # noqa: BLE001 - any failure inside the user's file is a user error
-        raise UserError(_located(exc, fallback=path)) from exc
-    finally:
-        sys.argv = argv
-    return module.__dict__
-
-
-def _resolve(namespace: dict[str, Any], path: str, name: str, flag: str) -> Any:
-    """``namespace[name]``, called when it is a zero-argument callable (not a module or tensor)."""
-    if name not in namespace:
-        default = flag.removeprefix("--")
-        hint = f"define a module-level `{default}`, or name another with {flag} NAME" if name == default \
-            else f"check the name given to {flag}"
-        raise UserError(f"{path} defines no `{name}`: {hint}")
-    value = namespace[name]
-    if callable(value) and not isinstance(value, (nn.Module, torch.Tensor)):
-        try:
-            value = value()
-        except Exception as exc:  # noqa: BLE001 - the user's factory failed
-            raise UserError(_located(exc, fallback=f"calling `{name}` from {path}")) from exc
-    return value
-
-
-def _located(exc: BaseException, *, fallback: str) -> str:
-    """``file:line: Type: message`` at the innermost frame of the user's own code."""
-    where = fallback
-    for frame in traceback.extract_tb(exc.__traceback__):
-        if not os.path.abspath(frame.filename).startswith(_LIBRARY_DIRS) and not frame.filename.startswith("<"):
-            where = f"{frame.filename}:{frame.lineno}"
-    return f"{where}: {type(exc).__name__}: {exc}"
-
-
-def _to_device(found: ModelFile, device: torch.device) -> ModelFile:
-    """Moves the model, the inputs and the file's module-level tensors (a loss_fn's labels) to ``device``."""
-    def move(value: Any) -> Any:
-        return value.to(device) if isinstance(value, torch.Tensor) else value
-
-    for name, value in list(found.namespace.items()):
-        if isinstance(value, torch.Tensor):
-            found.namespace[name] = move(value)
-    return ModelFile(path=found.path, model=found.model.to(device), inputs=tree_map(move, found.inputs),
-                     loss_fn=found.loss_fn, namespace=found.namespace)
-
-
 # -- planning --------------------------------------------------------------------------------------------------
 
 
@@ -303,7 +175,7 @@ def _plan(args: argparse.Namespace, err: Console) -> tuple[ModelFile, Plan, cli_
             stage("load")
             found = load_model_file(args.model_file, model=args.model, inputs=args.inputs, loss=args.loss)
             if args.device is not None:
-                found = _to_device(found, args.device)
+                found = to_device(found, args.device)
             saved = _profile_file(args, found)  # a user's mistake raises a PlannerError (exit 2), anything else
             plan = optimize(found.model, args.budget, inputs=found.inputs, loss_fn=found.loss_fn,  # is a bug (exit 1)
                             time_limit_s=args.time_limit, solver=args.solver, progress=stage, profile=saved,
@@ -315,7 +187,7 @@ def _plan(args: argparse.Namespace, err: Console) -> tuple[ModelFile, Plan, cli_
                 stage("verify")
                 verification = _verify(found, plan, keep_output=not args.drop_output)
         except SystemExit as exc:  # sys.exit() in the model's code: not ckplan's exit code to give
-            raise UserError(f"{_located(exc, fallback=args.model_file)}: the model's code called sys.exit() while "
+            raise UserError(f"{located(exc, fallback=args.model_file)}: the model's code called sys.exit() while "
                             "ckplan ran it; forward and loss_fn must return a value, not exit") from exc
     return found, plan, verification
 
@@ -340,7 +212,7 @@ def _compiled(args: argparse.Namespace, out: Console, err: Console) -> int:
         stage("load")
         found = load_model_file(args.model_file, model=args.model, inputs=args.inputs, loss=args.loss)
         if args.device is not None:
-            found = _to_device(found, args.device)
+            found = to_device(found, args.device)
         plan = optimize_compiled(found.model, args.budget, inputs=found.inputs, loss_fn=found.loss_fn,
                                  keep_output=not args.drop_output, progress=stage,
                                  **({"fractions": args.fractions} if args.fractions else {}))
