@@ -97,3 +97,25 @@ def test_a_budget_below_every_probe_is_infeasible_with_the_smallest_measured_pea
     with pytest.raises(InfeasibleBudget, match="torch.compile at activation_memory_budget 1, 0") as caught:
         optimize_compiled(model, 2**20, inputs=(x,), fractions=[0.0], eager_plan=False)
     assert caught.value.budget_bytes == 2**20 and caught.value.min_peak_bytes > 2**20
+
+
+@pytest.mark.slow
+def test_a_hugging_face_lm_compiles_to_a_byte_budget_without_its_cache_in_training():
+    """Qwen2 (3 layers, random weights), Trainer's loop (the output dropped before backward): the chosen
+    module fits, its loss is the model's, training calls return no key/value cache and evaluation
+    calls still do. ckplan's own plan runs by module hooks there and is not a probe."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.Qwen2Config(vocab_size=512, hidden_size=64, intermediate_size=176, num_hidden_layers=3,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    model = transformers.Qwen2ForCausalLM(config)
+    ids = torch.randint(1, 512, (8, 128), generator=torch.Generator().manual_seed(1))
+    batch = {"input_ids": ids, "labels": ids}
+    plan = optimize_compiled(model, "90%", inputs=batch, fractions=[0.5], keep_output=False, runs=1)
+    assert [p.source for p in plan.probes] == [Source.KNAPSACK, Source.KNAPSACK]
+    assert plan.peak_bytes <= plan.budget_bytes
+    out = plan.module(**batch)
+    assert out.past_key_values is None
+    torch.testing.assert_close(out.loss, model(**batch, use_cache=False).loss, rtol=1e-5, atol=1e-6)
+    with torch.no_grad():  # not a training call: the cache stays, as for generate()
+        assert plan.module(input_ids=ids[:1, :8]).past_key_values is not None

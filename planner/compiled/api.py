@@ -117,12 +117,16 @@ def optimize_compiled(model: nn.Module, budget: int | str, *, inputs: tuple | Ma
 def _plan_probe(model: nn.Module, budget_bytes: int, inputs, example, loss_fn, *, keep_output: bool,
                 progress: Callable[[str], None] | None) -> tuple[Plan, tuple[CompiledModule, Probe]] | None:
     """ckplan's eager plan for the budget, compiled and measured; planned once more at a budget scaled by
-    budget / measured peak when the compiled peak is over. None when no eager plan fits."""
+    budget / measured peak when the compiled peak is over. None when no eager plan fits, or when the plan
+    runs by module hooks (their checkpoints are entered and left across graph breaks, and under
+    torch.compile the re-run does not reproduce the saved tensors: torch's CheckpointError)."""
     from planner.pipeline import plan_for, prepare
 
     if progress is not None:
         progress("capture and profile the eager step")
     prepared = prepare(model, inputs=inputs, loss_fn=loss_fn, keep_output=keep_output)
+    if prepared.captured.method.runs_modules:
+        return None  # plans run by module hooks (Hugging Face models) do not compile: see docs/compiled.md
     target = budget_bytes
     for _ in range(2):
         if progress is not None:

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 import torch._functorch.config as functorch_config
 from torch import nn
 from torch._inductor.compile_fx import compile_fx
+
+from planner.capture.cache import cache_owner, training_with_grad
 
 
 class BudgetBackend:
@@ -40,8 +44,23 @@ class CompiledModule(nn.Module):
 
 
 def _entry(model: nn.Module):
+    """``model(...)``, with ``use_cache=False`` in training calls of a model that has a key/value cache
+    (Hugging Face; as its gradient checkpointing and ckplan's eager plans do: ``capture/cache.py``)."""
+    no_cache = cache_owner(model) is not None and _takes_keyword(model, "use_cache")
+
     def call(*args, **kwargs):
+        if no_cache and training_with_grad(model):
+            kwargs = {**kwargs, "use_cache": False}
         return model(*args, **kwargs)
 
     call.__code__ = call.__code__.replace()  # a fresh code object: its own dynamo cache
     return call
+
+
+def _takes_keyword(model: nn.Module, name: str) -> bool:
+    """Whether ``model.forward`` accepts ``name=`` (by name, or through ``**kwargs``, as a PEFT root does)."""
+    try:
+        parameters = inspect.signature(model.forward).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.name == name or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
