@@ -38,33 +38,38 @@ def measure_peak(module: nn.Module, inputs: Inputs, loss_fn: Callable[[Any], tor
     The step is ``output = module(*inputs); backward(loss_fn(output))`` with ``output``
     referenced until backward ends, as in the usual training loop; with ``keep_output=False`` it
     is dropped before backward, as Hugging Face Trainer's ``compute_loss`` does."""
-    loss_fn = loss_fn or default_loss
     device = next(module.parameters()).device
     with untouched(module):
         if device.type == "cuda":
             torch.cuda.synchronize(device)
             torch.cuda.reset_peak_memory_stats(device)
-            output = module(*inputs.args, **inputs.kwargs)  # kept alive through backward, as a training loop does
-            loss = loss_fn(output)
-            if not keep_output:
-                output = None
-            backward(loss)
-            del loss
+            _step(module, inputs, loss_fn, keep_output=keep_output)
             torch.cuda.synchronize(device)
             return torch.cuda.max_memory_allocated(device)
         tracker = LiveStorages(device)
-        for t in list(module.parameters()) + list(module.buffers()) + list(tree_leaves((inputs.args, inputs.kwargs))):
-            if isinstance(t, torch.Tensor):
-                tracker.track(t)
+        for t in _resident(module, inputs):
+            tracker.track(t)
         with tracker:
-            output = module(*inputs.args, **inputs.kwargs)  # kept alive through backward, as a training loop does
-            loss = loss_fn(output)
-            if not keep_output:
-                output = None
-            backward(loss)
-            del loss
-        del output
+            _step(module, inputs, loss_fn, keep_output=keep_output)
         return tracker.peak_bytes
+
+
+def _step(module: nn.Module, inputs: Inputs, loss_fn: Callable[[Any], torch.Tensor] | None, *,
+          keep_output: bool) -> None:
+    """One measured step: the output kept alive through backward, as a training loop does, unless
+    ``keep_output`` is False."""
+    output = module(*inputs.args, **inputs.kwargs)
+    loss = (loss_fn or default_loss)(output)
+    if not keep_output:
+        output = None
+    backward(loss)
+    del loss, output
+
+
+def _resident(module: nn.Module, inputs: Inputs) -> list[torch.Tensor]:
+    """The tensors alive before a step: parameters, buffers and inputs."""
+    return [t for t in [*module.parameters(), *module.buffers(), *tree_leaves((inputs.args, inputs.kwargs))]
+            if isinstance(t, torch.Tensor)]
 
 
 def step_times_ms(modules: Sequence[nn.Module], inputs: Inputs, loss_fn: Callable[[Any], torch.Tensor] | None = None,
@@ -121,18 +126,10 @@ def measure_allocated_peak(module: nn.Module, inputs: Inputs, loss_fn: Callable[
     device = next(module.parameters()).device
     if device.type == "cuda":
         return measure_peak(module, inputs, loss_fn, keep_output=keep_output)
-    loss_fn = loss_fn or default_loss
     resident = {t.untyped_storage()._cdata: t.untyped_storage().nbytes()
-                for t in [*module.parameters(), *module.buffers(), *tree_leaves((inputs.args, inputs.kwargs))]
-                if isinstance(t, torch.Tensor) and t.device == device}
-    with untouched(module):
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-            output = module(*inputs.args, **inputs.kwargs)
-            loss = loss_fn(output)
-            if not keep_output:
-                output = None
-            backward(loss)
-            del loss, output
+                for t in _resident(module, inputs) if t.device == device}
+    with untouched(module), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        _step(module, inputs, loss_fn, keep_output=keep_output)
     events = sorted((e for e in prof.profiler.kineto_results.events()
                      if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU),
                     key=lambda e: e.start_ns())
