@@ -22,21 +22,41 @@ class CompiledPlan:
     """The chosen partition and what every probe measured."""
 
     module: CompiledModule
-    """The model (or ``plan.module``) compiled at ``fraction``; shares the model's parameters and buffers."""
-    source: Source
-    fraction: float
-    """The ``activation_memory_budget`` it was compiled with."""
+    """The model (or ``plan.module``) compiled as ``probes[chosen]``; shares the model's parameters and buffers."""
     plan: Plan | None
     """The eager plan compiled, when ``source`` is ``Source.PLAN``."""
     budget_bytes: int
-    peak_bytes: int
-    """Its measured peak (one training step)."""
-    baseline_peak_bytes: int
-    """The measured peak compiled at fraction 1.0 (compile's own partition): what ``"NN%"`` is of."""
-    step_ms: float
-    baseline_step_ms: float
-    """Median step at fraction 1.0, timed beside the others (whether or not it fits)."""
     probes: tuple[Probe, ...]
+    """Every probe, fraction 1.0 first (compile's own partition: what ``"NN%"`` is of, and the timing
+    baseline, timed beside the others whether or not it fits)."""
+    chosen: int
+    """Index of the chosen probe."""
+
+    @property
+    def source(self) -> Source:
+        return self.probes[self.chosen].source
+
+    @property
+    def fraction(self) -> float:
+        """The ``activation_memory_budget`` it was compiled with."""
+        return self.probes[self.chosen].fraction
+
+    @property
+    def peak_bytes(self) -> int:
+        """Its measured peak (one training step)."""
+        return self.probes[self.chosen].peak_bytes
+
+    @property
+    def step_ms(self) -> float:
+        return self.probes[self.chosen].step_ms
+
+    @property
+    def baseline_peak_bytes(self) -> int:
+        return self.probes[0].peak_bytes
+
+    @property
+    def baseline_step_ms(self) -> float:
+        return self.probes[0].step_ms
 
     @property
     def overhead(self) -> float:
@@ -88,8 +108,7 @@ def optimize_compiled(model: nn.Module, budget: int | str, *, inputs: tuple | Ma
     example = as_inputs(model, inputs)
     order = [1.0, *dict.fromkeys(f for f in fractions if f != 1.0)]
     probed = probe_all(model, order, example, loss_fn, keep_output=keep_output, progress=progress)
-    baseline_peak = probed[0][1].peak_bytes
-    budget_bytes = parse_budget(budget, baseline_peak_bytes=baseline_peak)
+    budget_bytes = parse_budget(budget, baseline_peak_bytes=probed[0][1].peak_bytes)
     plans: dict[int, Plan] = {}
     if eager_plan:
         planned = _plan_probe(model, budget_bytes, inputs, example, loss_fn, keep_output=keep_output,
@@ -107,11 +126,8 @@ def optimize_compiled(model: nn.Module, budget: int | str, *, inputs: tuple | Ma
     chosen_and_base = sorted({0, *fitting})
     times = dict(zip(chosen_and_base, timed([probed[i] for i in chosen_and_base], example, loss_fn, runs=runs)))
     best = min(fitting, key=lambda i: times[i].step_ms)
-    probes = tuple(times.get(i, p) for i, (_, p) in enumerate(probed))
-    return CompiledPlan(module=probed[best][0], source=probes[best].source, fraction=probes[best].fraction,
-                        plan=plans.get(best), budget_bytes=budget_bytes, peak_bytes=probes[best].peak_bytes,
-                        baseline_peak_bytes=baseline_peak, step_ms=times[best].step_ms,
-                        baseline_step_ms=times[0].step_ms, probes=probes)
+    return CompiledPlan(module=probed[best][0], plan=plans.get(best), budget_bytes=budget_bytes,
+                        probes=tuple(times.get(i, p) for i, (_, p) in enumerate(probed)), chosen=best)
 
 
 def _plan_probe(model: nn.Module, budget_bytes: int, inputs, example, loss_fn, *, keep_output: bool,

@@ -24,11 +24,9 @@ def print_compiled(console: Console, plan: CompiledPlan, *, model_file: str, qui
     table = _table("probes (peak measured, one training step; step: median, interleaved)")
     for column in ("partition", "peak", "fits", "step", "vs 1.0"):
         table.add_column(column, justify="left" if column == "partition" else "right")
-    chosen = plan.probes.index(next(p for p in plan.probes if p.source is plan.source and p.fraction == plan.fraction
-                                    and p.peak_bytes == plan.peak_bytes))
     for i, p in enumerate(plan.probes):
         timed = p.step_ms is not None
-        table.add_row(Text(_label(p), style="bold" if i == chosen else ""), format_bytes(p.peak_bytes),
+        table.add_row(Text(_label(p), style="bold" if i == plan.chosen else ""), format_bytes(p.peak_bytes),
                       "yes" if p.peak_bytes <= plan.budget_bytes else "no",
                       f"{p.step_ms:.1f} ms" if timed else "",
                       f"{p.step_ms / plan.baseline_step_ms - 1:+.1%}" if timed else "")
