@@ -19,7 +19,6 @@ One thread, as the other benches (``OMP_NUM_THREADS=1``).
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import platform
@@ -31,16 +30,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT))
 
-
-def load(name: str) -> dict:
-    """The example as an importable module (dynamo imports the module of every global it inlines)."""
-    spec = importlib.util.spec_from_file_location(f"ckplan_example_{name}", ROOT / "examples" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return vars(module)
+from compare_strategies import load, mib  # noqa: E402
 
 
 def worker(config: dict) -> dict:
@@ -48,32 +41,27 @@ def worker(config: dict) -> dict:
     import torch
 
     from planner.capture.inputs import as_inputs
-    from planner.compiled.backend import CompiledModule
+    from planner.compiled.search import probe
+    from planner.plan import load_plan
     from planner.profiling.measure import measure_allocated_peak, step_samples_ms
     from planner.step import backward, default_loss, untouched
 
     torch.set_num_threads(1)
-    ns = load(config["example"])
-    model, inputs, loss_fn = ns["model"], ns["inputs"], ns.get("loss_fn")
+    model, inputs, loss_fn = load(config["example"])
     example = as_inputs(model, inputs)
     if config["kind"] == "optimize":
         return _optimize(model, inputs, loss_fn, config)
     if config["kind"] == "eager":
-        module = model
-    elif config["kind"] == "knapsack":
-        module = CompiledModule(model, config["fraction"])
-    else:
-        from planner.plan import load_plan
-
-        module = CompiledModule(load_plan(config["plan"]).apply(model, inputs=inputs), 1.0)
-    start = time.perf_counter()
-    with untouched(module):
-        backward((loss_fn or default_loss)(module(*example.args, **example.kwargs)))
-    compile_s = time.perf_counter() - start
-    peak = measure_allocated_peak(module, example, loss_fn)
+        with untouched(model):  # a warm-up step, as the compiled rows' first (compiling) one
+            backward((loss_fn or default_loss)(model(*example.args, **example.kwargs)))
+        module, peak = model, measure_allocated_peak(model, example, loss_fn)
+    else:  # compiled: one warm step that compiles, then the peak of the next
+        target = model if config["kind"] == "knapsack" else load_plan(config["plan"]).apply(model, inputs=inputs)
+        module, measured = probe(target, config.get("fraction", 1.0), example, loss_fn, keep_output=True)
+        peak = measured.peak_bytes
     samples = step_samples_ms([module], example, loss_fn, runs=config["runs"])[0]
     return {"peak_bytes": peak, "step_ms": statistics.median(samples), "min_ms": min(samples),
-            "max_ms": max(samples), "compile_s": compile_s}
+            "max_ms": max(samples)}
 
 
 def _optimize(model, inputs, loss_fn, config: dict) -> dict:
@@ -103,10 +91,6 @@ def run_worker(config: dict) -> dict:
     if out.returncode != 0:
         raise SystemExit(f"worker {config} failed:\n{out.stderr[-4000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
-
-
-def mib(nbytes: float) -> str:
-    return f"{nbytes / 2**20:.2f}"
 
 
 def example_rows(name: str, passes: int, runs: int, below: int, workdir: Path) -> tuple[list[str], list[str]]:
