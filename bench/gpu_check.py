@@ -99,7 +99,7 @@ def compiled_rows(name: str, device: torch.device, runs: int) -> list[str]:
         began = time.perf_counter()
         chosen = optimize_compiled(model, knapsack[fraction][1].peak_bytes, inputs=inputs, loss_fn=loss_fn, runs=runs)
         took = time.perf_counter() - began
-        base, theirs, ours = timed([knapsack[1.0], knapsack[fraction], (chosen.module, chosen.probes[0])], example,
+        base, theirs, ours = timed([knapsack[1.0], knapsack[fraction], (chosen.module, chosen.probes[chosen.chosen])], example,
                                    loss_fn, runs=runs)
         what = "ckplan plan" if chosen.plan is not None else f"fraction {chosen.fraction:g}"
         rows.append(f"| {name} | compiled: budget {fraction} vs ckplan ({what}, {took:.0f} s) | | "
