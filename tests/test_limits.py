@@ -11,6 +11,7 @@ profile gives the same plan in any process.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import difflib
 import json
 import os
@@ -32,6 +33,13 @@ from conftest import load_example
 from models import tower, tower_inputs
 from planner import InfeasibleBudget, OutOfTime, load_profile, optimize, plan_for, prepare, profile
 from planner.capture.inputs import as_inputs
+from planner.memory.saves import SaveOptions, cacheable
+from planner.memory.simulate import simulate
+from planner.memory.synthetic import memory_model, min_peak_brute, random_profile
+from planner.solve import cpsat, default
+from planner.solve.default import solve
+from planner.solve.result import SolverStatus
+from planner.solve.rotor import rotor
 from planner.profiling.eager import matching_blocks
 from planner.profiling.measure import measure_peak
 
@@ -186,6 +194,27 @@ def test_ctrl_c_during_the_search_returns_the_best_plan_so_far(resnet):
     with pytest.raises(KeyboardInterrupt):
         os.kill(os.getpid(), signal.SIGINT)
         time.sleep(5)
+
+
+@pytest.mark.parametrize("selective", [False, True])
+def test_ctrl_c_while_cp_sat_builds_its_model_returns_the_dp_plan(selective, monkeypatch):
+    """Ctrl-C can land before CP-SAT's search starts (its model takes seconds to build on a big graph;
+    CI's run of the test above once did): the DPs' plan is returned, FEASIBLE, and fits."""
+    model = memory_model(random_profile(9, 3, skip_connections=True))
+    options = SaveOptions(candidates=tuple(o for o in range(model.n_nodes) if cacheable(model, o)))
+    budget = (min_peak_brute(model) + simulate(model, ()).peak_bytes) // 2
+
+    def build_interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cpsat, "build", build_interrupted)
+    if not selective:  # DPs that prove nothing, as where Python locals make the chunk DP inexact
+        monkeypatch.setattr(default, "relaxed", lambda *args, **kwargs: ((), 0))
+        monkeypatch.setattr(default, "rotor", lambda *args, **kwargs: dataclasses.replace(
+            rotor(*args, **kwargs), status=SolverStatus.FEASIBLE))
+    found = solve(model, budget, time_limit_s=20, options=options if selective else None)
+    assert found.status == "FEASIBLE" and found.plan
+    assert simulate(model, found.plan, found.saves).peak_bytes <= budget
 
 
 @pytest.mark.slow

@@ -33,6 +33,9 @@ def solve(model: MemoryModel, budget_bytes: int, *, time_limit_s: float = 30.0, 
     ``time_limit_s`` bounds the whole call: the DPs give up once it has passed (they check once per
     chunk) and CP-SAT gets the time they leave.
 
+    Ctrl-C once the DPs have a plan returns it (FEASIBLE), wherever CP-SAT was: building its model or
+    searching (``cpsat.run``); before that, it raises KeyboardInterrupt.
+
     Raises:
         NoSolution: infeasible (proven), or no plan found within the time limit.
     """
@@ -49,6 +52,10 @@ def solve(model: MemoryModel, budget_bytes: int, *, time_limit_s: float = 30.0, 
     try:
         found = search(model, budget_bytes, hint=best.plan if best else None, time_limit_s=left, workers=workers,
                        dump_path=dump_path)
+    except KeyboardInterrupt:  # Ctrl-C before CP-SAT's search began (while its model was built)
+        if best is None:
+            raise
+        found = replace(best, status=SolverStatus.FEASIBLE)
     except NoSolution as exc:
         if exc.infeasible or best is None:
             raise
@@ -97,6 +104,10 @@ def _solve_with_options(model: MemoryModel, budget_bytes: int, *, time_limit_s: 
                 best = selective
         except NoSolution:
             pass
+        except KeyboardInterrupt:  # Ctrl-C: the whole-segment plan stands, if there is one
+            if best is None:
+                raise
+            return _stopped(best, began)
     incumbent = None if overrides or best is None else best
     left = max(0.0, time_limit_s - (time.perf_counter() - began))  # the DPs' time counts against the limit
     if incumbent is not None:  # CP-SAT rarely beats the DPs here (docs/selective.md): a short try
@@ -105,6 +116,10 @@ def _solve_with_options(model: MemoryModel, budget_bytes: int, *, time_limit_s: 
         found = search(model, budget_bytes, hint=best.plan if best else None, hint_saves=best.saves if best else frozenset(),
                        time_limit_s=left, workers=workers, dump_path=dump_path, options=options,
                        below_us=incumbent.recompute_us if incumbent else None)
+    except KeyboardInterrupt:  # Ctrl-C before CP-SAT's search began (while its model was built)
+        if incumbent is None:
+            raise
+        return _stopped(incumbent, began)
     except NoSolution as exc:
         if incumbent is None:
             raise
@@ -114,3 +129,8 @@ def _solve_with_options(model: MemoryModel, budget_bytes: int, *, time_limit_s: 
             found = replace(incumbent, status=SolverStatus.FEASIBLE,
                             bound_us=None if exc.bound_us is None else min(exc.bound_us, incumbent.recompute_us))
     return replace(found, solve_time_s=time.perf_counter() - began)
+
+
+def _stopped(incumbent: Solution, began: float) -> Solution:
+    """The DPs' plan when Ctrl-C stopped the solve before CP-SAT could improve on it: FEASIBLE, no bound."""
+    return replace(incumbent, status=SolverStatus.FEASIBLE, bound_us=None, solve_time_s=time.perf_counter() - began)
