@@ -22,8 +22,6 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from planner.memory.saves import NEVER
-
 if TYPE_CHECKING:
     from planner.memory.model import ChunkPlan, MemoryModel
 
