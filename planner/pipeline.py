@@ -3,54 +3,34 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Callable, Mapping, Sequence
 
 import torch
 from torch import nn
 
-from planner.budget import check_budget, format_bytes, parse_budget
-from planner.capture.api import Captured, capture
-from planner.capture.inputs import Inputs, as_inputs
-from planner.profiling.record import Profile
-from planner.distributed.memory import Distributed, memory_offset, setup, split_at_units
-from planner.errors import InfeasibleBudget, OptionError, OutOfTime, PlannerError
-from planner.plan import MemoryTimeline, Plan, Segment
-from planner.profiling.api import capture_inputs, profile_for
-from planner.memory.regions import Regions, find_regions
-from planner.profiling.devices import SacCost, is_device_spec, load_device, sac_op_cost
+from planner.budget import check_budget, parse_budget
+from planner.capture.api import capture
 from planner.capture.cache import no_cache
-from planner.memory.chains import alone_in_module
+from planner.capture.inputs import as_inputs
+from planner.capture.scope import path_of
+from planner.distributed.memory import setup, split_at_units
+from planner.errors import OptionError
+from planner.memory.model import ChunkPlan, MemoryModel
+from planner.memory.regions import Regions
+from planner.memory.simulate import freed_bytes, segment_recompute_us, simulate
+from planner.plan import MemoryTimeline, Plan, Segment
+from planner.prepared import Prepared, chunked
+from planner.profiling.api import capture_inputs, profile_for
+from planner.profiling.devices import is_device_spec, load_device, sac_op_cost
+from planner.profiling.record import Profile
 from planner.rewrite.graph import rewrite
 from planner.rewrite.modules import clone_tree, describe, install_plan, tensor_shapes
-from planner.memory.saves import SaveOptions
-from planner.memory.model import ChunkPlan, MemoryModel, build_model
-from planner.memory.simulate import Timeline, freed_bytes, segment_recompute_us, simulate
-from planner.solve.peaks import min_peak_saves
-from planner.solve.rotor import relaxed
-from planner.solve.result import NoSolution, Solution, SolverStatus
 from planner.solve.registry import capabilities, get_solver
+from planner.solve.result import Solution
+from planner.solving import left_s, solve_budget, solve_prepared
 from planner.step import LossFn
-from planner.capture.scope import path_of
 
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Prepared:
-    """A model captured and profiled once, ready to be planned for any budget."""
-
-    model: nn.Module
-    example: Inputs
-    """The example call the model was captured and profiled with."""
-    captured: Captured
-    profile: Profile
-    regions: Regions
-    memory: MemoryModel
-    baseline: Timeline
-    """Predicted memory without checkpointing."""
-    sac_cost: SacCost
-    """SAC's per-op cost in ``memory`` and where it comes from (profile, device spec or default)."""
-    distributed: Distributed | None = None
-    """One rank of a data-parallel job (``world_size``, ``parallel``...), or None for one device."""
 
 
 def optimize(
@@ -163,19 +143,10 @@ def prepare(model: nn.Module, *, inputs: tuple | Mapping | torch.Tensor | None =
                                keep_output=keep_output)
     sac = sac_op_cost(measured, load_device(device) if is_device_spec(device) else None)  # from the profile
     # or the device spec, never from this machine
-    return _chunked(Prepared(model=model, example=example, captured=captured, profile=measured, regions=None,
+    return chunked(Prepared(model=model, example=example, captured=captured, profile=measured, regions=None,
                              memory=None, baseline=None, sac_cost=sac, distributed=dist), max_chunks)
 
 
-def _chunked(prepared: Prepared, max_chunks: int) -> Prepared:
-    """``prepared`` with its regions (at most ``max_chunks`` chunks) and the cost model over them."""
-    measured, dist = prepared.profile, prepared.distributed
-    regions = find_regions(measured, max_chunks=max_chunks,      # where segments may start and end:
-                           modules=prepared.captured.method.runs_modules)  # chains of module calls for hooks
-    memory = build_model(measured, regions,                      # the cost model the solver optimises
-                         offset=dist and memory_offset(measured, dist),  # one rank's share of the job
-                         sac_op_us=prepared.sac_cost.op_us)
-    return replace(prepared, regions=regions, memory=memory, baseline=simulate(memory, ()))
 
 
 def plan_for(prepared: Prepared, budget: int | str, *, solver: str = "cpsat", time_limit_s: float = 30.0,
@@ -195,14 +166,14 @@ def plan_for(prepared: Prepared, budget: int | str, *, solver: str = "cpsat", ti
     stage("solve")
     started = time.perf_counter()
     deadline = started + time_limit_s  # one limit for every solve below, not one each
-    prepared, solution = _solve_widening(prepared, solver, budget_bytes, deadline, dict(
+    prepared, solution = solve_prepared(prepared, solver, budget_bytes, deadline, dict(
         must_save=must_save, must_recompute=must_recompute,  # FSDP plans cut whole units: no saves there
         selective=selective and capabilities(solver).saves and prepared.distributed is None))
     memory, baseline = prepared.memory, prepared.baseline
     if prepared.distributed is not None:  # FSDP: at most one unit per segment (docs/distributed.md)
         solution = split_at_units(memory, solution, budget_bytes, prepared.distributed, prepared.profile,
-                                  time_limit_s=_left_s(deadline),
-                                  resolve=lambda b: _solve(solver, memory, b, baseline.peak_bytes, deadline))
+                                  time_limit_s=left_s(deadline),
+                                  resolve=lambda b: solve_budget(solver, memory, b, baseline.peak_bytes, deadline))
     solution = replace(solution, solve_time_s=time.perf_counter() - started)  # the whole stage, widening included
     stage("rewrite")
     return plan_from_solution(prepared, solution, budget_bytes, target=target)
@@ -262,132 +233,6 @@ def plan_from_solution(prepared: Prepared, solution: Solution, budget_bytes: int
         install_plan(module, [s.chain_spec() for s in segments], planned=plan.planned_shapes())
     return plan
 
-
-WIDEST_CHUNKS = 256
-"""Finest chunking ``plan_for`` widens to on its own when the prepared chunks admit no plan."""
-
-
-def _solve_widening(prepared: Prepared, solver: str, budget_bytes: int, deadline: float,
-                    save_args: dict) -> tuple[Prepared, Solution]:
-    """The solution at the prepared chunking, else at finer ones (see ``plan_for``), with the
-    ``Prepared`` it belongs to. Every solve gets the time left before ``deadline`` (``time.perf_counter()``)."""
-    try:
-        return prepared, _solve(solver, prepared.memory, budget_bytes, prepared.baseline.peak_bytes, deadline,
-                                _save_options(prepared, solver, save_args))
-    except InfeasibleBudget as exc:
-        first = exc
-    memory = prepared.memory
-    below_fixed = budget_bytes < memory.param_bytes + prepared.profile.grad_bytes  # no plan frees either
-    if first.reason or below_fixed or not prepared.regions.capped:
-        raise first  # the overrides, or proven: no finer chunking can help
-    if prepared.distributed is not None:
-        raise _unproven(first, prepared)  # FSDP units fix the chunking: not widened
-    chunks = prepared.regions.n_chunks
-    while prepared.regions.capped and chunks < WIDEST_CHUNKS:
-        searched = prepared
-        if _left_s(deadline) == 0:
-            raise _unproven(first, searched, out_of_time=True)
-        chunks *= 2
-        prepared = _chunked(prepared, chunks)
-        try:
-            if prepared.regions.capped and relaxed(prepared.memory, budget_bytes, deadline=deadline) is None:
-                continue  # not even the relaxation has a plan at this chunking; perhaps at a finer one
-            return prepared, _solve(solver, prepared.memory, budget_bytes, prepared.baseline.peak_bytes,
-                                    deadline, _save_options(prepared, solver, save_args),
-                                    explain=not prepared.regions.capped)  # else a finer chunking is next
-        except (NoSolution, OutOfTime):  # the DP screen or the solve ran out of time at this chunking
-            raise _unproven(first, searched, out_of_time=True) from None
-        except _NoPlan:
-            pass
-    raise _unproven(first, prepared)
-
-
-def _unproven(exc: InfeasibleBudget, prepared: Prepared, *, out_of_time: bool = False) -> InfeasibleBudget:
-    """``exc`` marked as searched over at most ``prepared.regions.n_chunks`` chunks only; ``out_of_time``:
-    because the time limit ran out before finer chunkings were searched."""
-    reason = "the time limit ran out before finer chunks were searched (raise time_limit_s)" if out_of_time else ""
-    return InfeasibleBudget(exc.budget_bytes, exc.min_peak_bytes, exc.breakdown, exc.reason or reason,
-                            max_chunks=prepared.regions.n_chunks)
-
-
-class _NoPlan(Exception):
-    """No plan fits at this chunking, left unexplained (a finer chunking is tried next)."""
-
-
-def _save_options(prepared: Prepared, solver: str, save_args: dict) -> SaveOptions:
-    """The save candidates and overrides at the prepared chunking."""
-    from planner.rewrite.candidates import save_options
-
-    savable = (alone_in_module(prepared.profile, prepared.memory.regions.end)
-               if prepared.captured.method.runs_modules else None)  # hooks keep whole module calls of one op
-    options = save_options(prepared.captured.graph_module, prepared.profile, prepared.memory, savable=savable,
-                           **save_args)
-    if (options.must_save or options.must_recompute) and not capabilities(solver).saves:
-        raise OptionError(f"must_save/must_recompute need the cpsat solver, not {solver!r}")
-    return options
-
-
-def _left_s(deadline: float) -> float:
-    """Seconds left before ``deadline`` (a ``time.perf_counter()`` value), never below 0."""
-    return max(0.0, deadline - time.perf_counter())
-
-
-def _solve(solver: str, memory: MemoryModel, budget_bytes: int, baseline_peak: int,
-           deadline: float, options: SaveOptions | None = None, *, explain: bool = True) -> Solution:
-    """The plan for a budget: empty when it already fits, else the strategy's, checked against the budget.
-
-    The strategy gets the time left before ``deadline`` (``time.perf_counter()``); ``OutOfTime`` when it
-    found no plan in it. No plan that fits: ``InfeasibleBudget`` with the smallest peak (the chunk DP's,
-    which runs to the end: about 1 s at 64 chunks on 2700 nodes), or ``_NoPlan`` without ``explain``."""
-    overrides = options is not None and bool(options.must_save or options.must_recompute)
-    if budget_bytes >= baseline_peak and not (overrides and options.must_recompute):
-        return Solution(plan=(), status=SolverStatus.OPTIMAL, recompute_us=0, bound_us=0, solve_time_s=0.0)
-    try:
-        if options is not None and not options.trivial:
-            solution = get_solver(solver)(memory, budget_bytes, time_limit_s=_left_s(deadline), options=options)
-        else:
-            solution = get_solver(solver)(memory, budget_bytes, time_limit_s=_left_s(deadline))
-    except NoSolution as exc:
-        if exc.interrupted:  # Ctrl-C before any plan was found: nothing to return
-            raise KeyboardInterrupt from exc
-        if not exc.infeasible:
-            raise OutOfTime(str(exc)) from exc
-        solution = None
-    if solution is not None and simulate(memory, solution.plan, solution.saves).peak_bytes <= budget_bytes:
-        return solution
-    if not explain:
-        raise _NoPlan()
-    if overrides:
-        _infeasible_overrides(memory, budget_bytes, options, deadline)
-    best = simulate(memory, *min_peak_saves(memory, time_limit_s=_left_s(deadline)))
-    if best.peak_bytes <= budget_bytes:  # a fixed or conservative strategy missed what cpsat can do
-        peak = "no plan" if solution is None else f"a plan peaking at {simulate(memory, solution.plan).peak_bytes} B"
-        raise PlannerError(f"solver {solver!r} finds {peak} for a budget of {budget_bytes} B, which plans down to "
-                           f"{best.peak_bytes} B fit; use the cpsat solver (solver='cpsat', ckplan --solver cpsat)")
-    largest = tuple((name, nbytes) for name, nbytes, _ in best.largest_kept)
-    raise InfeasibleBudget(budget_bytes, best.peak_bytes, replace(best.breakdown, largest_kept=largest))
-
-
-def _infeasible_overrides(memory: MemoryModel, budget_bytes: int, options: SaveOptions, deadline: float):
-    """Raises InfeasibleBudget saying the user's overrides are what makes the budget infeasible."""
-    overrides = SaveOptions(must_save=options.must_save, must_recompute=options.must_recompute)
-    try:
-        best = simulate(memory, *min_peak_saves(memory, time_limit_s=_left_s(deadline), options=overrides))
-    except NoSolution as exc:
-        if exc.interrupted:
-            raise KeyboardInterrupt from exc
-        if not exc.infeasible:  # out of time: nothing is known about the overrides
-            raise PlannerError(f"no plan under must_save/must_recompute fits {format_bytes(budget_bytes)}, and the "
-                               "smallest peak they allow was not found within the time limit; raise "
-                               "time_limit_s to learn it") from exc
-        # no plan satisfies them at all: there is no smallest peak to report
-        raise InfeasibleBudget(budget_bytes, None, None, "must_save/must_recompute contradict each other (a node "
-                               "must be re-run in a chunk where another must not be)") from None
-    free = simulate(memory, *min_peak_saves(memory, time_limit_s=_left_s(deadline))).peak_bytes
-    if free <= budget_bytes:
-        raise InfeasibleBudget(budget_bytes, best.peak_bytes, best.breakdown,
-                               f"must_save/must_recompute make the budget infeasible (without them plans reach "
-                               f"{format_bytes(free)})")
 
 
 def _segments(prof: Profile, regions: Regions, memory: MemoryModel, plan: ChunkPlan,

@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch import nn
 
-import planner.pipeline as pipeline
+import planner.solving as solving
 from planner import InfeasibleBudget, optimize
 from planner.report.render import infeasible_json
 
@@ -42,7 +42,7 @@ def test_a_budget_only_finer_chunks_meet_is_planned(peaks):
 
 def test_not_found_within_the_widest_search_is_not_called_proven(peaks, monkeypatch):
     model, inputs, budget = peaks
-    monkeypatch.setattr(pipeline, "WIDEST_CHUNKS", 4)
+    monkeypatch.setattr(solving, "WIDEST_CHUNKS", 4)
     with pytest.raises(InfeasibleBudget) as info:
         optimize(model, budget, inputs=inputs, max_chunks=2, selective=False)
     exc = info.value

@@ -1,0 +1,151 @@
+"""The solve stage of ``plan_for``: a prepared model's plan for a byte budget, at its chunking or finer ones.
+
+The strategy (``planner.solve``) plans over the prepared chunks. When none of their plans fits and the
+graph has more cut positions, finer chunkings are tried (``solve_prepared``); InfeasibleBudget says
+whether infeasibility is proven over every cut position.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+
+from planner.budget import format_bytes
+from planner.errors import InfeasibleBudget, OptionError, OutOfTime, PlannerError
+from planner.memory.chains import alone_in_module
+from planner.memory.model import MemoryModel
+from planner.memory.saves import SaveOptions
+from planner.memory.simulate import simulate
+from planner.prepared import Prepared, chunked
+from planner.solve.peaks import min_peak_saves
+from planner.solve.registry import capabilities, get_solver
+from planner.solve.result import NoSolution, Solution, SolverStatus
+from planner.solve.rotor import relaxed
+
+
+WIDEST_CHUNKS = 256
+"""Finest chunking ``plan_for`` widens to on its own when the prepared chunks admit no plan."""
+
+
+def solve_prepared(prepared: Prepared, solver: str, budget_bytes: int, deadline: float,
+                    save_args: dict) -> tuple[Prepared, Solution]:
+    """The solution at the prepared chunking, else at finer ones (see ``plan_for``), with the
+    ``Prepared`` it belongs to. Every solve gets the time left before ``deadline`` (``time.perf_counter()``)."""
+    try:
+        return prepared, solve_budget(solver, prepared.memory, budget_bytes, prepared.baseline.peak_bytes, deadline,
+                                _save_options(prepared, solver, save_args))
+    except InfeasibleBudget as exc:
+        first = exc
+    memory = prepared.memory
+    below_fixed = budget_bytes < memory.param_bytes + prepared.profile.grad_bytes  # no plan frees either
+    if first.reason or below_fixed or not prepared.regions.capped:
+        raise first  # the overrides, or proven: no finer chunking can help
+    if prepared.distributed is not None:
+        raise _unproven(first, prepared)  # FSDP units fix the chunking: not widened
+    chunks = prepared.regions.n_chunks
+    while prepared.regions.capped and chunks < WIDEST_CHUNKS:
+        searched = prepared
+        if left_s(deadline) == 0:
+            raise _unproven(first, searched, out_of_time=True)
+        chunks *= 2
+        prepared = chunked(prepared, chunks)
+        try:
+            if prepared.regions.capped and relaxed(prepared.memory, budget_bytes, deadline=deadline) is None:
+                continue  # not even the relaxation has a plan at this chunking; perhaps at a finer one
+            return prepared, solve_budget(solver, prepared.memory, budget_bytes, prepared.baseline.peak_bytes,
+                                    deadline, _save_options(prepared, solver, save_args),
+                                    explain=not prepared.regions.capped)  # else a finer chunking is next
+        except (NoSolution, OutOfTime):  # the DP screen or the solve ran out of time at this chunking
+            raise _unproven(first, searched, out_of_time=True) from None
+        except _NoPlan:
+            pass
+    raise _unproven(first, prepared)
+
+
+def _unproven(exc: InfeasibleBudget, prepared: Prepared, *, out_of_time: bool = False) -> InfeasibleBudget:
+    """``exc`` marked as searched over at most ``prepared.regions.n_chunks`` chunks only; ``out_of_time``:
+    because the time limit ran out before finer chunkings were searched."""
+    reason = "the time limit ran out before finer chunks were searched (raise time_limit_s)" if out_of_time else ""
+    return InfeasibleBudget(exc.budget_bytes, exc.min_peak_bytes, exc.breakdown, exc.reason or reason,
+                            max_chunks=prepared.regions.n_chunks)
+
+
+class _NoPlan(Exception):
+    """No plan fits at this chunking, left unexplained (a finer chunking is tried next)."""
+
+
+def _save_options(prepared: Prepared, solver: str, save_args: dict) -> SaveOptions:
+    """The save candidates and overrides at the prepared chunking."""
+    from planner.rewrite.candidates import save_options
+
+    savable = (alone_in_module(prepared.profile, prepared.memory.regions.end)
+               if prepared.captured.method.runs_modules else None)  # hooks keep whole module calls of one op
+    options = save_options(prepared.captured.graph_module, prepared.profile, prepared.memory, savable=savable,
+                           **save_args)
+    if (options.must_save or options.must_recompute) and not capabilities(solver).saves:
+        raise OptionError(f"must_save/must_recompute need the cpsat solver, not {solver!r}")
+    return options
+
+
+def left_s(deadline: float) -> float:
+    """Seconds left before ``deadline`` (a ``time.perf_counter()`` value), never below 0."""
+    return max(0.0, deadline - time.perf_counter())
+
+
+def solve_budget(solver: str, memory: MemoryModel, budget_bytes: int, baseline_peak: int,
+           deadline: float, options: SaveOptions | None = None, *, explain: bool = True) -> Solution:
+    """The plan for a budget: empty when it already fits, else the strategy's, checked against the budget.
+
+    The strategy gets the time left before ``deadline`` (``time.perf_counter()``); ``OutOfTime`` when it
+    found no plan in it. No plan that fits: ``InfeasibleBudget`` with the smallest peak (the chunk DP's,
+    which runs to the end: about 1 s at 64 chunks on 2700 nodes), or ``_NoPlan`` without ``explain``."""
+    overrides = options is not None and bool(options.must_save or options.must_recompute)
+    if budget_bytes >= baseline_peak and not (overrides and options.must_recompute):
+        return Solution(plan=(), status=SolverStatus.OPTIMAL, recompute_us=0, bound_us=0, solve_time_s=0.0)
+    try:
+        if options is not None and not options.trivial:
+            solution = get_solver(solver)(memory, budget_bytes, time_limit_s=left_s(deadline), options=options)
+        else:
+            solution = get_solver(solver)(memory, budget_bytes, time_limit_s=left_s(deadline))
+    except NoSolution as exc:
+        if exc.interrupted:  # Ctrl-C before any plan was found: nothing to return
+            raise KeyboardInterrupt from exc
+        if not exc.infeasible:
+            raise OutOfTime(str(exc)) from exc
+        solution = None
+    if solution is not None and simulate(memory, solution.plan, solution.saves).peak_bytes <= budget_bytes:
+        return solution
+    if not explain:
+        raise _NoPlan()
+    if overrides:
+        _infeasible_overrides(memory, budget_bytes, options, deadline)
+    best = simulate(memory, *min_peak_saves(memory, time_limit_s=left_s(deadline)))
+    if best.peak_bytes <= budget_bytes:  # a fixed or conservative strategy missed what cpsat can do
+        peak = "no plan" if solution is None else f"a plan peaking at {simulate(memory, solution.plan).peak_bytes} B"
+        raise PlannerError(f"solver {solver!r} finds {peak} for a budget of {budget_bytes} B, which plans down to "
+                           f"{best.peak_bytes} B fit; use the cpsat solver (solver='cpsat', ckplan --solver cpsat)")
+    largest = tuple((name, nbytes) for name, nbytes, _ in best.largest_kept)
+    raise InfeasibleBudget(budget_bytes, best.peak_bytes, replace(best.breakdown, largest_kept=largest))
+
+
+def _infeasible_overrides(memory: MemoryModel, budget_bytes: int, options: SaveOptions, deadline: float):
+    """Raises InfeasibleBudget saying the user's overrides are what makes the budget infeasible."""
+    overrides = SaveOptions(must_save=options.must_save, must_recompute=options.must_recompute)
+    try:
+        best = simulate(memory, *min_peak_saves(memory, time_limit_s=left_s(deadline), options=overrides))
+    except NoSolution as exc:
+        if exc.interrupted:
+            raise KeyboardInterrupt from exc
+        if not exc.infeasible:  # out of time: nothing is known about the overrides
+            raise PlannerError(f"no plan under must_save/must_recompute fits {format_bytes(budget_bytes)}, and the "
+                               "smallest peak they allow was not found within the time limit; raise "
+                               "time_limit_s to learn it") from exc
+        # no plan satisfies them at all: there is no smallest peak to report
+        raise InfeasibleBudget(budget_bytes, None, None, "must_save/must_recompute contradict each other (a node "
+                               "must be re-run in a chunk where another must not be)") from None
+    free = simulate(memory, *min_peak_saves(memory, time_limit_s=left_s(deadline))).peak_bytes
+    if free <= budget_bytes:
+        raise InfeasibleBudget(budget_bytes, best.peak_bytes, best.breakdown,
+                               f"must_save/must_recompute make the budget infeasible (without them plans reach "
+                               f"{format_bytes(free)})")
+
