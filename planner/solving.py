@@ -1,8 +1,9 @@
 """The solve stage of ``plan_for``: a prepared model's plan for a byte budget, at its chunking or finer ones.
 
 The strategy (``planner.solve``) plans over the prepared chunks. When none of their plans fits and the
-graph has more cut positions, finer chunkings are tried (``solve_prepared``); InfeasibleBudget says
-whether infeasibility is proven over every cut position.
+graph has more cut positions, finer chunkings are tried (``widen``); InfeasibleBudget says whether
+infeasibility is proven over every cut position. When a plan fits, finer chunkings are solved while
+the time limit allows and their relaxation says they can re-run less (``refine``).
 """
 
 from __future__ import annotations
@@ -24,13 +25,59 @@ from planner.solve.rotor import relaxed
 
 
 WIDEST_CHUNKS = 256
-"""Finest chunking ``plan_for`` widens to on its own when the prepared chunks admit no plan."""
+"""Finest chunking ``plan_for`` goes to on its own (``widen``, ``refine``)."""
+
+
+REFINE_GAIN = 0.02
+"""Least share of a plan's recompute that the chunking twice as fine must be able to spare (by its
+relaxation's bound) before ``refine`` solves it."""
+REFINE_TIME = 4.0
+"""``refine`` solves the chunking twice as fine only when the time left is this many times the last
+solve's (the DPs grow with the square of the chunks)."""
 
 
 def solve_prepared(prepared: Prepared, solver: str, budget_bytes: int, deadline: float,
-                    save_args: dict) -> tuple[Prepared, Solution]:
+                   save_args: dict) -> tuple[Prepared, Solution]:
+    """The plan for ``budget_bytes`` with the ``Prepared`` it belongs to: at the prepared chunking, at finer
+    ones when none fits there (``widen``), then at finer ones while they pay (``refine``). Every solve gets
+    the time left before ``deadline`` (``time.perf_counter()``)."""
+    prepared, solution = widen(prepared, solver, budget_bytes, deadline, save_args)
+    return refine(prepared, solver, budget_bytes, deadline, save_args, solution)
+
+
+def refine(prepared: Prepared, solver: str, budget_bytes: int, deadline: float, save_args: dict,
+           solution: Solution) -> tuple[Prepared, Solution]:
+    """Finer chunkings while they pay. When the prepared chunks leave cut positions out
+    (``Regions.capped``), a plan over finer ones may re-run less. The chunking twice as fine is solved
+    when its relaxation's bound (whole segments) is at least ``REFINE_GAIN`` below the plan's recompute
+    and the time left covers ``REFINE_TIME`` times the last solve;
+    its plan replaces the coarser one when it re-runs less. Running out of time keeps the coarser plan.
+    Not for the fixed placements, nor under FSDP, whose units fix the chunking."""
+    spent = solution.solve_time_s
+    while (solution.plan and capabilities(solver).reads_budget and prepared.distributed is None
+           and prepared.regions.capped and prepared.regions.n_chunks < WIDEST_CHUNKS
+           and REFINE_TIME * spent <= left_s(deadline)):
+        began = time.perf_counter()
+        finer = chunked(prepared, 2 * prepared.regions.n_chunks)
+        try:
+            lower = relaxed(finer.memory, budget_bytes, deadline=deadline)
+            if lower is None or lower[1] > solution.recompute_us * (1 - REFINE_GAIN):
+                break  # the finer chunks cannot spare enough (or the relaxation, selective plans' match)
+            better = solve_budget(solver, finer.memory, budget_bytes, finer.baseline.peak_bytes, deadline,
+                                  _save_options(finer, solver, save_args), explain=False)
+        except (NoSolution, OutOfTime, _NoPlan):  # out of time, or no plan found in it
+            break
+        spent = time.perf_counter() - began
+        if better.recompute_us >= solution.recompute_us:
+            break
+        prepared, solution = finer, better
+    return prepared, solution
+
+
+def widen(prepared: Prepared, solver: str, budget_bytes: int, deadline: float,
+          save_args: dict) -> tuple[Prepared, Solution]:
     """The solution at the prepared chunking, else at finer ones (see ``plan_for``), with the
-    ``Prepared`` it belongs to. Every solve gets the time left before ``deadline`` (``time.perf_counter()``)."""
+    ``Prepared`` it belongs to."""
     try:
         return prepared, solve_budget(solver, prepared.memory, budget_bytes, prepared.baseline.peak_bytes, deadline,
                                 _save_options(prepared, solver, save_args))

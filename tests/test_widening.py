@@ -1,12 +1,18 @@
 """No plan within the prepared chunks is not "infeasible": the planner makes the chunks finer itself,
-and says whether infeasibility is proven over every cut position or only over those it searched."""
+and says whether infeasibility is proven over every cut position or only over those it searched. And
+when finer chunks re-run less, it solves them while the time limit allows (refinement)."""
+
+import time
 
 import pytest
 import torch
 from torch import nn
 
 import planner.solving as solving
+from conftest import assert_plan_is_exact
 from planner import InfeasibleBudget, optimize
+from planner.pipeline import plan_for, plan_from_solution, prepare
+from planner.step import default_loss
 from planner.report.render import infeasible_json
 
 pytestmark = pytest.mark.slow  # several profiles and solves: ~30 s
@@ -49,3 +55,38 @@ def test_not_found_within_the_widest_search_is_not_called_proven(peaks, monkeypa
     assert not exc.proven and exc.max_chunks == 4 and "not proven" in str(exc) and "max_chunks=8" in str(exc)
     data = infeasible_json(exc)
     assert data["proven"] is False and data["max_chunks"] == 4
+
+
+def _coarse(prepared, budget):
+    """The plan at the prepared chunks alone (widened only if none fits there), as before refinement."""
+    return solving.widen(prepared, "cpsat", budget, time.perf_counter() + 30,
+                         dict(must_save=(), must_recompute=(), selective=False))
+
+
+@pytest.mark.parametrize("share", [0.25, 0.5, 0.75])
+def test_finer_chunks_are_solved_when_they_re_run_less(peaks, share, restore_buffers):
+    """Refinement (``solving.refine``): 4 chunks hold coarse plans; plan_for solves finer chunkings
+    and returns a plan that re-runs less, within the budget, with exact gradients."""
+    model, inputs, _ = peaks
+    prepared = prepare(model, inputs=inputs, max_chunks=4)
+    lowest = _smallest(model, inputs, 4).min_peak_bytes
+    budget = int(lowest + share * (prepared.baseline.peak_bytes - lowest))
+    _, coarse = _coarse(prepared, budget)
+    plan = plan_for(prepared, budget, selective=False)
+    assert coarse.plan and round(plan.recompute_ms * 1000) < coarse.recompute_us
+    assert plan.solver_status == "OPTIMAL"
+    assert_plan_is_exact(model, plan, inputs, default_loss, restore_buffers)
+
+
+def test_no_refinement_without_the_time_for_it(peaks, monkeypatch):
+    """The time left must cover REFINE_TIME times the last solve, else the coarse plan stands."""
+    model, inputs, _ = peaks
+    prepared = prepare(model, inputs=inputs, max_chunks=4)
+    lowest = _smallest(model, inputs, 4).min_peak_bytes
+    budget = (lowest + prepared.baseline.peak_bytes) // 2
+    _, coarse = _coarse(prepared, budget)
+    monkeypatch.setattr(solving, "REFINE_TIME", 1e9)
+    plan = plan_for(prepared, budget, selective=False)
+    assert [s.nodes for s in plan.segments] == [s.nodes for s in plan_from_solution(prepared, coarse, budget).segments]
+    monkeypatch.setattr(solving, "REFINE_TIME", 4.0)
+    assert round(plan_for(prepared, budget, selective=False).recompute_ms * 1000) < coarse.recompute_us
