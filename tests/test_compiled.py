@@ -119,3 +119,20 @@ def test_a_hugging_face_lm_compiles_to_a_byte_budget_without_its_cache_in_traini
     torch.testing.assert_close(out.loss, model(**batch, use_cache=False).loss, rtol=1e-5, atol=1e-6)
     with torch.no_grad():  # not a training call: the cache stays, as for generate()
         assert plan.module(input_ids=ids[:1, :8]).past_key_values is not None
+
+
+def test_close_partitions_are_timed_again_and_ties_go_to_the_smaller_peak():
+    """Steps a few percent apart are noise on a shared machine: the finalists are those within CLOSE of
+    the fastest; after re-timing, one within TIE of the fastest but with a smaller peak wins."""
+    from planner.compiled.api import CLOSE, TIE, choose, finalists
+    from planner.compiled.search import Probe
+
+    def probes(*rows):
+        return {i: Probe(source=Source.KNAPSACK, fraction=1 - i / 10, peak_bytes=peak, compile_s=1.0, step_ms=ms)
+                for i, (peak, ms) in enumerate(rows)}
+
+    times = probes((900, 100.0), (500, 100.0 * (1 + CLOSE / 2)), (400, 100.0 * (1 + 2 * CLOSE)))
+    assert finalists([0, 1, 2], times) == [0, 1]
+    assert choose([0, 1], probes((900, 100.0), (500, 100.0 * (1 + TIE / 2)))) == 1  # a tie: less memory
+    assert choose([0, 1], probes((900, 100.0), (500, 100.0 * (1 + 2 * TIE)))) == 0  # faster by more than noise
+    assert choose([0, 1], probes((500, 100.5), (500, 100.0))) == 1  # equal peaks: the faster

@@ -80,7 +80,9 @@ def optimize_compiled(model: nn.Module, budget: int | str, *, inputs: tuple | Ma
     torch.compile's ``activation_memory_budget`` bounds saved bytes as a fraction, not the peak, and
     the peak it gives is not monotonic in the fraction. This compiles the model at each of
     ``fractions`` (1.0 always first), measures each step's peak, times the ones that fit against each
-    other (interleaved, median of ``runs``) and returns the fastest. Each probe is a compilation, so
+    other (interleaved, median of ``runs``) and returns the fastest. Those within ``CLOSE`` (3%) of the
+    fastest are timed again with ``RETIME`` (3) times the steps; within ``TIE`` (1%) of each other the
+    smaller peak wins. Each probe is a compilation, so
     this takes a compile per fraction (about 20 s each for a small transformer on a CPU).
 
     The knapsack re-runs op by op and fuses what it re-runs, but its low fractions re-run so much at
@@ -123,11 +125,36 @@ def optimize_compiled(model: nn.Module, budget: int | str, *, inputs: tuple | Ma
                                f"{', '.join(f'{f:g}' for f in order)}{' and ckplan plans' if eager_plan else ''}")
     if progress is not None:
         progress(f"time {len(fitting)} fitting partitions")
-    chosen_and_base = sorted({0, *fitting})
-    times = dict(zip(chosen_and_base, timed([probed[i] for i in chosen_and_base], example, loss_fn, runs=runs)))
-    best = min(fitting, key=lambda i: times[i].step_ms)
+    timing = sorted({0, *fitting})
+    times = dict(zip(timing, timed([probed[i] for i in timing], example, loss_fn, runs=runs)))
+    close = finalists(fitting, times)
+    if len(close) > 1:  # a few steps cannot rank them: more steps, the 1.0 baseline timed beside them
+        timing = sorted({0, *close})
+        times |= dict(zip(timing, timed([probed[i] for i in timing], example, loss_fn, runs=RETIME * runs)))
+    best = choose(close, times)
     return CompiledPlan(module=probed[best][0], plan=plans.get(best), budget_bytes=budget_bytes,
                         probes=tuple(times.get(i, p) for i, (_, p) in enumerate(probed)), chosen=best)
+
+
+CLOSE = 0.03
+"""Fitting probes within this share of the fastest median are timed again, ``RETIME`` times as long."""
+RETIME = 3
+TIE = 0.01
+"""After re-timing, probes within this share of the fastest are a tie: the smaller peak wins."""
+
+
+def finalists(fitting: Sequence[int], times: Mapping[int, Probe]) -> list[int]:
+    """The fitting probes whose median step is within ``CLOSE`` of the fastest."""
+    fastest = min(times[i].step_ms for i in fitting)
+    return [i for i in fitting if times[i].step_ms <= fastest * (1 + CLOSE)]
+
+
+def choose(candidates: Sequence[int], times: Mapping[int, Probe]) -> int:
+    """The fastest candidate; among those within ``TIE`` of it, the one with the smallest peak (then the
+    fastest): a partition no faster by more than noise should not cost memory headroom."""
+    fastest = min(times[i].step_ms for i in candidates)
+    tied = [i for i in candidates if times[i].step_ms <= fastest * (1 + TIE)]
+    return min(tied, key=lambda i: (times[i].peak_bytes, times[i].step_ms))
 
 
 def _plan_probe(model: nn.Module, budget_bytes: int, inputs, example, loss_fn, *, keep_output: bool,
