@@ -67,6 +67,9 @@ class MemoryModel:
     recompute_at: np.ndarray
     """Per chunk: last node that packs tensors for backward, parameters included (where a segment
     ending here is recomputed, just before that node's backward, and where its re-run stops); -1 if none."""
+    last_rerun: np.ndarray
+    """Per chunk k: the last chunk up to k with a ``recompute_at`` (-1 if none), so that a segment ending
+    at k is re-run at that chunk's node (``simulate.rerun_chunk``)."""
     const_recompute: np.ndarray
     """Per chunk: plan-independent bytes when a segment is recomputed at ``recompute_at``."""
     fwd_rise: np.ndarray
@@ -220,6 +223,8 @@ def build_model(profile: Profile, regions: Regions, *, offset=None, sac_op_us: f
         const_fwd=fwd_peak - kept_fwd, const_bwd=np.where(has_bwd, bwd_peak - kept_bwd + own_bytes, 0),
         has_bwd=has_bwd,
         recompute_at=recompute_at, const_recompute=const_recompute, fwd_rise=rise,
+        last_rerun=np.maximum.accumulate(np.where(recompute_at >= 0, np.arange(regions.n_chunks), -1))
+        if regions.n_chunks else np.zeros(0, dtype=np.int64),
         restore_bytes=np.array([nd.mutated_buffer_bytes for nd in nodes], dtype=np.int64),
         chunk_cost_us=chunk_cost, skip_us=skip, segment_cost_us=round(profile.checkpoint_overhead_ms * 1000), node_cost_us=fwd_us,
         sac_chunk_us=np.array([round(sac_op_us * sum(ops[slice(*regions.bounds(k))])) for k in range(regions.n_chunks)],

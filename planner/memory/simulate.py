@@ -182,7 +182,8 @@ def freed_bytes(model: MemoryModel, plan: ChunkPlan) -> list[int]:
 
 def rerun_chunk(model: MemoryModel, first: int, stop: int) -> int | None:
     """Chunk whose backward triggers the re-run of segment ``[first, stop)``: its last saving chunk."""
-    return max((k for k in range(first, stop) if model.recompute_at[k] >= 0), default=None)
+    last = int(model.last_rerun[stop - 1]) if stop > first else -1
+    return last if last >= first else None
 
 
 def rerun_bytes(model: MemoryModel, first: int, last: int, stop: int, saves: Saves = frozenset()) -> int:

@@ -229,6 +229,7 @@ class _ChainDP:
         self.untracked = {int(s) for s in model.varying()} - set(tracked)
         self._table: SaveTable | None = None
         self._rerun_parts: dict[tuple[int, int], tuple] = {}
+        self._floors: dict[int, np.ndarray] = {}
 
     def variants(self, a: int, b: int) -> list[Variant]:
         """Save variants of segment ``[a, b)`` (just "no saves" without candidates)."""
@@ -342,16 +343,22 @@ class _ChainDP:
         end = Step.upto(self.budget - self._tail(closing=not self.optimistic), 0)
         self.value: list[dict[int, Step]] = [{} for _ in range(K)] + [
             {mask: end for mask in range(1 << len(self.opened[K]))}]
+        self.least = [INF] * K + [int(end.value[0])]  # per chunk: its smallest value over flags and M
         for a in range(K - 1, -1, -1):
             self._check_time()
             for mask in range(1 << len(self.opened[a])):
                 best = Step.upto(-1, 0)
-                for cost, worst, added, b, out, _ in self._moves(a, mask):
+
+                def promising(b: int, cost: int, floor: int) -> bool:  # can segment [a, b) beat best anywhere?
+                    return cost + self.least[b] < best.at(self.budget - floor)
+
+                for cost, worst, added, b, out, _ in self._moves(a, mask, promising):
                     cap, after = self.budget - worst, self.value[b][out]
                     if cap < 0 or cost + after.value[0] >= best.at(cap):
                         continue  # nowhere better than the best move so far (values grow with M)
                     best = best.minimum(after.shifted(added, cap=cap, plus=cost))
                 self.value[a][mask] = best
+            self.least[a] = min(int(v.value[0]) for v in self.value[a].values())
         if self.value[0][0].at(0) >= INF:
             return None
         return self._walk()
@@ -363,13 +370,20 @@ class _ChainDP:
             raise NoSolution(False, f"the time limit ran out in the chunk DP ({self.m.n_chunks} chunks); "
                                     "raise time_limit_s")
 
-    def _moves(self, a: int, mask: int):
+    def _moves(self, a: int, mask: int, promising=None):
         """Every piece starting at chunk a allowed by the flags ``mask``: (cost, worst bytes, bytes
-        closed into M, end chunk, flags at the end, checkpointed)."""
+        closed into M, end chunk, flags at the end, checkpointed). ``promising(b, least cost, least
+        bytes)``: False skips segment ``[a, b)`` before its bytes are computed."""
         m = self.m
+        floor, lo = self._floor(a), self.edges[a]
         pieces = [(a + 1, False)] + [(b, True) for b in range(a + 1, m.n_chunks + 1) if m.regions.allows(a, b)]
         for b, ckpt in pieces:
+            least_bytes = int(floor[self.edges[b] - 1 - lo])
+            if ckpt and least_bytes > self.budget:
+                break  # this segment and every longer one from a are over the budget
             cost = segment_recompute_us(m, a, b) if ckpt else 0
+            if ckpt and promising is not None and not promising(b, cost - self._spared(a, b), least_bytes):
+                continue
             kinds = list(enumerate(self.variants(a, b))) if ckpt and self.candidates else [(0, None)]
             plain = self.piece(a, b, ckpt, mask)
             for v, variant in kinds:
@@ -377,6 +391,20 @@ class _ChainDP:
                     break  # saves never lower a piece's bytes
                 worst, added, out = self.piece(a, b, ckpt, mask, v)
                 yield cost - (variant.spared_us if variant else 0), worst, added, b, out, (ckpt, v)
+
+    def _spared(self, a: int, b: int) -> int:
+        """The most recompute a save variant of segment ``[a, b)`` spares (0 without candidates)."""
+        return max((v.spared_us for v in self.variants(a, b)), default=0) if self.candidates else 0
+
+    def _floor(self, a: int) -> np.ndarray:
+        """Segments from chunk ``a``: at node ``lo + i``, a lower bound on the worst bytes of every segment
+        ``[a, b)`` ending after that node, under any flags and save variant (``_piece``'s constants; what
+        a piece holds only adds, and saves never lower its bytes). Non-decreasing in the segment's end."""
+        if a not in self._floors:
+            lo, end = self.edges[a], self.edges[-1]
+            bwd = np.where(self.m.has_bwd[lo:end], self.const_bwd[lo:end] + self.recompute_from[a, lo:end], -INF)
+            self._floors[a] = np.maximum(np.maximum.accumulate(self.const_fwd[lo:end]), np.maximum.accumulate(bwd))
+        return self._floors[a]
 
     def fits(self, budget: int) -> ChunkPlan | None:
         """Some plan whose peak is at most ``budget`` (<= the DP's own budget), or None."""
