@@ -358,7 +358,7 @@ def search(model: MemoryModel, budget_bytes: int, *, hint: ChunkPlan | None = No
     optimal = status == cp_model.OPTIMAL
     return Solution(plan=plan, status=SolverStatus.OPTIMAL if optimal else SolverStatus.FEASIBLE,
                     recompute_us=timeline.recompute_us, bound_us=int(solver.best_objective_bound),
-                    solve_time_s=time.perf_counter() - began, saves=saves)
+                    solve_time_s=time.perf_counter() - began, saves=saves, interrupted=interrupted)
 
 
 def _solver(time_limit_s: float, workers: int | None) -> cp_model.CpSolver:

@@ -43,24 +43,36 @@ def solve(model: MemoryModel, budget_bytes: int, *, time_limit_s: float = 30.0, 
         return _solve_with_options(model, budget_bytes, time_limit_s=time_limit_s, workers=workers,
                                    dump_path=dump_path, options=options)
     began = time.perf_counter()
-    best, bound = _best_whole_segment(model, budget_bytes, began + time_limit_s)
+    found = _whole_segments(model, budget_bytes, began + time_limit_s, search_s=time_limit_s, workers=workers,
+                            dump_path=dump_path)
+    return replace(found, solve_time_s=time.perf_counter() - began)
+
+
+def _whole_segments(model: MemoryModel, budget_bytes: int, deadline: float, *, search_s: float,
+                    workers: int | None = None, dump_path: str | None = None) -> Solution:
+    """The least-recompute whole-segment plan: the DPs', proven OPTIMAL when they meet, else CP-SAT's from
+    it for at most ``search_s`` (within ``deadline``). Ctrl-C returns the DPs' plan (``interrupted``).
+
+    Raises:
+        NoSolution: infeasible (proven), or no plan found in time."""
+    best, bound = _best_whole_segment(model, budget_bytes, deadline)
     if bound is None:
         raise NoSolution(True, "no plan fits the budget (not even a relaxation of the cost model)")
     if best is not None and best.status == SolverStatus.OPTIMAL:
-        return replace(best, solve_time_s=time.perf_counter() - began)
-    left = max(0.0, time_limit_s - (time.perf_counter() - began))  # the DPs' time counts against the limit
+        return best
+    left = min(search_s, max(0.0, deadline - time.perf_counter()))  # the DPs' time counts against the limit
     try:
         found = search(model, budget_bytes, hint=best.plan if best else None, time_limit_s=left, workers=workers,
                        dump_path=dump_path)
     except KeyboardInterrupt:  # Ctrl-C before CP-SAT's search began (while its model was built)
         if best is None:
             raise
-        found = replace(best, status=SolverStatus.FEASIBLE)
+        found = replace(best, status=SolverStatus.FEASIBLE, interrupted=True)
     except NoSolution as exc:
         if exc.infeasible or best is None:
             raise
-        found = replace(best, status=SolverStatus.FEASIBLE)
-    return replace(found, bound_us=best_bound(bound, found.bound_us), solve_time_s=time.perf_counter() - began)
+        found = replace(best, status=SolverStatus.FEASIBLE, interrupted=exc.interrupted)
+    return replace(found, bound_us=best_bound(bound, found.bound_us))
 
 
 def _best_whole_segment(model: MemoryModel, budget_bytes: int,
@@ -83,20 +95,33 @@ def _best_whole_segment(model: MemoryModel, budget_bytes: int,
 
 POLISH_SHARE = 1 / 6
 """Share of ``time_limit_s`` CP-SAT gets to beat the DPs' selective plan (5 s of the default 30 s; at least
-1 s, never past the limit)."""
+1 s, never past the limit), and, before that, to close the whole-segment DPs' gap when they do not
+prove their plan (Python locals, many open storages)."""
 
 
 def _solve_with_options(model: MemoryModel, budget_bytes: int, *, time_limit_s: float, workers: int | None,
                         dump_path: str | None, options: SaveOptions) -> Solution:
-    """Saves or overrides. Without overrides, the DPs give an incumbent first: the best whole-segment
-    plan, and the best plan whose segments keep one of their save variants (``planner.rotor_saves``).
+    """Saves or overrides. Without overrides, an incumbent first: the best whole-segment plan (the DPs',
+    or CP-SAT's from it for ``POLISH_SHARE`` of the limit when they do not prove it), and the best plan
+    whose segments keep one of their save variants (``planner.rotor_saves``).
     CP-SAT then searches only for strictly cheaper plans, for ``POLISH_SHARE`` of the time limit:
     finding none proves the incumbent optimal (over every save set of the candidates), running out of
     time returns it as FEASIBLE with CP-SAT's bound. With overrides, CP-SAT alone for the whole time
     limit, from the whole-segment plan as a hint."""
     began = time.perf_counter()
-    best, _ = _best_whole_segment(model, budget_bytes, began + time_limit_s)
     overrides = bool(options.must_save or options.must_recompute)
+    if overrides:  # a hint only
+        best, _ = _best_whole_segment(model, budget_bytes, began + time_limit_s)
+    else:  # the whole-segment optimum, as solve() finds it, so that saves never re-run more than it
+        try:
+            best = _whole_segments(model, budget_bytes, began + time_limit_s, workers=workers,
+                                   search_s=max(1.0, time_limit_s * POLISH_SHARE))
+        except NoSolution as exc:
+            if exc.infeasible:
+                raise
+            best = None
+        if best is not None and best.interrupted:
+            return replace(best, solve_time_s=time.perf_counter() - began)
     if not overrides and options.candidates:
         try:
             selective = rotor_saves(model, budget_bytes, options, deadline=began + time_limit_s)

@@ -40,6 +40,8 @@ class Solution:
     """Wall time the strategy took, seconds."""
     saves: frozenset = frozenset()
     """Nodes inside segments whose outputs selective checkpointing keeps (``planner.memory.saves``)."""
+    interrupted: bool = False
+    """Ctrl-C stopped the search that returned it: the caller returns it as it is, searching no further."""
 
 
 def best_bound(*bounds_us: int | None) -> int | None:
