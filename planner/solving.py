@@ -2,8 +2,8 @@
 
 The strategy (``planner.solve``) plans over the prepared chunks. When none of their plans fits and the
 graph has more cut positions, finer chunkings are tried (``widen``); InfeasibleBudget says whether
-infeasibility is proven over every cut position. When a plan fits, finer chunkings are solved while
-the time limit allows and their relaxation says they can re-run less (``refine``).
+infeasibility is proven over every cut position. Before that, the chunking is made finer while the
+time limit allows and the whole-segment DPs say finer chunks re-run less (``refine``).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from planner.prepared import Prepared, chunked
 from planner.solve.peaks import min_peak_saves
 from planner.solve.registry import capabilities, get_solver
 from planner.solve.result import NoSolution, Solution, SolverStatus
-from planner.solve.rotor import relaxed
+from planner.solve.rotor import relaxed, rotor
 
 
 WIDEST_CHUNKS = 256
@@ -29,49 +29,58 @@ WIDEST_CHUNKS = 256
 
 
 REFINE_GAIN = 0.02
-"""Least share of a plan's recompute that the chunking twice as fine must be able to spare (by its
-relaxation's bound) before ``refine`` solves it."""
-REFINE_TIME = 4.0
-"""``refine`` solves the chunking twice as fine only when the time left is this many times the last
-solve's (the DPs grow with the square of the chunks)."""
+"""Least share of the whole-segment recompute that the chunking twice as fine must be able to spare (by
+its relaxation's bound) before ``refine`` moves to it."""
+REFINE_TIME = 6.0
+"""``refine`` moves on only while the time left is this many times what the next chunking's two DPs are
+expected to take (four times the last one's: they grow with the square of the chunks). The solve that
+follows runs them again, then the save-variant DP (about twice as long) and CP-SAT for shares of the
+limit (``solve.default.POLISH_SHARE``)."""
 
 
 def solve_prepared(prepared: Prepared, solver: str, budget_bytes: int, deadline: float,
                    save_args: dict) -> tuple[Prepared, Solution]:
-    """The plan for ``budget_bytes`` with the ``Prepared`` it belongs to: at the prepared chunking, at finer
-    ones when none fits there (``widen``), then at finer ones while they pay (``refine``). Every solve gets
-    the time left before ``deadline`` (``time.perf_counter()``)."""
-    prepared, solution = widen(prepared, solver, budget_bytes, deadline, save_args)
-    return refine(prepared, solver, budget_bytes, deadline, save_args, solution)
+    """The plan for ``budget_bytes`` with the ``Prepared`` it belongs to: the chunking chosen by ``refine``,
+    solved there, or at finer chunkings when none fits (``widen``). Every step gets the time left before
+    ``deadline`` (``time.perf_counter()``)."""
+    if capabilities(solver).reads_budget:
+        prepared = refine(prepared, budget_bytes, deadline)
+    return widen(prepared, solver, budget_bytes, deadline, save_args)
 
 
-def refine(prepared: Prepared, solver: str, budget_bytes: int, deadline: float, save_args: dict,
-           solution: Solution) -> tuple[Prepared, Solution]:
-    """Finer chunkings while they pay. When the prepared chunks leave cut positions out
-    (``Regions.capped``), a plan over finer ones may re-run less. The chunking twice as fine is solved
-    when its relaxation's bound (whole segments) is at least ``REFINE_GAIN`` below the plan's recompute
-    and the time left covers ``REFINE_TIME`` times the last solve;
-    its plan replaces the coarser one when it re-runs less. Running out of time keeps the coarser plan.
-    Not for the fixed placements, nor under FSDP, whose units fix the chunking."""
-    spent = solution.solve_time_s
-    while (solution.plan and capabilities(solver).reads_budget and prepared.distributed is None
-           and prepared.regions.capped and prepared.regions.n_chunks < WIDEST_CHUNKS
-           and REFINE_TIME * spent <= left_s(deadline)):
+def refine(prepared: Prepared, budget_bytes: int, deadline: float) -> Prepared:
+    """The chunking to solve at: finer than the prepared one while that pays. When the chunks leave cut
+    positions out (``Regions.capped``), finer ones may hold plans that re-run less. The whole-segment
+    DPs decide, fast and the same for every strategy that reads the budget, so that a selective plan is
+    never worse than the whole-segment one: the chunking twice as fine is taken when its relaxation's
+    bound is at least ``REFINE_GAIN`` below the best whole-segment plan so far and its own DP (Rotor)
+    finds a cheaper plan, while the time left covers ``REFINE_TIME`` times the next DPs. Running out of
+    time keeps the chunking reached. Not under FSDP, whose units fix the chunking."""
+    if (prepared.distributed is not None or not prepared.regions.capped
+            or budget_bytes >= prepared.baseline.peak_bytes):
+        return prepared
+    began = time.perf_counter()
+    try:
+        cost = rotor(prepared.memory, budget_bytes, time_limit_s=left_s(deadline)).recompute_us
+    except NoSolution:  # no whole-segment plan here: widen's business
+        return prepared
+    spent = 2 * (time.perf_counter() - began)  # the relaxation takes about as long
+    while (prepared.regions.capped and prepared.regions.n_chunks < WIDEST_CHUNKS
+           and REFINE_TIME * 4 * spent <= left_s(deadline)):
         began = time.perf_counter()
         finer = chunked(prepared, 2 * prepared.regions.n_chunks)
         try:
             lower = relaxed(finer.memory, budget_bytes, deadline=deadline)
-            if lower is None or lower[1] > solution.recompute_us * (1 - REFINE_GAIN):
-                break  # the finer chunks cannot spare enough (or the relaxation, selective plans' match)
-            better = solve_budget(solver, finer.memory, budget_bytes, finer.baseline.peak_bytes, deadline,
-                                  _save_options(finer, solver, save_args), explain=False)
-        except (NoSolution, OutOfTime, _NoPlan):  # out of time, or no plan found in it
+            if lower is None or lower[1] > cost * (1 - REFINE_GAIN):
+                break  # the finer chunks cannot spare enough
+            found = rotor(finer.memory, budget_bytes, time_limit_s=left_s(deadline)).recompute_us
+        except NoSolution:  # out of time
             break
         spent = time.perf_counter() - began
-        if better.recompute_us >= solution.recompute_us:
+        if found >= cost:
             break
-        prepared, solution = finer, better
-    return prepared, solution
+        prepared, cost = finer, found
+    return prepared
 
 
 def widen(prepared: Prepared, solver: str, budget_bytes: int, deadline: float,

@@ -143,9 +143,9 @@ def _forced_saves(prepared, budget):
 def test_gpt_selective_plans_are_exact_with_dropout(gpt, restore_buffers):
     """Dropout in every block: gradients equal the un-checkpointed model, peaks as predicted."""
     example, prepared = gpt
-    plan = plan_for(prepared, "30%", selective=True, time_limit_s=10)
+    plan = plan_for(prepared, "30%", selective=True)
     whole = plan_for(prepared, "30%", selective=False)
-    assert plan.recompute_ms <= whole.recompute_ms + 1e-9  # the hint is whole's plan: never worse
+    assert plan.recompute_ms <= whole.recompute_ms + 1e-9  # the same chunking; whole's plan first: never worse
     assert whole.solver_status == "OPTIMAL" and whole.recompute_bound_ms == whole.recompute_ms
     assert 0 <= plan.recompute_bound_ms <= plan.recompute_ms  # the gap the CLI reports
     forced, _ = _forced_saves(prepared, "30%")
