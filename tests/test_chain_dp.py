@@ -1,6 +1,7 @@
 """The chunk DP (planner.rotor) against brute force on DAGs with skip connections: exact optimum,
 exact smallest peak, and a lower bound that never exceeds the optimum."""
 
+import numpy as np
 import pytest
 
 from planner.solve import rotor as chain
@@ -74,7 +75,8 @@ def test_transformer_graph_is_proven_optimal_by_the_dps():
 
 def test_more_chunks_never_cost_more_recompute_and_stay_exact(restore_buffers):
     """``max_chunks`` widens the plan space (the cut ranking is fixed, a higher cap adds positions):
-    the optimum can only get cheaper, and the finer plan is still exact when measured."""
+    the optimum can only get cheaper, and the finer plan is still exact when measured. One profile
+    for both: plan_for refines the coarse chunking itself, so two profiles' timings would be compared."""
     from conftest import assert_plan_is_exact
     from models import tower, tower_inputs
     from planner import plan_for, prepare
@@ -82,7 +84,7 @@ def test_more_chunks_never_cost_more_recompute_and_stay_exact(restore_buffers):
     model, inputs = tower(), tower_inputs()
     loss_fn = lambda out: out.square().mean()  # noqa: E731
     coarse = prepare(model, inputs=inputs, loss_fn=loss_fn, max_chunks=4)
-    fine = prepare(model, inputs=inputs, loss_fn=loss_fn, max_chunks=64)
+    fine = prepare(model, inputs=inputs, loss_fn=loss_fn, max_chunks=64, profile=coarse.profile)
     assert coarse.regions.n_chunks <= 4 < fine.regions.n_chunks
     budget = fine.baseline.peak_bytes * 6 // 10
     few, many = (plan_for(p, budget, selective=False) for p in (coarse, fine))
@@ -102,3 +104,25 @@ def test_cli_rejects_a_bad_chunk_cap_in_one_line():
                          text=True, timeout=120)
     assert bad.returncode == 2 and "--max-chunks must be an integer >= 1" in bad.stderr
     assert "Traceback" not in bad.stderr
+
+
+def test_step_minimum_is_the_pointwise_minimum():
+    """The DP's value functions (non-decreasing steps of the kept bytes): ``minimum`` equals the
+    pointwise minimum everywhere, shared starts and INF tails included, with no redundant breakpoint."""
+    from planner.solve.rotor_step import INF, Step
+
+    rng = np.random.default_rng(0)
+
+    def step(n: int) -> Step:
+        starts = np.concatenate(([0], np.sort(rng.choice(np.arange(1, 12), size=n, replace=False))))
+        values = np.sort(rng.integers(0, 20, len(starts)))
+        if rng.random() < 0.5:
+            values[-1] = INF
+        return Step(starts.astype(np.int64), values.astype(np.int64))
+
+    for _ in range(500):
+        a, b = step(int(rng.integers(0, 6))), step(int(rng.integers(0, 6)))
+        low = a.minimum(b)
+        grid = np.arange(0, 14)
+        assert np.array_equal(low.at(grid), np.minimum(a.at(grid), b.at(grid)))
+        assert low.start[0] == 0 and np.all(np.diff(low.start) > 0) and np.all(np.diff(low.value) != 0)
