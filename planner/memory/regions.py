@@ -3,7 +3,8 @@
 A segment is a run of consecutive chunks. Cut positions are chosen at module
 boundaries first (between blocks, then between the submodules of a block), and
 among positions of equal depth those where the fewest activation bytes cross
-the cut, because a segment keeps everything that crosses into it. A position
+the cut, because a segment keeps everything that crosses into it; each block (or
+module call, outside the repeated blocks) gets its best cut before any gets two. A position
 is never a cut when a tensor crossing it is modified in place later: the
 segment would be recomputed from the modified value.
 """
@@ -88,8 +89,9 @@ def find_regions(profile: Profile, *, max_chunks: int = 64, modules: bool = Fals
     crossing = np.cumsum(crossing)
     block_paths, block_nodes = find_blocks(profile, end)
     block_edges = {b for first, stop in block_nodes for b in (first, stop)}
-    # Rank cut positions: block edges, then shallower module boundaries, then, within each block,
-    # fewer crossing bytes first; a block's k-th best cut comes before any block's (k+1)-th.
+    # Rank cut positions: block edges, then shallower module boundaries, then, within each block (or,
+    # outside the blocks, each module call), fewer crossing bytes first; a block's k-th best cut comes
+    # before any block's (k+1)-th, so that every block can be cut inside before any is cut twice.
     found = find_chains(profile, end) if modules else []
     chain_edges = {b for chain in found for b in (chain.lo, chain.hi)}
     groups: dict[tuple[int, int], list[tuple[int, int]]] = {}
@@ -99,8 +101,12 @@ def find_regions(profile: Profile, *, max_chunks: int = 64, modules: bool = Fals
         if any(p < b <= m for p, m in mutated_after):
             continue
         depth = -1 if b in block_edges else _common_depth(nodes[b - 1].scope, nodes[b].scope)
-        block = next((i for i, (lo, hi) in enumerate(block_nodes) if lo < b < hi), -1)
-        groups.setdefault((depth, block), []).append((int(crossing[b]), b))
+        block = next((i for i, (lo, hi) in enumerate(block_nodes) if lo < b < hi), None)
+        if block is not None:
+            unit = block
+        else:  # outside the repeated blocks: the module call the cut lies in (DenseNet's dense layers)
+            unit = nodes[b].scope[depth - 1] if depth > 0 else None
+        groups.setdefault((depth, unit), []).append((int(crossing[b]), b))
     candidates = []
     for (depth, _), members in groups.items():
         for rank, (cross, b) in enumerate(sorted(members)):
