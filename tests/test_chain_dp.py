@@ -4,7 +4,7 @@ exact smallest peak, and a lower bound that never exceeds the optimum."""
 import numpy as np
 import pytest
 
-from planner.solve import rotor as chain
+from planner.solve import chain_dp as chain
 from planner.solve.rotor import relaxed, rotor, smallest_peak
 from planner.memory.simulate import simulate
 from planner.solve.result import NoSolution

@@ -12,7 +12,8 @@ from conftest import assert_plan_is_exact, load_example
 from models import tower, tower_inputs
 from planner import InfeasibleBudget
 from planner.pipeline import plan_for, plan_from_solution, prepare
-from planner.solve.rotor import _ChainDP, rotor_saves
+from planner.solve.chain_dp import ChainDP
+from planner.solve.rotor import rotor_saves
 from planner.memory.saves import SaveOptions, cacheable, check_saves, partner, segment_of
 from planner.memory.simulate import simulate
 from planner.rewrite.candidates import every_save
@@ -73,7 +74,7 @@ def test_save_variant_dp_is_exact_over_its_space(seed):
     """The chunk DP with per-segment save variants (planner.rotor_saves) finds the least recompute of
     every plan x variant combination, from the smallest peak up to no checkpointing."""
     model, options = _model(seed, n=8)
-    dp = _ChainDP(model, 0, optimistic=False, candidates=options.candidates)
+    dp = ChainDP(model, 0, optimistic=False, candidates=options.candidates)
     cases = []
     for plan in all_plans(model):
         for combo in itertools.product(*[dp.variants(a, b) for a, b in plan]):
