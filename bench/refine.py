@@ -28,6 +28,7 @@ from compare_strategies import load, mib  # noqa: E402
 
 def rows_for(name: str, fractions: list[int], runs: int, time_limit_s: float) -> list[str]:
     from planner.capture.inputs import as_inputs
+    from planner.errors import InfeasibleBudget
     from planner.pipeline import plan_for, plan_from_solution, prepare
     from planner.profiling.measure import measure_peak, step_samples_ms
     from planner.solving import widen
@@ -39,8 +40,13 @@ def rows_for(name: str, fractions: list[int], runs: int, time_limit_s: float) ->
     for fraction in fractions:
         budget = prepared.baseline.peak_bytes * fraction // 100
         began = time.perf_counter()
-        coarse_prepared, coarse = widen(prepared, "cpsat", budget, began + time_limit_s, dict(
-            must_save=(), must_recompute=(), selective=True))
+        try:
+            coarse_prepared, coarse = widen(prepared, "cpsat", budget, began + time_limit_s, dict(
+                must_save=(), must_recompute=(), selective=True))
+        except InfeasibleBudget as exc:
+            rows.append(f"| {name} | {fraction}% | infeasible (smallest peak {mib(exc.min_peak_bytes)} MiB) "
+                        "| | | | | |")
+            continue
         coarse_s = time.perf_counter() - began
         plans = {f"{coarse_prepared.regions.n_chunks} chunks": plan_from_solution(coarse_prepared, coarse, budget),
                  "refined": plan_for(prepared, budget, time_limit_s=time_limit_s)}
