@@ -110,14 +110,14 @@ FILE_ERRORS = {  # id: (the file's text, None for no file; what the message must
 }
 
 
-def _run_cli(tmp_path, monkeypatch, capsys, source: str | None) -> str:
+def _run_cli(tmp_path, monkeypatch, capsys, source: str | None, *flags: str) -> str:
     """``ckplan model.py --budget 50%`` in this process: asserts exit 2 with one line and no traceback."""
     if source is not None:
         (tmp_path / "model.py").write_text(source)
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "path", list(sys.path))
     monkeypatch.delitem(sys.modules, MODEL_MODULE, raising=False)
-    code = main(["model.py", "--budget", "50%"])
+    code = main(["model.py", "--budget", "50%", *flags])
     out, err = capsys.readouterr()
     assert code == 2 and out == "", err
     assert err.startswith("ckplan: error: ") and err.count("\n") == 1 and TRACEBACK not in err, err
@@ -144,6 +144,15 @@ def test_a_failing_model_file_is_one_line_and_the_model_untouched(case, tmp_path
         assert torch.equal(value, ns["SNAPSHOT"][key]), key
     assert all(p.grad is None for p in model.parameters())
     assert not any(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks for m in model.modules())
+
+
+def test_a_forward_that_exits_under_compiled_is_one_line(tmp_path, monkeypatch, capsys):
+    """``--compiled`` runs the file's forward under torch.compile: sys.exit() there is the user's mistake
+    too (exit 2), not an exit code ckplan passes on."""
+    body, inputs, extra, says = MODEL_ERRORS["forward-exits"]
+    err = _run_cli(tmp_path, monkeypatch, capsys, MODEL.format(body=body, inputs=inputs, extra=extra),
+                   "--compiled", "--fractions", "1")
+    assert "SystemExit: 0" in err and "not exit" in err, err
 
 
 @pytest.mark.slow

@@ -13,10 +13,12 @@ Exit codes: 0 success, 1 internal error, 2 user error, 3 infeasible budget (docs
 from __future__ import annotations
 
 import argparse
+import contextlib
 import re
 import sys
 import traceback
 from pathlib import Path
+from typing import Callable
 
 import torch
 from rich.console import Console
@@ -170,26 +172,38 @@ def _plan(args: argparse.Namespace, err: Console) -> tuple[ModelFile, Plan, cli_
         raise UserError("--verify measures one process, but --world-size/--parallel plan one rank of a job: measure "
                         "inside the job with planner.distributed.rank_peak_bytes (docs/distributed.md)")
     show = not args.quiet and sys.stderr.isatty()
-    with cli_report.StageProgress(err, enabled=show, solver=args.solver, time_limit_s=args.time_limit) as stage:
-        try:  # the file's code, factories, forward and loss_fn run from here on
-            stage("load")
-            found = load_model_file(args.model_file, model=args.model, inputs=args.inputs, loss=args.loss)
-            if args.device is not None:
-                found = to_device(found, args.device)
-            saved = _profile_file(args, found)  # a user's mistake raises a PlannerError (exit 2), anything else
-            plan = optimize(found.model, args.budget, inputs=found.inputs, loss_fn=found.loss_fn,  # is a bug (exit 1)
-                            time_limit_s=args.time_limit, solver=args.solver, progress=stage, profile=saved,
-                            world_size=args.world_size, parallel=args.parallel, selective=not args.whole_segments,
-                            must_save=args.must_save, must_recompute=args.must_recompute,
-                            max_chunks=args.max_chunks, keep_output=not args.drop_output)
-            verification = None
-            if args.verify:
-                stage("verify")
-                verification = _verify(found, plan, keep_output=not args.drop_output)
-        except SystemExit as exc:  # sys.exit() in the model's code: not ckplan's exit code to give
-            raise UserError(f"{located(exc, fallback=args.model_file)}: the model's code called sys.exit() while "
-                            "ckplan ran it; forward and loss_fn must return a value, not exit") from exc
+    with (cli_report.StageProgress(err, enabled=show, solver=args.solver, time_limit_s=args.time_limit) as stage,
+          _model_code(args.model_file)):
+        found = _load(args, stage)
+        saved = _profile_file(args, found)  # a user's mistake raises a PlannerError (exit 2), anything else
+        plan = optimize(found.model, args.budget, inputs=found.inputs, loss_fn=found.loss_fn,  # is a bug (exit 1)
+                        time_limit_s=args.time_limit, solver=args.solver, progress=stage, profile=saved,
+                        world_size=args.world_size, parallel=args.parallel, selective=not args.whole_segments,
+                        must_save=args.must_save, must_recompute=args.must_recompute,
+                        max_chunks=args.max_chunks, keep_output=not args.drop_output)
+        verification = None
+        if args.verify:
+            stage("verify")
+            verification = _verify(found, plan, keep_output=not args.drop_output)
     return found, plan, verification
+
+
+@contextlib.contextmanager
+def _model_code(model_file: str):
+    """Where the file's code, factories, forward and loss_fn run: ``sys.exit()`` in them is the user's
+    mistake (exit 2), not ckplan's exit code to give."""
+    try:
+        yield
+    except SystemExit as exc:
+        raise UserError(f"{located(exc, fallback=model_file)}: the model's code called sys.exit() while "
+                        "ckplan ran it; forward and loss_fn must return a value, not exit") from exc
+
+
+def _load(args: argparse.Namespace, stage: Callable[[str], None]) -> ModelFile:
+    """The model file's model, inputs and loss, on ``--device`` when given."""
+    stage("load")
+    found = load_model_file(args.model_file, model=args.model, inputs=args.inputs, loss=args.loss)
+    return found if args.device is None else to_device(found, args.device)
 
 
 _EAGER_ONLY = ("--save", "--emit", "--profile", "--save-profile", "--verify", "--explain", "--whole-segments",
@@ -208,11 +222,9 @@ def _compiled(args: argparse.Namespace, out: Console, err: Console) -> int:
         raise UserError(f"{given[0]} applies to eager plans, and --compiled measures compiled partitions "
                         "(docs/compiled.md): drop one of them")
     show = not args.quiet and sys.stderr.isatty()
-    with cli_report.StageProgress(err, enabled=show, solver=args.solver, time_limit_s=args.time_limit) as stage:
-        stage("load")
-        found = load_model_file(args.model_file, model=args.model, inputs=args.inputs, loss=args.loss)
-        if args.device is not None:
-            found = to_device(found, args.device)
+    with (cli_report.StageProgress(err, enabled=show, solver=args.solver, time_limit_s=args.time_limit) as stage,
+          _model_code(args.model_file)):
+        found = _load(args, stage)
         plan = optimize_compiled(found.model, args.budget, inputs=found.inputs, loss_fn=found.loss_fn,
                                  keep_output=not args.drop_output, progress=stage,
                                  **({"fractions": args.fractions} if args.fractions else {}))
