@@ -223,8 +223,7 @@ def build_model(profile: Profile, regions: Regions, *, offset=None, sac_op_us: f
         const_fwd=fwd_peak - kept_fwd, const_bwd=np.where(has_bwd, bwd_peak - kept_bwd + own_bytes, 0),
         has_bwd=has_bwd,
         recompute_at=recompute_at, const_recompute=const_recompute, fwd_rise=rise,
-        last_rerun=np.maximum.accumulate(np.where(recompute_at >= 0, np.arange(regions.n_chunks), -1))
-        if regions.n_chunks else np.zeros(0, dtype=np.int64),
+        last_rerun=np.maximum.accumulate(np.where(recompute_at >= 0, np.arange(regions.n_chunks), -1)),
         restore_bytes=np.array([nd.mutated_buffer_bytes for nd in nodes], dtype=np.int64),
         chunk_cost_us=chunk_cost, skip_us=skip, segment_cost_us=round(profile.checkpoint_overhead_ms * 1000), node_cost_us=fwd_us,
         sac_chunk_us=np.array([round(sac_op_us * sum(ops[slice(*regions.bounds(k))])) for k in range(regions.n_chunks)],

@@ -94,18 +94,16 @@ def find_regions(profile: Profile, *, max_chunks: int = 64, modules: bool = Fals
     # before any block's (k+1)-th, so that every block can be cut inside before any is cut twice.
     found = find_chains(profile, end) if modules else []
     chain_edges = {b for chain in found for b in (chain.lo, chain.hi)}
-    groups: dict[tuple[int, int], list[tuple[int, int]]] = {}
+    groups: dict[tuple[int, int | str | None], list[tuple[int, int]]] = {}  # (depth, block or call): cuts
     for b in range(1, end):
         if modules and b not in chain_edges:
             continue
         if any(p < b <= m for p, m in mutated_after):
             continue
         depth = -1 if b in block_edges else _common_depth(nodes[b - 1].scope, nodes[b].scope)
-        block = next((i for i, (lo, hi) in enumerate(block_nodes) if lo < b < hi), None)
-        if block is not None:
-            unit = block
-        else:  # outside the repeated blocks: the module call the cut lies in (DenseNet's dense layers)
-            unit = nodes[b].scope[depth - 1] if depth > 0 else None
+        unit = next((i for i, (lo, hi) in enumerate(block_nodes) if lo < b < hi), None)
+        if unit is None and depth > 0:  # outside the repeated blocks: the module call the cut lies in
+            unit = nodes[b].scope[depth - 1]  # (DenseNet's dense layers)
         groups.setdefault((depth, unit), []).append((int(crossing[b]), b))
     candidates = []
     for (depth, _), members in groups.items():
