@@ -9,7 +9,7 @@ from conftest import EXAMPLES
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from planner.capture.api import capture
+from planner.capture.api import Captured, capture
 from planner.capture.inputs import Inputs, as_inputs
 from planner.capture.method import CaptureMethod
 from planner.errors import ProfileError
@@ -166,6 +166,19 @@ def test_memory_held_is_one_piece_not_the_whole_step(quick):
     whole, eight = _peak_bytes(captured, model, inputs, 1), _peak_bytes(captured, model, inputs, 8)
     params_and_grads = 2 * sum(p.numel() * p.element_size() for p in model.parameters())
     assert params_and_grads < eight < 0.5 * whole
+
+
+def test_exported_graph_takes_flattened_inputs(quick):
+    """torch.export graphs (the tier for meta models) take flattened inputs; keyword inputs reach them."""
+    from planner.capture.export import export_graph
+
+    model, inputs = _gpt()
+    kwargs = Inputs(args=(), kwargs={"idx": inputs.args[0]})
+    captured = Captured(graph_module=export_graph(model, (), kwargs.kwargs), method=CaptureMethod.EXPORT,
+                        fingerprint="")
+    n = node_count(captured.graph_module)
+    times = time_in_pieces(captured, model, kwargs, pieces=even_pieces(n, 5), runs=1)
+    assert {i for i, t in enumerate(times.bwd_ms) if t > 0} == _backward_nodes(captured, model, kwargs)
 
 
 def test_rejects_the_meta_device():
