@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 import transformers
 
-from planner.capture.inputs import as_inputs
 from planner.capture.api import capture
+from planner.capture.inputs import as_inputs
 from planner.profiling.memory_pass import profile
 
 ROOT = Path(__file__).resolve().parent.parent

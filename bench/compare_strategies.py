@@ -20,10 +20,10 @@ from __future__ import annotations
 import argparse
 import ctypes
 import gc
+import importlib.util
 import json
 import os
 import platform
-import importlib.util
 import statistics
 import subprocess
 import sys
@@ -53,10 +53,11 @@ def mib(nbytes: float) -> str:
 def strategy_rows(name: str, fractions: list[int], runs: int) -> list[str]:
     from planner.capture.inputs import as_inputs
     from planner.errors import PlannerError
-    from planner.profiling.measure import measure_peak, step_times_ms
     from planner.pipeline import plan_from_solution, prepare
-    from planner.solve.result import NoSolution
+    from planner.profiling.measure import measure_peak, step_times_ms
+    from planner.solve.deadline import Deadline
     from planner.solve.registry import SOLVERS
+    from planner.solve.result import NoSolution
 
     model, inputs, loss_fn = load(name)
     example = as_inputs(model, inputs)
@@ -69,7 +70,7 @@ def strategy_rows(name: str, fractions: list[int], runs: int) -> list[str]:
     for strategy, label, budget in cases:
         try:
             started = time.perf_counter()
-            solution = SOLVERS[strategy](prepared.memory, budget, time_limit_s=30.0)
+            solution = SOLVERS[strategy](prepared.memory, budget, deadline=Deadline.after(30.0))
         except (NoSolution, ValueError, PlannerError) as exc:
             rows.append(f"| {name} | {strategy} | {label} | | infeasible or n/a: {str(exc)[:60]} | | | | |")
             continue

@@ -42,8 +42,8 @@ def main() -> None:
     from planner.capture.inputs import as_inputs
     from planner.pipeline import plan_for, prepare
     from planner.prepared import chunked
-    from planner.solve.rotor import relaxed
     from planner.profiling.measure import measure_peak, step_samples_ms
+    from planner.solve.rotor import relaxed
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=16)
@@ -60,7 +60,7 @@ def main() -> None:
     hand.load_state_dict(model.state_dict())
     x = torch.randn(args.batch, 3, args.size, args.size)
     labels = torch.randint(0, 10, (args.batch,))
-    loss_fn = lambda out: torch.nn.functional.cross_entropy(out, labels)  # noqa: E731
+    loss_fn = lambda out: torch.nn.functional.cross_entropy(out, labels)
     example = as_inputs(model, (x,))
     peak = measure_peak(hand, example, loss_fn)
     prepared = prepare(model, inputs=(x,), loss_fn=loss_fn, max_chunks=args.max_chunks)

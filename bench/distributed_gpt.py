@@ -20,11 +20,10 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from test_distributed import _init, run_ranks  # noqa: E402
 
 from planner.budget import format_bytes  # noqa: E402
-from planner.distributed import (count_collectives, fully_shard_units, plan_on_rank0, rank_peak_bytes,  # noqa: E402
-                                 resident_bytes)
-from test_distributed import _init, run_ranks  # noqa: E402
+from planner.distributed import count_collectives, fully_shard_units, plan_on_rank0, rank_peak_bytes, resident_bytes  # noqa: E402
 
 STEPS = 3
 
@@ -37,7 +36,7 @@ def _train(module, example: dict) -> dict:
         out = []
         torch.manual_seed(100 + step)  # the same dropout masks with and without the plan
 
-        def one_step() -> None:
+        def one_step(out: list = out) -> None:
             out.append(example["loss_fn"](module(tokens)))
             out[-1].backward()
 
@@ -55,7 +54,7 @@ def _train(module, example: dict) -> dict:
 
 def gpt_worker(rank: int, world_size: int, port: int, out_dir: str, budget: str, units: list | None) -> None:
     _init(rank, world_size, port)
-    load = lambda: runpy.run_path(str(ROOT / "examples" / "gpt.py"))  # noqa: E731 - a fresh seeded model
+    load = lambda: runpy.run_path(str(ROOT / "examples" / "gpt.py"))
     example = load()
     result = {"unplanned": _train(fully_shard_units(example["model"], units), example)}
     example = load()
@@ -75,8 +74,8 @@ def main() -> None:
                         help="FSDP units (default: the blocks), e.g. 'blocks.*.attn' 'blocks.*.mlp'")
     args = parser.parse_args()
     budget, units = args.budget, args.units
-    import torch.multiprocessing as mp
     import test_distributed
+    import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as tmp:  # run_ranks passes (world_size, port, out_dir); add the budget
         original = mp.start_processes

@@ -16,8 +16,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
-from planner.budget import format_bytes  # noqa: E402
 from test_distributed import ddp_worker, fsdp_worker, run_ranks  # noqa: E402
+
+from planner.budget import format_bytes  # noqa: E402
 
 
 def rows(engine: str, results: list[dict]) -> list[str]:

@@ -38,15 +38,15 @@ def on_device(name: str, device: torch.device):
     for key, value in list(vars(module).items()):
         if isinstance(value, torch.Tensor):
             setattr(module, key, value.to(device))
-    move = lambda t: t.to(device) if isinstance(t, torch.Tensor) else t  # noqa: E731
+    move = lambda t: t.to(device) if isinstance(t, torch.Tensor) else t
     return model.to(device), tree_map(move, inputs), loss_fn
 
 
 def example_rows(name: str, device: torch.device, budgets: list[int], runs: int, out: Path, spec: str) -> list[str]:
     from planner import InfeasibleBudget
     from planner.capture.inputs import as_inputs
-    from planner.profiling.measure import measure_peak, step_times_ms
     from planner.pipeline import plan_for, prepare
+    from planner.profiling.measure import measure_peak, step_times_ms
 
     model, inputs, loss_fn = on_device(name, device)
     began = time.perf_counter()

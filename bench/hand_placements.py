@@ -85,7 +85,7 @@ def main() -> None:
     rows = []
     for name in args.examples:
         rows += rows_for(name, args.runs)
-    head = [f"# ckplan against hand placements, at each placement's measured peak", "",
+    head = ["# ckplan against hand placements, at each placement's measured peak", "",
             f"`python bench/hand_placements.py --examples {' '.join(args.examples)} --runs {args.runs}` on "
             f"{platform.machine()}, torch {torch.__version__}, 1 thread. Peaks in MiB (predicted / measured, a plain "
             "loop: the output kept through backward). Overhead = step time / un-checkpointed step - 1, median of "

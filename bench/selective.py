@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 EXAMPLES = ["seed_cnn", "gpt", "resnet"]
 
 
@@ -51,8 +51,8 @@ def mib(nbytes: float) -> str:
 def rows_for(name: str, fractions: list[int], runs: int) -> list[str]:
     from planner.capture.inputs import as_inputs
     from planner.errors import PlannerError
-    from planner.profiling.measure import measure_peak, step_times_ms
     from planner.pipeline import plan_for, plan_from_solution, prepare
+    from planner.profiling.measure import measure_peak, step_times_ms
     from planner.solve.registry import SOLVERS
 
     ns = runpy.run_path(str(ROOT / "examples" / f"{name}.py"))
@@ -94,28 +94,31 @@ def rows_for(name: str, fractions: list[int], runs: int) -> list[str]:
 
 def plan_with_every_save(prepared, budget_bytes: int):
     """The whole-segment plan for ``budget_bytes`` with every save its segments allow
-    (``planner.rewrite.candidates.every_save``), SAC's dispatch cost not charged."""
+    (``tests/forcing.every_save``), SAC's dispatch cost not charged."""
+    from forcing import every_save
+
     from planner.pipeline import plan_from_solution
-    from planner.rewrite.candidates import every_save
-    from planner.solve.result import Solution
+    from planner.solve.deadline import Deadline
     from planner.solve.default import solve
+    from planner.solve.result import Solution
 
     memory = prepared.memory
-    chunks = solve(memory, budget_bytes).plan
-    saves = every_save(prepared.captured.graph_module, prepared.profile, memory, chunks)
+    chunks = solve(memory, budget_bytes, deadline=Deadline.after(30.0)).plan
+    saves = every_save(prepared.profile, memory, chunks, prepared.rules.savable)
     return plan_from_solution(prepared, Solution(plan=chunks, status="FIXED", recompute_us=0, bound_us=0,
                                                  solve_time_s=0.0, saves=saves), budget_bytes)
 
 
 def uncharged(prepared, budget_bytes: int):
     """The selective plan CP-SAT picks when saves cost no dispatch time (as in compiled code)."""
+    from planner.memory.candidates import save_options
     from planner.pipeline import plan_from_solution
-    from planner.rewrite.candidates import save_options
+    from planner.solve.deadline import Deadline
     from planner.solve.default import solve
 
     free = dataclasses.replace(prepared.memory, sac_chunk_us=prepared.memory.sac_chunk_us * 0)
-    options = save_options(prepared.captured.graph_module, prepared.profile, free)
-    return plan_from_solution(prepared, solve(free, budget_bytes, time_limit_s=30.0, options=options), budget_bytes)
+    options = save_options(prepared.profile, free, savable=prepared.rules.savable)
+    return plan_from_solution(prepared, solve(free, budget_bytes, deadline=Deadline.after(30.0), options=options), budget_bytes)
 
 
 def compiled_rows(name: str, fraction: int, runs: int, passes: int) -> list[str]:
@@ -123,8 +126,8 @@ def compiled_rows(name: str, fraction: int, runs: int, passes: int) -> list[str]
     from compare_strategies import load
 
     from planner.capture.inputs import as_inputs
-    from planner.profiling.measure import measure_peak
     from planner.pipeline import plan_for, prepare
+    from planner.profiling.measure import measure_peak
 
     model, inputs, loss_fn = load(name)
     prepared = prepare(model, inputs=inputs, loss_fn=loss_fn)
@@ -188,8 +191,8 @@ def worker(name: str, mode: str, fraction: int, runs: int, spec_path: str) -> di
     import torch._functorch.config as functorch_config
     from compare_strategies import load, measure_step
 
-    from planner.capture.inputs import as_inputs
     from planner.capture.api import capture
+    from planner.capture.inputs import as_inputs
     from planner.profiling.api import capture_inputs
     from planner.rewrite.graph import SegmentSpec, rewrite
 

@@ -16,12 +16,13 @@ import os
 import time
 from pathlib import Path
 
+from planner.memory.build import build_model
 from planner.memory.regions import find_regions
-from planner.memory.model import build_model
 from planner.memory.simulate import simulate
-from planner.solve.result import NoSolution
-from planner.solve.registry import SOLVERS
 from planner.memory.synthetic import transformer_profile
+from planner.solve.deadline import Deadline
+from planner.solve.registry import SOLVERS
+from planner.solve.result import NoSolution
 
 ROOT = Path(__file__).resolve().parent.parent
 NODES_PER_LAYER = 17
@@ -60,7 +61,7 @@ def main() -> None:
         for name in args.solvers:
             began = time.perf_counter()
             try:
-                sol = SOLVERS[name](model, budget, time_limit_s=args.time_limit)
+                sol = SOLVERS[name](model, budget, deadline=Deadline.after(args.time_limit))
                 bound = "" if sol.bound_us is None else f"{sol.bound_us / 1000:.1f} ms"  # None: nothing proven
                 gap = "" if sol.bound_us is None else f"{(sol.recompute_us - sol.bound_us) / max(1, sol.recompute_us):.1%}"
                 result = f"{sol.status} | {sol.recompute_us / 1000:.1f} ms | {bound} | {gap}"

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from planner.units import format_bytes
 
 if TYPE_CHECKING:
-    from planner.memory.simulate import PeakBreakdown
+    from planner.memory.breakdown import PeakBreakdown
 
 
 class PlannerError(Exception):
@@ -124,8 +124,8 @@ def in_library(filename: str) -> bool:
     path = os.path.abspath(filename)
     torch_dir = os.path.dirname(os.path.dirname(os.path.abspath(torch.__file__)))
     stdlib = os.path.abspath(sysconfig.get_paths()["stdlib"]) + os.sep
-    return (filename.startswith("<") or path.startswith(_PLANNER_DIR) or path.startswith(torch_dir)
-            or path.startswith(stdlib) or "site-packages" in path or "dist-packages" in path)
+    return (filename.startswith("<") or path.startswith((_PLANNER_DIR, torch_dir, stdlib))
+            or "site-packages" in path or "dist-packages" in path)
 
 
 def user_frame(exc: BaseException) -> str | None:

@@ -9,24 +9,22 @@ calls even where torch.fx could trace the model.
 
 from __future__ import annotations
 
-from typing import Any
-
 from torch import nn
+from typing_extensions import Unpack
 
 from planner.budget import check_budget
 from planner.errors import OptionError
-from planner.pipeline import plan_for, prepare
+from planner.options import OptionArgs, PlanOptions, resolve
+from planner.pipeline import UserInputs, plan_for, prepare
 from planner.plan import Plan
 from planner.rewrite.modules import remove_plan
 
-_SOLVE_OPTIONS = ("solver", "time_limit_s", "selective", "must_save", "must_recompute", "progress")
-"""``optimize`` arguments that go to the solve stage (``plan_for``); the rest go to ``prepare``."""
 
-
-def enable(model: nn.Module, budget: int | str, **options: Any) -> Plan:
+def enable(model: nn.Module, budget: int | str, *, inputs: UserInputs = None, options: PlanOptions | None = None,
+           **overrides: Unpack[OptionArgs]) -> Plan:
     """Plans ``model`` for ``budget`` and applies the plan to ``model`` itself (``plan.module is model``).
 
-    Takes the keyword arguments of ``optimize`` (``inputs=``, ``loss_fn=``, ``keep_output=``...). A model
+    Takes the arguments of ``optimize`` (``inputs=``, ``options=``, ``loss_fn=``, ``keep_output=``...). A model
     already planned in place is planned again from scratch: its old hooks come off first (the real
     forward that is recorded must not run them), and stay off if planning fails. Otherwise a failed
     call leaves the model as it was.
@@ -35,14 +33,14 @@ def enable(model: nn.Module, budget: int | str, **options: Any) -> Plan:
         everything ``optimize`` raises; OptionError for ``world_size``/``device``, which plan for
         another machine (use ``optimize`` for those).
     """
+    opts = resolve(options, overrides, where="enable")
     check_budget(budget)
-    if options.get("world_size", 1) != 1 or options.get("device") is not None:
+    if opts.world_size != 1 or opts.device is not None:
         raise OptionError("enable() plans the model for this process and its own device: drop world_size= and "
                           "device= (optimize() plans for another device or a distributed job)")
-    solve = {k: options.pop(k) for k in _SOLVE_OPTIONS if k in options}
     remove_plan(model)  # profile the model as it is, without an older plan's hooks
-    prepared = prepare(model, modules=True, progress=solve.get("progress"), **options)
-    return plan_for(prepared, budget, target=model, **solve)
+    prepared = prepare(model, inputs=inputs, options=opts, modules=True)
+    return plan_for(prepared, budget, target=model)
 
 
 def disable(model: nn.Module) -> bool:

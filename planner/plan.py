@@ -9,58 +9,28 @@ from __future__ import annotations
 import enum
 import html
 import json
-from dataclasses import asdict, dataclass, field, fields
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from torch import nn
 
 from planner.budget import format_bytes
-from planner.capture.api import capture
-from planner.capture.inputs import as_inputs
 from planner.capture.method import CaptureMethod
+from planner.errors import PlanFileError
 from planner.memory.breakdown import PeakBreakdown
 from planner.profiling.devices import SacCostSource
+from planner.records import INT_LIMIT, UNIT_LIMITS, as_list, as_tuple, check_record, read_json, record_from_json
+from planner.rewrite.executor import executor_for
+from planner.rewrite.modules import PlannedShapes
+from planner.rewrite.segment import Segment
 from planner.solve.result import SolverStatus
-from planner.rewrite.chains import Chain
-from planner.rewrite.graph import SegmentSpec, rewrite
-from planner.rewrite.modules import PlannedShapes, clone_tree, install_plan
-from planner.errors import PlanFileError, PlanMismatch
-from planner.records import INT_LIMIT, UNIT_LIMITS, as_list, as_tuple, check_record, read_json
+
+__all__ = ["MemoryTimeline", "Plan", "Segment", "load_plan"]
 
 FORMAT = "ckplan-plan"
 VERSION = 1
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Segment:
-    """One checkpointed run of the graph."""
-
-    nodes: tuple[str, ...]
-    """Graph node names, in order."""
-    module_paths: tuple[str, ...]
-    """Modules whose calls lie wholly inside, outermost first; ``path:op`` for loose ops."""
-    recompute_ms: float
-    """Forward time re-run in backward, ms."""
-    freed_bytes: int = 0
-    """Activation bytes it stops keeping until backward, net of the inputs it keeps."""
-    restore_buffers: tuple[str, ...] = ()
-    """Buffers restored after recomputation (BatchNorm running statistics)."""
-    saved_nodes: tuple[str, ...] = ()
-    """Nodes whose outputs are kept, not re-run (selective checkpointing inside the segment)."""
-    chain: tuple[str, ...] = ()
-    """Plans that run the model's own forward (``capture_method.runs_modules``): the module calls the
-    segment consists of, consecutive siblings in call order; empty for a rewritten graph."""
-    saved_modules: tuple[str, ...] = ()
-    """Plans that run the model's own forward: the modules (one op each) whose outputs are kept."""
-
-    def spec(self) -> SegmentSpec:
-        """What the graph rewriter needs to run this segment (its nodes, buffers to restore, saved nodes)."""
-        return SegmentSpec(nodes=self.nodes, restore_buffers=self.restore_buffers, saved_nodes=self.saved_nodes)
-
-    def chain_spec(self) -> Chain:
-        """What the module executor needs to run this segment (its module calls, saves and buffers)."""
-        return Chain(members=self.chain, saved_modules=self.saved_modules, restore_buffers=self.restore_buffers)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -124,7 +94,7 @@ class Plan:
     timeline: MemoryTimeline | None = field(default=None, repr=False)
     """Predicted memory over one step, for plots."""
     sac_op_us: float | None = None
-    """Per-op cost of selective checkpointing the plan was made with, microseconds (None: older file)."""
+    """Per-op cost of selective checkpointing the plan was made with, microseconds (None: not known)."""
     sac_cost_source: SacCostSource | None = None
     """Where ``sac_op_us`` comes from: measured on the model, the device spec, or ckplan's default."""
     keep_output: bool = True
@@ -134,45 +104,30 @@ class Plan:
     """Shape of each tensor argument of the example call, by parameter name: a plan that runs the
     model's own forward warns once when a training call is larger (``planner.rewrite.modules``)."""
 
-    def __post_init__(self) -> None:  # plain values (older JSON files, hand-made plans) become the types
-        for name, convert in (("solver_status", SolverStatus), ("capture_method", CaptureMethod.parse),
-                              ("sac_cost_source", SacCostSource), ("peak_breakdown", PeakBreakdown.from_dict)):
-            value = getattr(self, name)
-            if value is not None and isinstance(value, (str, dict)) and not isinstance(value, enum.Enum):
-                object.__setattr__(self, name, convert(value))
+    def apply(self, model: nn.Module, *, inputs: Any = None, units: Sequence[str] | None = None) -> nn.Module:
+        """Returns ``model`` set up to run this plan (``model`` itself is not modified), by the executor
+        of the plan's capture method (``planner.rewrite.executor``).
 
-    def apply(self, model: nn.Module, *, inputs=None) -> nn.Module:
-        """Returns ``model`` rewritten to run this plan (``model`` itself is not modified).
-
-        A plan that runs the model's own forward (``capture_method.runs_modules``: Hugging Face
-        models and others torch.fx cannot trace) needs no inputs: it is a clone of ``model`` with the
-        plan's hooks, and each chain checks on its first training forward that the model runs it.
+        A plan that runs the model's own forward (Hugging Face models and others torch.fx cannot trace)
+        needs no inputs: it is a clone of ``model`` with the plan's hooks, and each chain checks on its first
+        training forward that the model runs it. A rewritten graph captures ``model`` again and checks it is
+        the graph the plan was made for.
 
         Args:
             model: a fresh instance of the architecture the plan was made for.
             inputs: example inputs for a model fx cannot trace without them (default
                 ``model.example_inputs``); unused by plans that run the model's own forward.
+            units: the FSDP units a distributed plan was made with (default the repeated blocks).
 
         Raises:
             PlanMismatch (a ValueError): ``model`` does not trace to the graph the plan was made for.
-            ChainError: a module-executor plan names a module ``model`` does not have.
+            ChainError: a plan run by hooks names a module ``model`` does not have.
         """
-        if self.capture_method.runs_modules:
-            module = clone_tree(model)
-            install_plan(module, [s.chain_spec() for s in self.segments], planned=self.planned_shapes())
-            return module
-        example = as_inputs(model, inputs) if inputs is not None or hasattr(model, "example_inputs") else None
-        captured = capture(model, example)
-        if captured.fingerprint != self.fingerprint:
-            raise PlanMismatch(
-                f"this plan was made for a graph with fingerprint {self.fingerprint}, but "
-                f"{type(model).__name__} traces to {captured.fingerprint}: apply it to the same architecture "
-                "and configuration, or plan again"
-            )
-        return rewrite(model, captured, [s.spec() for s in self.segments]).module
+        return executor_for(self.capture_method).apply(model, self.segments, fingerprint=self.fingerprint,
+                                                       inputs=inputs, units=units, planned=self.planned_shapes())
 
     def planned_shapes(self) -> PlannedShapes | None:
-        """What the shape warning of a module-executor plan compares calls with; None without shapes."""
+        """What the shape warning of a plan run by hooks compares calls with; None without shapes."""
         if not self.planned_inputs:
             return None
         fixed = self.peak_breakdown.parameters_bytes if self.peak_breakdown is not None else 0
@@ -254,9 +209,7 @@ def load_plan(path: str | Path) -> Plan:
     """Reads a plan written by ``Plan.save``; call ``.apply(model)`` to get the module.
 
     The file is plain JSON and is never executed; every field is checked against its type, fields this
-    version does not know are ignored (newer optional fields). Files of this version written before the
-    enums and the typed breakdown (``capture_method`` as a sentence, ``recompute_bound_ms`` 0 for
-    "nothing proven") read as if written now.
+    version does not know are ignored (newer optional fields).
 
     Raises:
         PlanFileError (a ValueError): the file cannot be read, is not a ckplan plan, is of an unknown
@@ -287,29 +240,19 @@ _AMOUNTS = dict.fromkeys(UNIT_LIMITS, INT_LIMIT)
 
 def _plan_from_dict(data: dict[str, Any]) -> Plan:
     """The ``Plan`` (without its module) of ``to_dict``'s dict; lists become tuples, unknown keys are ignored."""
-    known = {f.name for f in fields(Plan)} - {"module", "segments", "largest_kept", "timeline"}
-    values = {k: v for k, v in data.items() if k in known}
-    segments = tuple(_record(Segment, s, f"plan.segments[{i}]")
+    segments = tuple(record_from_json(Segment, s, f"plan.segments[{i}]")
                      for i, s in enumerate(as_list(data["segments"], "plan.segments")))
     largest = tuple(as_tuple(item) for item in as_list(data.get("largest_kept", []), "plan.largest_kept"))
     timeline = data.get("timeline")
     if timeline is not None:
-        timeline = _record(MemoryTimeline, timeline, "plan.timeline")
-    planned = values.get("planned_inputs") or {}
-    values["planned_inputs"] = {k: as_tuple(v) for k, v in planned.items()} if isinstance(planned, dict) else planned
-    values["capture_notes"] = as_tuple(values.get("capture_notes", []))
-    bound, recompute = values.get("recompute_bound_ms"), values.get("recompute_ms", 0)
-    if bound == 0 and isinstance(recompute, (int, float)) and recompute > 0:  # older files: 0 = unproven
-        values["recompute_bound_ms"] = None
-    return Plan(module=None, segments=segments, largest_kept=largest, timeline=timeline, **values)
-
-
-def _record(cls, raw: Any, where: str) -> Any:
-    """``cls`` from a JSON object: its known keys, lists as tuples (the types are checked afterwards)."""
-    if not isinstance(raw, dict):
-        raise TypeError(f"{where} is {type(raw).__name__}, expected an object")
-    known = {f.name for f in fields(cls)}
-    return cls(**{k: as_tuple(v) for k, v in raw.items() if k in known})
+        timeline = record_from_json(MemoryTimeline, timeline, "plan.timeline")
+    planned = data.get("planned_inputs") or {}
+    planned = {k: as_tuple(v) for k, v in planned.items()} if isinstance(planned, dict) else planned
+    values = {**data, "module": None, "segments": segments, "largest_kept": largest, "timeline": timeline,
+              "planned_inputs": planned}
+    return record_from_json(Plan, values, "plan", convert={
+        "solver_status": SolverStatus, "capture_method": CaptureMethod, "sac_cost_source": SacCostSource,
+        "peak_breakdown": PeakBreakdown.from_dict})
 
 
 def html_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:

@@ -9,11 +9,25 @@ from torch import nn
 from planner.capture.api import Captured
 from planner.capture.inputs import Inputs
 from planner.distributed.memory import Distributed, memory_offset
-from planner.memory.model import MemoryModel, build_model
+from planner.memory.build import build_model
+from planner.memory.model import MemoryModel
 from planner.memory.regions import Regions, find_regions
+from planner.memory.rules import SegmentRules
 from planner.memory.simulate import Timeline, simulate
+from planner.options import PlanOptions
 from planner.profiling.devices import SacCost
 from planner.profiling.record import Profile
+from planner.rewrite.executor import Executor
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Chunked:
+    """A prepared model's cost model at one chunking."""
+
+    regions: Regions
+    memory: MemoryModel
+    baseline: Timeline
+    """Predicted memory without checkpointing."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -23,25 +37,46 @@ class Prepared:
     model: nn.Module
     example: Inputs
     """The example call the model was captured and profiled with."""
+    options: PlanOptions
+    """The options it was prepared with (``loss_fn``, ``device``, ``world_size``... are fixed from here on)."""
     captured: Captured
     profile: Profile
-    regions: Regions
-    memory: MemoryModel
-    baseline: Timeline
-    """Predicted memory without checkpointing."""
+    executor: Executor
+    """How its plans run (``planner.rewrite.executor``)."""
+    rules: SegmentRules
+    """What that executor allows, as the memory model and the solvers read it."""
     sac_cost: SacCost
     """SAC's per-op cost in ``memory`` and where it comes from (profile, device spec or default)."""
     distributed: Distributed | None = None
     """One rank of a data-parallel job (``world_size``, ``parallel``...), or None for one device."""
+    chunks: Chunked
+    """The cost model at the chunking searched first (``chunked`` gives others)."""
 
+    @property
+    def regions(self) -> Regions:
+        return self.chunks.regions
+
+    @property
+    def memory(self) -> MemoryModel:
+        return self.chunks.memory
+
+    @property
+    def baseline(self) -> Timeline:
+        return self.chunks.baseline
+
+
+def cost_model(profile: Profile, rules: SegmentRules, *, max_chunks: int, sac_op_us: float,
+               distributed: Distributed | None) -> Chunked:
+    """The regions (at most ``max_chunks`` chunks) of ``profile`` and the cost model over them."""
+    regions = find_regions(profile, max_chunks=max_chunks, rules=rules)  # where segments may start and end
+    memory = build_model(profile, regions,                                # the cost model the solver optimises
+                         offset=distributed and memory_offset(profile, distributed),  # one rank's share of a job
+                         sac_op_us=sac_op_us)
+    return Chunked(regions=regions, memory=memory, baseline=simulate(memory, ()))
 
 
 def chunked(prepared: Prepared, max_chunks: int) -> Prepared:
-    """``prepared`` with its regions (at most ``max_chunks`` chunks) and the cost model over them."""
-    measured, dist = prepared.profile, prepared.distributed
-    regions = find_regions(measured, max_chunks=max_chunks,      # where segments may start and end:
-                           modules=prepared.captured.method.runs_modules)  # chains of module calls for hooks
-    memory = build_model(measured, regions,                      # the cost model the solver optimises
-                         offset=dist and memory_offset(measured, dist),  # one rank's share of the job
-                         sac_op_us=prepared.sac_cost.op_us)
-    return replace(prepared, regions=regions, memory=memory, baseline=simulate(memory, ()))
+    """``prepared`` with its cost model at ``max_chunks`` chunks."""
+    return replace(prepared, chunks=cost_model(prepared.profile, prepared.rules, max_chunks=max_chunks,
+                                               sac_op_us=prepared.sac_cost.op_us,
+                                               distributed=prepared.distributed))

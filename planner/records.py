@@ -14,6 +14,7 @@ import math
 import reprlib
 import types
 import typing
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +47,27 @@ def read_json(path: str | Path) -> Any:
         raise ValueError("it nests JSON too deeply to be a file ckplan wrote") from None
     except ValueError as exc:  # e.g. an integer of more digits than Python converts
         raise ValueError(f"it is not JSON ckplan can read ({exc})") from None
+
+
+def record_from_json(cls: type, raw: Any, where: str, *, convert: dict[str, Callable[[Any], Any]] | None = None) -> Any:
+    """The dataclass ``cls`` a JSON object describes: its known keys (keys this version does not know are
+    ignored), JSON lists as tuples, and the fields named in ``convert`` through their converter (an enum
+    from its value, a nested record). The field types are checked afterwards, by ``check_record``.
+
+    Raises:
+        TypeError: ``raw`` is not an object. KeyError: a required field is missing (``Class.field``).
+        ValueError: a converter refused its value (an unknown enum value).
+    """
+    if not isinstance(raw, dict):
+        raise TypeError(f"{where} is {type(raw).__name__}, expected an object")
+    missing = [f.name for f in dataclasses.fields(cls) if f.init and f.default is dataclasses.MISSING
+               and f.default_factory is dataclasses.MISSING and f.name not in raw]
+    if missing:  # the field's own name at the top of a file, its path inside it
+        raise KeyError(f"{where}.{missing[0]}" if "." in where or "[" in where else missing[0])
+    known = {f.name for f in dataclasses.fields(cls) if f.init}
+    convert = convert or {}
+    return cls(**{k: convert[k](v) if k in convert and v is not None else as_tuple(v)
+                  for k, v in raw.items() if k in known})
 
 
 def as_tuple(value: Any) -> Any:

@@ -3,7 +3,8 @@
 The strategy (``planner.solve``) plans over the prepared chunks. When none of their plans fits and the
 graph has more cut positions, finer chunkings are tried (``widen``); InfeasibleBudget says whether
 infeasibility is proven over every cut position. Before that, the chunking is made finer while the
-time limit allows and the whole-segment DPs say finer chunks re-run less (``refine``).
+time limit allows and the whole-segment DPs say finer chunks re-run less (``refine``). One ``Deadline``
+bounds all of it.
 """
 
 from __future__ import annotations
@@ -13,16 +14,17 @@ from dataclasses import replace
 
 from planner.budget import format_bytes
 from planner.errors import InfeasibleBudget, OptionError, OutOfTime, PlannerError
-from planner.memory.chains import alone_in_module
+from planner.memory.candidates import save_options
 from planner.memory.model import MemoryModel
 from planner.memory.saves import SaveOptions
 from planner.memory.simulate import simulate
+from planner.options import PlanOptions
 from planner.prepared import Prepared, chunked
+from planner.solve.deadline import Deadline
 from planner.solve.peaks import min_peak_saves
 from planner.solve.registry import capabilities, get_solver
 from planner.solve.result import NoSolution, Solution, SolverStatus
 from planner.solve.rotor import relaxed, rotor
-
 
 WIDEST_CHUNKS = 256
 """Finest chunking ``plan_for`` goes to on its own (``widen``, ``refine``)."""
@@ -38,17 +40,16 @@ follows runs them again, then the save-variant DP (about twice as long) and CP-S
 limit (``solve.default.POLISH_SHARE``)."""
 
 
-def solve_prepared(prepared: Prepared, solver: str, budget_bytes: int, deadline: float,
-                   save_args: dict) -> tuple[Prepared, Solution]:
+def solve_prepared(prepared: Prepared, budget_bytes: int, options: PlanOptions,
+                   deadline: Deadline) -> tuple[Prepared, Solution]:
     """The plan for ``budget_bytes`` with the ``Prepared`` it belongs to: the chunking chosen by ``refine``,
-    solved there, or at finer chunkings when none fits (``widen``). Every step gets the time left before
-    ``deadline`` (``time.perf_counter()``)."""
-    if capabilities(solver).reads_budget:
+    solved there, or at finer chunkings when none fits (``widen``), all before ``deadline``."""
+    if capabilities(options.solver).reads_budget:
         prepared = refine(prepared, budget_bytes, deadline)
-    return widen(prepared, solver, budget_bytes, deadline, save_args)
+    return widen(prepared, budget_bytes, options, deadline)
 
 
-def refine(prepared: Prepared, budget_bytes: int, deadline: float) -> Prepared:
+def refine(prepared: Prepared, budget_bytes: int, deadline: Deadline) -> Prepared:
     """The chunking to solve at: finer than the prepared one while that pays. When the chunks leave cut
     positions out (``Regions.capped``), finer ones may hold plans that re-run less. The whole-segment
     DPs decide, fast and the same for every strategy that reads the budget, so that a selective plan is
@@ -61,19 +62,19 @@ def refine(prepared: Prepared, budget_bytes: int, deadline: float) -> Prepared:
         return prepared
     began = time.perf_counter()
     try:
-        cost = rotor(prepared.memory, budget_bytes, time_limit_s=left_s(deadline)).recompute_us
+        cost = rotor(prepared.memory, budget_bytes, deadline=deadline).recompute_us
     except NoSolution:  # no whole-segment plan here: widen's business
         return prepared
     spent = 2 * (time.perf_counter() - began)  # the relaxation takes about as long
     while (prepared.regions.capped and prepared.regions.n_chunks < WIDEST_CHUNKS
-           and REFINE_TIME * 4 * spent <= left_s(deadline)):
+           and REFINE_TIME * 4 * spent <= deadline.left_s()):
         began = time.perf_counter()
         finer = chunked(prepared, 2 * prepared.regions.n_chunks)
         try:
             lower = relaxed(finer.memory, budget_bytes, deadline=deadline)
             if lower is None or lower[1] > cost * (1 - REFINE_GAIN):
                 break  # the finer chunks cannot spare enough
-            found = rotor(finer.memory, budget_bytes, time_limit_s=left_s(deadline)).recompute_us
+            found = rotor(finer.memory, budget_bytes, deadline=deadline).recompute_us
         except NoSolution:  # out of time
             break
         spent = time.perf_counter() - began
@@ -83,13 +84,13 @@ def refine(prepared: Prepared, budget_bytes: int, deadline: float) -> Prepared:
     return prepared
 
 
-def widen(prepared: Prepared, solver: str, budget_bytes: int, deadline: float,
-          save_args: dict) -> tuple[Prepared, Solution]:
+def widen(prepared: Prepared, budget_bytes: int, options: PlanOptions,
+          deadline: Deadline) -> tuple[Prepared, Solution]:
     """The solution at the prepared chunking, else at finer ones (see ``plan_for``), with the
     ``Prepared`` it belongs to."""
     try:
-        return prepared, solve_budget(solver, prepared.memory, budget_bytes, prepared.baseline.peak_bytes, deadline,
-                                _save_options(prepared, solver, save_args))
+        return prepared, solve_budget(options.solver, prepared.memory, budget_bytes, prepared.baseline.peak_bytes,
+                                      deadline, _save_options(prepared, options))
     except InfeasibleBudget as exc:
         first = exc
     memory = prepared.memory
@@ -101,16 +102,16 @@ def widen(prepared: Prepared, solver: str, budget_bytes: int, deadline: float,
     chunks = prepared.regions.n_chunks
     while prepared.regions.capped and chunks < WIDEST_CHUNKS:
         searched = prepared
-        if left_s(deadline) == 0:
+        if deadline.passed:
             raise _unproven(first, searched, out_of_time=True)
         chunks *= 2
         prepared = chunked(prepared, chunks)
         try:
             if prepared.regions.capped and relaxed(prepared.memory, budget_bytes, deadline=deadline) is None:
                 continue  # not even the relaxation has a plan at this chunking; perhaps at a finer one
-            return prepared, solve_budget(solver, prepared.memory, budget_bytes, prepared.baseline.peak_bytes,
-                                    deadline, _save_options(prepared, solver, save_args),
-                                    explain=not prepared.regions.capped)  # else a finer chunking is next
+            return prepared, solve_budget(options.solver, prepared.memory, budget_bytes,
+                                          prepared.baseline.peak_bytes, deadline, _save_options(prepared, options),
+                                          explain=not prepared.regions.capped)  # else a finer chunking is next
         except (NoSolution, OutOfTime):  # the DP screen or the solve ran out of time at this chunking
             raise _unproven(first, searched, out_of_time=True) from None
         except _NoPlan:
@@ -130,42 +131,30 @@ class _NoPlan(Exception):
     """No plan fits at this chunking, left unexplained (a finer chunking is tried next)."""
 
 
-def _save_options(prepared: Prepared, solver: str, save_args: dict) -> SaveOptions:
-    """The save candidates and overrides at the prepared chunking."""
-    from planner.rewrite.candidates import save_options
-
-    savable = (alone_in_module(prepared.profile, prepared.memory.regions.end)
-               if prepared.captured.method.runs_modules else None)  # hooks keep whole module calls of one op
-    options = save_options(prepared.captured.graph_module, prepared.profile, prepared.memory, savable=savable,
-                           **save_args)
-    if (options.must_save or options.must_recompute) and not capabilities(solver).saves:
-        raise OptionError(f"must_save/must_recompute need the cpsat solver, not {solver!r}")
-    return options
-
-
-def left_s(deadline: float) -> float:
-    """Seconds left before ``deadline`` (a ``time.perf_counter()`` value), never below 0."""
-    return max(0.0, deadline - time.perf_counter())
+def _save_options(prepared: Prepared, options: PlanOptions) -> SaveOptions:
+    """The save candidates and overrides at the prepared chunking (FSDP plans cut whole units: no saves)."""
+    can_save = capabilities(options.solver).saves
+    if (options.must_save or options.must_recompute) and not can_save:
+        raise OptionError(f"must_save/must_recompute need the cpsat solver, not {options.solver!r}")
+    return save_options(prepared.profile, prepared.memory, savable=prepared.rules.savable,
+                        must_save=options.must_save, must_recompute=options.must_recompute,
+                        selective=options.selective and can_save and prepared.distributed is None)
 
 
 def solve_budget(solver: str, memory: MemoryModel, budget_bytes: int, baseline_peak: int,
-           deadline: float, options: SaveOptions | None = None, *, explain: bool = True) -> Solution:
+                 deadline: Deadline, options: SaveOptions | None = None, *, explain: bool = True) -> Solution:
     """The plan for a budget: empty when it already fits, else the strategy's, checked against the budget.
 
-    The strategy gets the time left before ``deadline`` (``time.perf_counter()``); ``OutOfTime`` when it
-    found no plan in it. No plan that fits: ``InfeasibleBudget`` with the smallest peak (the chunk DP's,
-    which runs to the end: about 1 s at 64 chunks on 2700 nodes), or ``_NoPlan`` without ``explain``."""
+    The strategy works until ``deadline``; ``OutOfTime`` when it found no plan by then. No plan that fits:
+    ``InfeasibleBudget`` with the smallest peak (the chunk DP's, which runs to the end: about 1 s at 64
+    chunks on 2700 nodes), or ``_NoPlan`` without ``explain``."""
     overrides = options is not None and bool(options.must_save or options.must_recompute)
     if budget_bytes >= baseline_peak and not (overrides and options.must_recompute):
         return Solution(plan=(), status=SolverStatus.OPTIMAL, recompute_us=0, bound_us=0, solve_time_s=0.0)
+    solution: Solution | None
     try:
-        if options is not None and not options.trivial:
-            solution = get_solver(solver)(memory, budget_bytes, time_limit_s=left_s(deadline), options=options)
-        else:
-            solution = get_solver(solver)(memory, budget_bytes, time_limit_s=left_s(deadline))
+        solution = get_solver(solver)(memory, budget_bytes, deadline=deadline, options=options)
     except NoSolution as exc:
-        if exc.interrupted:  # Ctrl-C before any plan was found: nothing to return
-            raise KeyboardInterrupt from exc
         if not exc.infeasible:
             raise OutOfTime(str(exc)) from exc
         solution = None
@@ -175,7 +164,7 @@ def solve_budget(solver: str, memory: MemoryModel, budget_bytes: int, baseline_p
         raise _NoPlan()
     if overrides:
         _infeasible_overrides(memory, budget_bytes, options, deadline)
-    best = simulate(memory, *min_peak_saves(memory, time_limit_s=left_s(deadline)))
+    best = simulate(memory, *min_peak_saves(memory, deadline=deadline))
     if best.peak_bytes <= budget_bytes:  # a fixed or conservative strategy missed what cpsat can do
         peak = "no plan" if solution is None else f"a plan peaking at {simulate(memory, solution.plan).peak_bytes} B"
         raise PlannerError(f"solver {solver!r} finds {peak} for a budget of {budget_bytes} B, which plans down to "
@@ -184,14 +173,12 @@ def solve_budget(solver: str, memory: MemoryModel, budget_bytes: int, baseline_p
     raise InfeasibleBudget(budget_bytes, best.peak_bytes, replace(best.breakdown, largest_kept=largest))
 
 
-def _infeasible_overrides(memory: MemoryModel, budget_bytes: int, options: SaveOptions, deadline: float):
+def _infeasible_overrides(memory: MemoryModel, budget_bytes: int, options: SaveOptions, deadline: Deadline) -> None:
     """Raises InfeasibleBudget saying the user's overrides are what makes the budget infeasible."""
     overrides = SaveOptions(must_save=options.must_save, must_recompute=options.must_recompute)
     try:
-        best = simulate(memory, *min_peak_saves(memory, time_limit_s=left_s(deadline), options=overrides))
+        best = simulate(memory, *min_peak_saves(memory, deadline=deadline, options=overrides))
     except NoSolution as exc:
-        if exc.interrupted:
-            raise KeyboardInterrupt from exc
         if not exc.infeasible:  # out of time: nothing is known about the overrides
             raise PlannerError(f"no plan under must_save/must_recompute fits {format_bytes(budget_bytes)}, and the "
                                "smallest peak they allow was not found within the time limit; raise "
@@ -199,9 +186,8 @@ def _infeasible_overrides(memory: MemoryModel, budget_bytes: int, options: SaveO
         # no plan satisfies them at all: there is no smallest peak to report
         raise InfeasibleBudget(budget_bytes, None, None, "must_save/must_recompute contradict each other (a node "
                                "must be re-run in a chunk where another must not be)") from None
-    free = simulate(memory, *min_peak_saves(memory, time_limit_s=left_s(deadline))).peak_bytes
+    free = simulate(memory, *min_peak_saves(memory, deadline=deadline)).peak_bytes
     if free <= budget_bytes:
         raise InfeasibleBudget(budget_bytes, best.peak_bytes, best.breakdown,
                                f"must_save/must_recompute make the budget infeasible (without them plans reach "
                                f"{format_bytes(free)})")
-

@@ -7,8 +7,9 @@ all run the user's model for real and must not change it.
 from __future__ import annotations
 
 import reprlib
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 from torch import nn

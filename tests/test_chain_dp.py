@@ -4,11 +4,12 @@ exact smallest peak, and a lower bound that never exceeds the optimum."""
 import numpy as np
 import pytest
 
-from planner.solve import chain_dp as chain
-from planner.solve.rotor import relaxed, rotor, smallest_peak
+from planner.solve.deadline import Deadline
 from planner.memory.simulate import simulate
-from planner.solve.result import NoSolution
 from planner.memory.synthetic import brute_force, memory_model, min_peak_brute, random_profile, transformer_profile
+from planner.solve import chain_dp as chain
+from planner.solve.result import NoSolution
+from planner.solve.rotor import relaxed, rotor, smallest_peak
 
 # Graphs of 8 and 9 nodes take 10-50 s each against brute force: the quick run (-m "not slow") skips them.
 CASES = [pytest.param(n, seed, skips, marks=pytest.mark.slow if n >= 8 else ())
@@ -24,9 +25,9 @@ def test_dp_is_exact_on_small_dags(n, seed, skips):
         if expected is None:
             assert relaxed(model, budget) is None
             with pytest.raises(NoSolution):
-                rotor(model, budget)
+                rotor(model, budget, deadline=Deadline.after(30))
             continue
-        found = rotor(model, budget)
+        found = rotor(model, budget, deadline=Deadline.after(30))
         assert found.recompute_us == expected, f"budget {budget}: plan {found.plan}"
         assert simulate(model, found.plan).peak_bytes <= budget
         assert relaxed(model, budget)[1] == expected
@@ -51,7 +52,7 @@ def test_untracked_storages_keep_plans_feasible_and_bounds_valid(monkeypatch):
         for budget in range(lowest, highest, max(1, (highest - lowest) // 4)):
             expected = brute_force(model, budget)
             try:
-                found = rotor(model, budget)
+                found = rotor(model, budget, deadline=Deadline.after(30))
             except NoSolution:
                 found = None
             if found is not None:
@@ -64,12 +65,12 @@ def test_untracked_storages_keep_plans_feasible_and_bounds_valid(monkeypatch):
 @pytest.mark.slow
 def test_transformer_graph_is_proven_optimal_by_the_dps():
     """On a residual stack every storage is tracked: the two DPs meet (solve needs no CP-SAT)."""
+    from planner.memory.build import build_model
     from planner.memory.regions import find_regions
-    from planner.memory.model import build_model
     profile = transformer_profile(12)
     model = build_model(profile, find_regions(profile, max_chunks=128))
     budget = simulate(model, ()).peak_bytes // 2
-    found, (_, lower) = rotor(model, budget), relaxed(model, budget)
+    found, (_, lower) = rotor(model, budget, deadline=Deadline.after(30)), relaxed(model, budget)
     assert found.recompute_us == lower
 
 
@@ -79,10 +80,11 @@ def test_more_chunks_never_cost_more_recompute_and_stay_exact(restore_buffers):
     for both: plan_for refines the coarse chunking itself, so two profiles' timings would be compared."""
     from conftest import assert_plan_is_exact
     from models import tower, tower_inputs
+
     from planner import plan_for, prepare
 
     model, inputs = tower(), tower_inputs()
-    loss_fn = lambda out: out.square().mean()  # noqa: E731
+    loss_fn = lambda out: out.square().mean()
     coarse = prepare(model, inputs=inputs, loss_fn=loss_fn, max_chunks=4)
     fine = prepare(model, inputs=inputs, loss_fn=loss_fn, max_chunks=64, profile=coarse.profile)
     assert coarse.regions.n_chunks <= 4 < fine.regions.n_chunks

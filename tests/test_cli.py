@@ -306,7 +306,8 @@ IN_PROCESS_ERRORS = {
     "factory-raises": ("import torch\ndef model():\n    return torch.nn.Linear(2, 2, bogus=1)\n"
                        "inputs = (torch.randn(3, 2),)\n", [], "model.py:3: TypeError"),
     "not-a-module": ("model = 3\ninputs = ()\n", [], "`model` in model.py is of type int, not a torch.nn.Module"),
-    "bad-inputs": ("import torch\nmodel = torch.nn.Linear(2, 2)\ninputs = 5\n", [], "`inputs` in model.py: inputs must"),
+    "bad-inputs": ("import torch\nmodel = torch.nn.Linear(2, 2)\ninputs = 5\n", [],
+                   "`inputs` in model.py: inputs must"),
     "bad-percent": (LINEAR, ["--budget", "150%"], "a percentage must be in (0, 100]"),
     "zero-budget": (LINEAR, ["--budget", "0"], "must be a positive number of bytes"),
     "unknown-solver": (LINEAR, ["--solver", "nope"], "argument --solver: invalid choice: 'nope'"),
@@ -432,7 +433,8 @@ def test_compiled_json_reports_every_probe_and_a_peak_that_fits(tmp_path):
     data = json.loads(result.stdout)
     assert [(p["source"], p["fraction"]) for p in data["probes"]] == [("knapsack", 1.0), ("knapsack", 0.5),
                                                                       ("plan", 1.0)]
-    assert data["budget_bytes"] == parse_budget("85%", baseline_peak_bytes=data["baseline_peak_bytes"]) and data["peak_bytes"] <= data["budget_bytes"]
+    assert data["budget_bytes"] == parse_budget("85%", baseline_peak_bytes=data["baseline_peak_bytes"])
+    assert data["peak_bytes"] <= data["budget_bytes"]
     fitting = [p for p in data["probes"] if p["peak_bytes"] <= data["budget_bytes"]]
     assert data["step_ms"] == min(p["step_ms"] for p in fitting)
 

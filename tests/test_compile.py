@@ -14,17 +14,17 @@ from pathlib import Path
 
 import pytest
 import torch
+from forcing import every_save
+from models import Tower
 from torch._dynamo.utils import counters
 from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 from torch.utils.checkpoint import CheckpointPolicy
 
-from models import Tower
 from planner import optimize
-from planner.pipeline import plan_for, plan_from_solution, prepare
-from planner.rewrite.candidates import every_save
 from planner.memory.simulate import simulate
-from planner.solve.result import Solution
+from planner.pipeline import plan_for, plan_from_solution, prepare
 from planner.solve.default import solve
+from planner.solve.result import Solution
 
 pytestmark = pytest.mark.slow  # inductor compiles C++: ~10 s per model on 2 cores
 
@@ -100,7 +100,7 @@ def _with_every_save(prepared, budget):
     """The whole-segment plan for ``budget`` with every save its segments allow."""
     memory = prepared.memory
     chunks = solve(memory, plan_for(prepared, budget, selective=False).budget_bytes).plan
-    saves = every_save(prepared.captured.graph_module, prepared.profile, memory, chunks)
+    saves = every_save(prepared.profile, memory, chunks, prepared.rules.savable)
     peak = simulate(memory, chunks, saves).peak_bytes
     return plan_from_solution(prepared, Solution(plan=chunks, status="FIXED", recompute_us=0, bound_us=0,
                                                  solve_time_s=0.0, saves=saves), peak)

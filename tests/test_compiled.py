@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from models import Tower
+
 from planner import InfeasibleBudget, optimize_compiled, parse_budget
 from planner.capture.inputs import as_inputs
 from planner.compiled.backend import CompiledModule

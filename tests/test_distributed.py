@@ -22,9 +22,18 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from planner import InfeasibleBudget, load_plan, plan_for, prepare
-from planner.distributed.memory import early_gathers, memory_offset, resolve_units, setup, split_at_units
-from planner.distributed.rank import (apply_plan, count_collectives, fully_shard_units, plan_on_rank0,
-                                      rank_peak_bytes, resident_bytes, same_on_all_ranks)
+from planner.capture.fsdp_units import resolve_units
+from planner.distributed.memory import memory_offset, setup, split_at_units
+from planner.solve.deadline import Deadline
+from planner.distributed.rank import (
+    apply_plan,
+    count_collectives,
+    fully_shard_units,
+    plan_on_rank0,
+    rank_peak_bytes,
+    resident_bytes,
+    same_on_all_ranks,
+)
 from planner.plan import Segment
 from planner.solve.result import Solution
 
@@ -127,10 +136,12 @@ def test_ddp_offset_is_replicas_plus_buckets_plus_optimizer(fsdp_prepared):
 def test_segments_are_cut_to_one_unit_each(fsdp_prepared):
     memory = fsdp_prepared.memory
     joint = Solution(plan=((0, 3),), status="OPTIMAL", recompute_us=0, bound_us=0, solve_time_s=0.0)
-    cut = split_at_units(memory, joint, 10**12, fsdp_prepared.distributed, fsdp_prepared.profile)
+    cut = split_at_units(memory, joint, 10**12, fsdp_prepared.distributed, fsdp_prepared.profile,
+                         deadline=Deadline.after(30))
     assert cut.plan == ((0, 1), (1, 2), (2, 3))
     with pytest.raises(InfeasibleBudget):
-        split_at_units(memory, joint, 1000, fsdp_prepared.distributed, fsdp_prepared.profile)
+        split_at_units(memory, joint, 1000, fsdp_prepared.distributed, fsdp_prepared.profile,
+                       deadline=Deadline.after(30))
 
 
 def test_fsdp_plan_calls_whole_units(fsdp_prepared, tmp_path):
@@ -150,6 +161,21 @@ def test_fsdp_plan_calls_whole_units(fsdp_prepared, tmp_path):
 def test_plan_on_rank0_needs_a_process_group():
     with pytest.raises(RuntimeError, match="call dist.init_process_group"):
         plan_on_rank0(make_model(), "60%", inputs=(rank_inputs(0),))
+
+
+def early_gathers(segments, units) -> int:
+    """Units a plan's re-runs gather before their own backward, per step (FSDP2): in each segment
+    every unit but the last, and the last too when ops follow it in the segment. Each stays
+    gathered until its post-backward; the number of all-gathers does not change. Conservative:
+    an op after the last unit that saves nothing does not start the re-run early."""
+    wanted = set(units)
+    early = 0
+    for seg in segments:
+        paths = list(seg.module_paths)
+        inside = [i for i, p in enumerate(paths) if p in wanted]
+        if inside:
+            early += len(inside) - 1 + (1 if inside[-1] < len(paths) - 1 else 0)
+    return early
 
 
 def test_early_gathers_counts_units_re_run_before_their_backward():
@@ -214,7 +240,7 @@ def _train(module: nn.Module, wrapped: nn.Module, x: torch.Tensor, extra_residen
     for step in range(3):
         out: list[torch.Tensor] = []
 
-        def one_step() -> None:
+        def one_step(out: list = out) -> None:
             out.append(loss_fn(wrapped(x)))
             out[-1].backward()
 

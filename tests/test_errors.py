@@ -5,8 +5,8 @@ import re
 import pytest
 import torch
 import torch.nn as nn
-
 from models import tower, tower_inputs
+
 from planner import CaptureError, InfeasibleBudget, ProfileError, optimize
 
 

@@ -1,8 +1,8 @@
 """Every bundled example at every budget regime: same numerics, measured peak within budget and prediction."""
 
 import pytest
-
 from conftest import assert_plan_is_exact, load_example
+
 from planner import InfeasibleBudget, optimize
 
 EXAMPLES = ["seed_cnn", "gpt", "resnet"]

@@ -13,12 +13,13 @@ from hypothesis import strategies as st
 
 matplotlib.use("Agg")
 
-import planner  # noqa: E402
-from planner.report import explore  # noqa: E402
-from planner.report.explore import Tradeoff, TradeoffRow, knee_index, monotone, pareto_front, sweep  # noqa: E402
-from planner.pipeline import plan_for  # noqa: E402
-from planner.plan import load_plan  # noqa: E402
-from models import tower, tower_inputs  # noqa: E402
+from models import tower, tower_inputs
+
+import planner
+from planner.pipeline import plan_for
+from planner.plan import load_plan
+from planner.report import explore
+from planner.report.explore import Tradeoff, TradeoffRow, knee_index, monotone, pareto_front, sweep
 
 BUDGETS = ["100%", "90%", "70%", "50%", "20%", 10**9]
 
@@ -154,7 +155,7 @@ def test_whole_segment_sweep_plans_without_saves(prepared, monkeypatch):
     asked = []
 
     def recording(*args, **kwargs):
-        asked.append(kwargs["selective"])
+        asked.append(kwargs["options"].selective)
         return plan_for(*args, **kwargs)
 
     monkeypatch.setattr(explore, "plan_for", recording)
@@ -207,7 +208,7 @@ def test_reference_points(tradeoff, prepared):
     assert list(refs) == ["none", "every block", "√n"]
     assert refs["none"].predicted_peak_bytes == prepared.baseline.peak_bytes and refs["none"].predicted_overhead == 0
     assert refs["every block"].n_segments == len(prepared.regions.blocks)
-    assert 0 < refs["every block"].predicted_overhead and refs["every block"].predicted_peak_bytes < \
+    assert refs["every block"].predicted_overhead > 0 and refs["every block"].predicted_peak_bytes < \
         prepared.baseline.peak_bytes
 
 

@@ -10,8 +10,8 @@ import os
 import random
 
 import pytest
+from fuzz import KINDS, budgets, check_budget, loss_fn, random_model
 
-from fuzz import KINDS, check_budget, budgets, loss_fn, random_model
 from planner.pipeline import prepare
 
 CI_SEEDS = range(10)

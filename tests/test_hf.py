@@ -7,8 +7,8 @@ import warnings
 
 import pytest
 import torch
-
 from conftest import training_step
+
 from planner import InfeasibleBudget, disable, enable, optimize
 from planner.capture.inputs import as_inputs
 from planner.profiling.measure import measure_peak
@@ -128,7 +128,7 @@ def test_generate_and_save_pretrained(planned, tmp_path):
 def test_the_call_signature_and_its_errors_are_the_models_own(planned):
     _, model, plan = planned
     assert inspect.signature(plan.module.forward) == inspect.signature(model.forward)
-    with pytest.raises(Exception) as theirs:  # noqa: PT011 - whatever the model raises, the plan raises
+    with pytest.raises(Exception) as theirs:
         model(**lm_batch(), input_ids_typo=torch.zeros(1, 2), inputs_embeds=torch.zeros(1, 2))
     with pytest.raises(type(theirs.value)) as ours:
         plan.module(**lm_batch(), input_ids_typo=torch.zeros(1, 2), inputs_embeds=torch.zeros(1, 2))

@@ -16,10 +16,11 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from models import Tower, tower, tower_inputs
 
 import planner
-from models import Tower, tower, tower_inputs
 from planner import PlannerError, load_plan, load_profile, optimize
 from planner.budget import _UNITS, ACCEPTED_FORMS, check_budget, parse_budget
 from planner.errors import BudgetError, PlanFileError, PlanMismatch, ProfileFileError, ProfileMismatch
@@ -149,7 +150,7 @@ def test_a_failing_model_file_is_one_line_and_the_model_untouched(case, tmp_path
 def test_a_forward_that_exits_under_compiled_is_one_line(tmp_path, monkeypatch, capsys):
     """``--compiled`` runs the file's forward under torch.compile: sys.exit() there is the user's mistake
     too (exit 2), not an exit code ckplan passes on."""
-    body, inputs, extra, says = MODEL_ERRORS["forward-exits"]
+    body, inputs, extra, _says = MODEL_ERRORS["forward-exits"]
     err = _run_cli(tmp_path, monkeypatch, capsys, MODEL.format(body=body, inputs=inputs, extra=extra),
                    "--compiled", "--fractions", "1")
     assert "SystemExit: 0" in err and "not exit" in err, err
@@ -245,8 +246,8 @@ def _required(kind: str, at: tuple) -> bool:
     """Whether the record holding field ``at`` has no default for it (or it is the file's format/version)."""
     holder = tuple(k for k in at[:-1] if isinstance(k, str))  # ("segments", 0, "nodes") is held by a Segment
     cls = RECORDS[kind].get(holder)
-    return (not holder and at[-1] in HEADER) or cls is not None and any(
-        f.name == at[-1] and f.default is MISSING and f.default_factory is MISSING for f in fields(cls))
+    return (not holder and at[-1] in HEADER) or (cls is not None and any(
+        f.name == at[-1] and f.default is MISSING and f.default_factory is MISSING for f in fields(cls)))
 
 
 @FEW
@@ -341,7 +342,7 @@ def test_a_rewired_profile_plans_or_is_refused(saved, data):
     for path, value in edits:
         current = json.loads(text)
         old = _at(current, path)
-        new = value if not isinstance(old, list) else [value] + old[1:]
+        new = value if not isinstance(old, list) else [value, *old[1:]]
         text = _edit(text, path, new)
     result = _load(saved, "profile", text)
     if not isinstance(result, PlannerError):

@@ -17,8 +17,9 @@ from dataclasses import dataclass
 
 import pytest
 
+from planner.memory.build import build_model
+from planner.memory.model import ChunkPlan
 from planner.memory.regions import Regions
-from planner.memory.model import ChunkPlan, build_model
 from planner.memory.simulate import simulate
 from planner.profiling.record import LOSS_NODE, NodeCost, Profile, StorageCost
 
@@ -39,8 +40,8 @@ def node(name: str, *, reads: tuple[int, ...], makes: tuple[int, ...], saves: tu
 
 def profile(nodes: list[NodeCost], sizes: list[int]) -> Profile:
     """Storage 0 is the input x; storage i > 0 has ``sizes[i]`` bytes and is made by node i - 1."""
-    storages = (StorageCost(nbytes=X, producer=-1),) + tuple(
-        StorageCost(nbytes=size, producer=i - 1) for i, size in enumerate(sizes) if i)
+    storages = (StorageCost(nbytes=X, producer=-1),
+                *(StorageCost(nbytes=size, producer=i - 1) for i, size in enumerate(sizes) if i))
     return Profile(nodes=tuple(nodes), storages=storages, device="cpu", torch_version="by hand", input_shapes=(),
                    param_bytes=PARAMS, grad_bytes=PARAMS, step_fwd_ms=4.0, step_bwd_ms=8.0)
 

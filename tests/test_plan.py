@@ -5,13 +5,13 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-
 from conftest import training_step
 from models import DictModel, dict_loss, tower, tower_inputs
+
 from planner import InfeasibleBudget, load_plan, optimize
 from planner.capture.api import capture
+from planner.capture.calls import SCOPE_KEY, entry_path
 from planner.capture.inputs import as_inputs
-from planner.capture.scope import SCOPE_KEY, path_of
 from planner.profiling.measure import measure_peak
 from planner.rewrite.graph import SegmentSpec, rewrite
 
@@ -37,7 +37,7 @@ def test_module_shares_parameters_and_keeps_the_tree(planned):
 def test_model_is_not_modified(planned):
     model, plan = planned
     assert type(model).__name__ == "Tower" and type(plan.module).__name__ == "CheckpointedTower"
-    assert not any(k.startswith("_tensor_constant") or k.startswith("_ckplan") for k in vars(model))
+    assert not any(k.startswith(("_tensor_constant", "_ckplan")) for k in vars(model))
 
 
 def test_hooks_of_layers_still_run(planned):
@@ -177,7 +177,7 @@ def test_tied_weight_stays_one_parameter_with_exact_gradients(checkpointed):
     x = torch.randn(8, 16)
     captured = capture(model, as_inputs(model, (x,)))
     segments = [SegmentSpec(nodes=tuple(n.name for n in captured.graph_module.graph.nodes
-                                        if any(path_of(e) == path for e in n.meta.get(SCOPE_KEY, ()))))
+                                        if any(entry_path(e) == path for e in n.meta.get(SCOPE_KEY, ()))))
                 for path in checkpointed]
     planned = rewrite(model, captured, segments)
     assert planned.source.count("torch.utils.checkpoint.checkpoint(") == len(checkpointed)

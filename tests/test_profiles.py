@@ -13,11 +13,11 @@ import resource
 
 import pytest
 import torch
+from conftest import EXAMPLES, assert_plan_is_exact, load_example
+from models import tower, tower_inputs
 from torch import nn
 
 import planner
-from conftest import EXAMPLES, assert_plan_is_exact, load_example
-from models import tower, tower_inputs
 from planner import ProfileFileError, ProfileMismatch, load_profile, optimize, sweep
 from planner.capture.inputs import as_inputs
 from planner.profiling.devices import device_names, load_device
@@ -38,7 +38,7 @@ def _segments(plan):
 
 
 def test_saved_profile_reads_back_equal_and_documents_its_run(measured, tmp_path):
-    model, prof = measured
+    _model, prof = measured
     prof.save(tmp_path / "p.json")
     assert load_profile(tmp_path / "p.json") == prof
     data = json.loads((tmp_path / "p.json").read_text())

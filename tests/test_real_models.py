@@ -2,8 +2,8 @@
 
 import pytest
 import torch
-
 from conftest import assert_plan_is_exact
+
 from planner import InfeasibleBudget, optimize
 from planner.capture.api import ATEN
 

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 from torch import nn
 
-from planner.memory.regions import _common_depth, find_regions
+from planner.memory.regions import find_regions
 from planner.pipeline import prepare
 
 
@@ -28,7 +30,7 @@ class Narrowing(nn.Module):
         super().__init__()
         widths = (256, 128, 64, 32)
         self.first, self.second, self.third, self.fourth = (Layer(w) for w in widths)
-        self.down1, self.down2, self.down3 = (nn.Linear(a, b) for a, b in zip(widths, widths[1:]))
+        self.down1, self.down2, self.down3 = (nn.Linear(a, b) for a, b in itertools.pairwise(widths))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.down1(self.first(x))
@@ -46,7 +48,7 @@ def test_every_module_call_is_cut_inside_before_any_is_cut_twice():
     def inner(starts):  # layer name -> cuts strictly inside one of its calls
         found: dict[str, list[int]] = {}
         for b in starts[1:]:
-            depth = _common_depth(nodes[b - 1].scope, nodes[b].scope)
+            depth = profile.calls.common_depth(b - 1, b)
             if depth >= 1 and nodes[b].module_path.split(".")[0] in ("first", "second", "third", "fourth"):
                 found.setdefault(nodes[b].module_path.split(".")[0], []).append(b)
         return found

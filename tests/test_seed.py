@@ -4,9 +4,9 @@ flatten bug is reported as a clear error naming the shapes."""
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import load_example
 from torch.utils.checkpoint import checkpoint
 
-from conftest import load_example
 from planner import InfeasibleBudget, ProfileError, optimize
 from planner.capture.inputs import as_inputs
 from planner.profiling.measure import measure_peak

@@ -6,22 +6,23 @@ import random
 
 import pytest
 import torch
+from conftest import assert_plan_is_exact, load_example
+from forcing import every_save
+from models import tower, tower_inputs
 from torch.utils.flop_counter import FlopCounterMode
 
-from conftest import assert_plan_is_exact, load_example
-from models import tower, tower_inputs
 from planner import InfeasibleBudget
-from planner.pipeline import plan_for, plan_from_solution, prepare
-from planner.solve.chain_dp import ChainDP
-from planner.solve.rotor import rotor_saves
 from planner.memory.saves import SaveOptions, cacheable, check_saves, partner, segment_of
 from planner.memory.simulate import simulate
-from planner.rewrite.candidates import every_save
+from planner.memory.synthetic import all_plans, memory_model, min_peak_brute, random_profile
+from planner.pipeline import plan_for, plan_from_solution, prepare
+from planner.solve.chain_dp import ChainDP
+from planner.solve.cpsat import search
+from planner.solve.deadline import Deadline
+from planner.solve.default import solve
 from planner.solve.peaks import encoded_peak
 from planner.solve.result import NoSolution, Solution
-from planner.solve.cpsat import search
-from planner.solve.default import solve
-from planner.memory.synthetic import all_plans, memory_model, min_peak_brute, random_profile
+from planner.solve.rotor import rotor_saves
 
 
 def _model(seed, n=9):
@@ -49,7 +50,7 @@ def test_encoding_equals_simulator_with_saves(seed):
     rng = random.Random(seed)
     cases = list(_plans_with_saves(model, options))
     for plan, saves in rng.sample(cases, 12):
-        assert encoded_peak(model, plan, saves=saves, options=options) == simulate(model, plan, saves).peak_bytes
+        assert encoded_peak(model, plan, saves=saves, options=options, deadline=Deadline.after(30)) == simulate(model, plan, saves).peak_bytes
 
 
 @pytest.mark.slow
@@ -62,7 +63,7 @@ def test_selective_optimum_matches_brute_force(seed):
     for budget in (lowest, (lowest + highest) // 2, highest - 1):
         best = min(t.recompute_us for _, _, t in cases if t.peak_bytes <= budget)
         whole = min(t.recompute_us for p, s, t in cases if t.peak_bytes <= budget and not s)
-        found = solve(model, budget, time_limit_s=20, options=options)
+        found = solve(model, budget, deadline=Deadline.after(20), options=options)
         assert found.status == "OPTIMAL" and found.recompute_us == best
         assert simulate(model, found.plan, found.saves).peak_bytes <= budget
         assert best <= whole
@@ -110,15 +111,16 @@ def test_overrides_are_honoured_or_infeasible():
     model, options = _model(1)
     o = options.candidates[0]
     lowest = min_peak_brute(model)
-    forced = solve(model, simulate(model, ()).peak_bytes, time_limit_s=20,
+    forced = solve(model, simulate(model, ()).peak_bytes, deadline=Deadline.after(20),
                    options=SaveOptions(candidates=options.candidates, must_recompute=frozenset({o})))
     assert o not in forced.saves and segment_of(model, forced.plan)[o] >= 0
     outside = min(simulate(model, plan).peak_bytes for plan in all_plans(model) if segment_of(model, plan)[o] < 0)
-    kept = solve(model, outside, time_limit_s=20, options=SaveOptions(candidates=(), must_save=frozenset({o})))
+    kept = solve(model, outside, deadline=Deadline.after(20),
+                 options=SaveOptions(candidates=(), must_save=frozenset({o})))
     assert segment_of(model, kept.plan)[o] < 0
     every = frozenset(range(model.regions.end))
     with pytest.raises(NoSolution) as info:
-        search(model, lowest, options=SaveOptions(must_save=every), time_limit_s=20)
+        search(model, lowest, options=SaveOptions(must_save=every), deadline=Deadline.after(20))
     assert info.value.infeasible
 
 
@@ -132,8 +134,8 @@ def _forced_saves(prepared, budget):
     """The whole-segment plan for ``budget`` with every allowed save in its segments (the solver weighs
     SAC's dispatch cost and may choose none; correctness must hold for any saves)."""
     memory = prepared.memory
-    chunks = solve(memory, plan_for(prepared, budget, selective=False).budget_bytes).plan
-    saves = every_save(prepared.captured.graph_module, prepared.profile, memory, chunks)
+    chunks = solve(memory, plan_for(prepared, budget, selective=False).budget_bytes, deadline=Deadline.after(30)).plan
+    saves = every_save(prepared.profile, memory, chunks, prepared.rules.savable)
     assert saves
     peak = simulate(memory, chunks, saves).peak_bytes
     return plan_from_solution(prepared, Solution(plan=chunks, status="FIXED", recompute_us=0, bound_us=0,
@@ -285,5 +287,5 @@ def test_sac_dispatch_cost_is_charged_and_optimal(seed):
     lowest, highest = min_peak_brute(model), simulate(model, ()).peak_bytes
     for budget in (lowest, (lowest + highest) // 2):
         best = min(t.recompute_us for _, _, t in cases if t.peak_bytes <= budget)
-        found = solve(model, budget, time_limit_s=20, options=options)
+        found = solve(model, budget, deadline=Deadline.after(20), options=options)
         assert found.status == "OPTIMAL" and found.recompute_us == best

@@ -15,8 +15,8 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-
 from models import Block, Tower, tower
+
 from planner import optimize
 from planner.capture.api import capture
 from planner.capture.inputs import as_inputs

@@ -7,11 +7,12 @@ import pytest
 
 from planner.memory.excess import excess_of
 from planner.memory.simulate import simulate
+from planner.memory.synthetic import all_plans, brute_force, memory_model, min_peak_brute, random_profile
+from planner.solve.cpsat import search
+from planner.solve.deadline import Deadline
+from planner.solve.default import solve
 from planner.solve.peaks import encoded_peak, min_peak
 from planner.solve.result import NoSolution
-from planner.solve.cpsat import search
-from planner.solve.default import solve
-from planner.memory.synthetic import all_plans, brute_force, memory_model, min_peak_brute, random_profile
 
 GRAPHS = [(n, seed, skips) for n, seed in [(6, 0), (8, 1), (9, 2), (10, 3), (10, 4)] for skips in (False, True)]
 
@@ -29,7 +30,7 @@ def test_binding_budget_matches_brute_force(n, seed, skips, engine):
     lowest, highest = min_peak_brute(model), simulate(model, ()).peak_bytes
     for budget in (lowest, (lowest + highest) // 2, highest - 1):
         expected = brute_force(model, budget)
-        solution = engine(model, budget, time_limit_s=20)
+        solution = engine(model, budget, deadline=Deadline.after(20))
         assert solution.status == "OPTIMAL"
         assert solution.bound_us == expected
         assert solution.recompute_us == expected, f"budget {budget}: plan {solution.plan}"
@@ -39,7 +40,7 @@ def test_binding_budget_matches_brute_force(n, seed, skips, engine):
 @pytest.mark.parametrize(("n", "seed", "skips"), GRAPHS[:4])
 def test_slack_budget_needs_no_checkpointing(n, seed, skips):
     model = memory_model(random_profile(n, seed, skip_connections=skips))
-    solution = solve(model, simulate(model, ()).peak_bytes, time_limit_s=20)
+    solution = solve(model, simulate(model, ()).peak_bytes, deadline=Deadline.after(20))
     assert solution.recompute_us == 0 and solution.status == "OPTIMAL"
 
 
@@ -49,9 +50,9 @@ def test_infeasible_budget_is_proven_and_min_peak_is_exact(n, seed, skips):
     lowest = min_peak_brute(model)
     for engine in (solve, search):
         with pytest.raises(NoSolution) as info:
-            engine(model, lowest - 1, time_limit_s=20)
+            engine(model, lowest - 1, deadline=Deadline.after(20))
         assert info.value.infeasible
-    assert simulate(model, min_peak(model)).peak_bytes == lowest
+    assert simulate(model, min_peak(model, deadline=Deadline.after(30))).peak_bytes == lowest
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -59,7 +60,7 @@ def test_encoding_equals_simulator_on_random_plans(seed):
     model = memory_model(random_profile(9, seed, skip_connections=True))
     rng = random.Random(seed)
     for plan in rng.sample(all_plans(model), 12):
-        assert encoded_peak(model, plan) == simulate(model, plan).peak_bytes, plan
+        assert encoded_peak(model, plan, deadline=Deadline.after(30)) == simulate(model, plan).peak_bytes, plan
 
 
 def _with_eager_locals(n: int, seed: int):
@@ -83,11 +84,11 @@ def test_eager_locals_encoding_equals_simulator_and_solvers_are_optimal(seed):
     rng = random.Random(seed)
     assert len({int(excess_of(model, plan).sum()) for plan in all_plans(model)}) > 2  # the plan decides
     for plan in rng.sample(all_plans(model), 12):
-        assert encoded_peak(model, plan) == simulate(model, plan).peak_bytes, plan
+        assert encoded_peak(model, plan, deadline=Deadline.after(30)) == simulate(model, plan).peak_bytes, plan
     lowest, highest = min_peak_brute(model), simulate(model, ()).peak_bytes
     for budget in (lowest, (lowest + highest) // 2, highest - 1):
         expected = brute_force(model, budget)
         for engine in (solve, search):
-            solution = engine(model, budget, time_limit_s=20)
+            solution = engine(model, budget, deadline=Deadline.after(20))
             assert solution.status == "OPTIMAL" and solution.recompute_us == expected, (engine, budget)
             assert simulate(model, solution.plan).peak_bytes <= budget

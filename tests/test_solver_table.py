@@ -4,10 +4,11 @@ slack (the un-checkpointed peak fits), binding (between the smallest peak and th
 
 import pytest
 
+from planner.memory.build import build_model
 from planner.memory.regions import find_regions
-from planner.memory.model import build_model
 from planner.memory.simulate import simulate
 from planner.memory.synthetic import all_plans, brute_force, min_peak_brute, transformer_profile
+from planner.solve.deadline import Deadline
 from planner.solve.registry import SOLVERS
 from planner.solve.result import NoSolution, SolverStatus
 
@@ -36,7 +37,7 @@ def regimes(model):
 def test_solver_in_regime(model, regimes, name, regime):
     budget, best = regimes[regime]  # best: least recompute of any plan that fits, or None
     if name in FIXED:
-        solution = SOLVERS[name](model, budget, time_limit_s=5)
+        solution = SOLVERS[name](model, budget, deadline=Deadline.after(5))
         assert solution.status == SolverStatus.FIXED and solution.bound_us is None
         assert solution.recompute_us == simulate(model, solution.plan).recompute_us
         if regime == "infeasible":  # a fixed placement cannot fit where nothing does
@@ -45,10 +46,10 @@ def test_solver_in_regime(model, regimes, name, regime):
     if regime == "infeasible":
         assert best is None
         with pytest.raises(NoSolution) as info:
-            SOLVERS[name](model, budget, time_limit_s=5)
+            SOLVERS[name](model, budget, deadline=Deadline.after(5))
         assert info.value.infeasible
         return
-    solution = SOLVERS[name](model, budget, time_limit_s=5)
+    solution = SOLVERS[name](model, budget, deadline=Deadline.after(5))
     assert simulate(model, solution.plan, solution.saves).peak_bytes <= budget
     if name == "cpsat":
         assert solution.status == SolverStatus.OPTIMAL and solution.recompute_us == best
@@ -66,7 +67,7 @@ def test_capabilities_describe_every_strategy(model, regimes):
     assert set(CAPABILITIES) == set(SOLVERS)
     budget, _ = regimes["binding"]
     for name in SOLVERS:
-        solution = SOLVERS[name](model, budget, time_limit_s=5)
+        solution = SOLVERS[name](model, budget, deadline=Deadline.after(5))
         caps = capabilities(name)
         assert (solution.status == SolverStatus.FIXED) == (not caps.reads_budget)
         assert (solution.status == SolverStatus.OPTIMAL) <= caps.proves_optimal

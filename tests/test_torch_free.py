@@ -50,6 +50,7 @@ SCRIPT = textwrap.dedent('''
     from planner.memory.simulate import simulate
     from planner.memory.synthetic import brute_force, graph_profile, memory_model, min_peak_brute
     from planner.solve.cpsat import search
+    from planner.solve.deadline import Deadline
     from planner.solve.registry import SOLVERS
 
     # Five nodes and the loss: each allocates its output and saves its input or its output.
@@ -62,10 +63,10 @@ SCRIPT = textwrap.dedent('''
     budget = (smallest + baseline) // 2
     best_us = brute_force(model, budget)
     for name in ("cpsat", "rotor"):  # the planners: a plan that fits, as cheap as any
-        solution = SOLVERS[name](model, budget, time_limit_s=5.0)
+        solution = SOLVERS[name](model, budget, deadline=Deadline.after(5.0))
         assert simulate(model, solution.plan).peak_bytes <= budget, name
         assert solution.recompute_us == best_us, (name, solution.recompute_us, best_us)
-    alone = search(model, budget, time_limit_s=5.0)  # CP-SAT itself, without the DPs in front
+    alone = search(model, budget, deadline=Deadline.after(5.0))  # CP-SAT itself, without the DPs in front
     assert simulate(model, alone.plan).peak_bytes <= budget
     assert alone.recompute_us == best_us
 

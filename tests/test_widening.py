@@ -6,14 +6,14 @@ import time
 
 import pytest
 import torch
+from conftest import assert_plan_is_exact
 from torch import nn
 
 import planner.solving as solving
-from conftest import assert_plan_is_exact
 from planner import InfeasibleBudget, optimize
 from planner.pipeline import plan_for, plan_from_solution, prepare
-from planner.step import default_loss
 from planner.report.render import infeasible_json
+from planner.step import default_loss
 
 pytestmark = pytest.mark.slow  # several profiles and solves: ~30 s
 

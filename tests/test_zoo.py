@@ -2,11 +2,11 @@
 
 import pytest
 import torch
-
 from conftest import assert_plan_is_exact
+from zoo import MobileNetV2, ResNet18, ViT, images, labels_loss
+
 from planner import InfeasibleBudget, optimize
 from planner.capture.api import FX
-from zoo import MobileNetV2, ResNet18, ViT, images, labels_loss
 
 # (builder, batch, image size, reaches 50%): ResNet-18's stride-2 stem makes its first activations and
 # their gradients the floor of any plan (~70-80% of the un-checkpointed peak at these sizes).
@@ -44,6 +44,7 @@ def test_autocast_bf16_profile_sees_the_saved_bf16_activations(restore_buffers):
     the float32 bytes), and the plan is exact and within budget when trained under the same autocast.
     (Known gap, docs/memory-model.md: at tight budgets autocast plans can be under-predicted.)"""
     from conftest import load_example
+
     from planner import prepare
 
     example = load_example("gpt")
@@ -64,8 +65,9 @@ def test_autocast_bf16_profile_sees_the_saved_bf16_activations(restore_buffers):
 def test_value_dependent_blocks_are_planned_on_their_own_forward(budget, restore_buffers):
     """fx cannot trace the blocks (value-dependent branch): the model is captured from one real forward
     (ATen tier) and its plan runs the model's own code with module hooks, so any branch runs exactly."""
-    from planner.capture.api import ATEN
     from zoo import GatedTower
+
+    from planner.capture.api import ATEN
 
     torch.manual_seed(0)
     model, inputs = GatedTower(), (torch.randn(2048, 16),)
@@ -83,9 +85,10 @@ def test_value_dependent_blocks_are_planned_on_their_own_forward(budget, restore
 
 def test_blocks_are_kept_opaque_when_no_real_forward_can_be_recorded(monkeypatch, restore_buffers):
     """The last tier: fx with the repeated blocks as single calls, when the ATen tier fails too."""
+    from zoo import GatedTower
+
     import planner.capture.api as capture_api
     from planner.capture.api import FX_BLOCKS
-    from zoo import GatedTower
 
     def refuse(*args, **kwargs):
         raise RuntimeError("no real forward here")

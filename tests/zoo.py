@@ -91,7 +91,8 @@ class EncoderBlock(nn.Module):
         self.qkv = nn.Linear(width, 3 * width)
         self.proj = nn.Linear(width, width)
         self.ln_2 = nn.LayerNorm(width)
-        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Dropout(dropout), nn.Linear(4 * width, width))
+        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Dropout(dropout),
+                                 nn.Linear(4 * width, width))
 
     def forward(self, x):
         b, t, c = x.size(0), x.size(1), x.size(2)

@@ -1,7 +1,7 @@
 """Turns an nn.Module into a graph, recording which module call each node belongs to.
 
 Capture is the only stage that looks at the user's Python code. It records, per
-node, the stack of module calls around it (``planner.capture.scope``), which
+node, the stack of module calls around it (``planner.capture.calls``), which
 later stages use to align segments to module boundaries and to rewrite the model
 while keeping its module tree. ``capture`` tries the tiers in order.
 """
@@ -9,17 +9,17 @@ while keeping its module tree. ``capture`` tries the tiers in order.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch.fx as fx
 from torch import nn
 
 from planner.capture.aten import aten_graph
 from planner.capture.cache import no_cache
+from planner.capture.calls import SCOPE_KEY, CallIndex, repeated_blocks
 from planner.capture.fx import trace
 from planner.capture.inputs import Inputs
 from planner.capture.method import CaptureMethod
-from planner.capture.scope import repeated_blocks
 from planner.errors import CaptureError, InputError, user_frame
 
 
@@ -37,6 +37,12 @@ class Captured:
     """One line per capture method that was tried first and failed, and why."""
     opaque: frozenset[str] = frozenset()
     """Modules kept as single calls because their code cannot be traced (never inlined)."""
+    calls: CallIndex = field(init=False, repr=False, compare=False)
+    """The module calls of the graph's nodes (placeholders and output excluded), built once here."""
+
+    def __post_init__(self) -> None:
+        nodes = [n for n in self.graph_module.graph.nodes if n.op not in ("placeholder", "output")]
+        object.__setattr__(self, "calls", CallIndex.from_scopes([n.meta.get(SCOPE_KEY, ()) for n in nodes]))
 
 
 FX, ATEN, EXPORT = CaptureMethod.FX, CaptureMethod.ATEN, CaptureMethod.EXPORT
@@ -87,7 +93,7 @@ def capture(model: nn.Module, inputs: Inputs | None = None, *, units: frozenset[
 
                 gm = export_graph(model, inputs.args, inputs.kwargs)
         return Captured(graph_module=gm, method=tier, fingerprint=fingerprint(gm.graph), notes=tuple(notes))
-    except Exception as exc:  # noqa: BLE001 - report every failure in one error
+    except Exception as exc:
         where = user_frame(exc)
         notes.append(f"{tier.label} failed: {type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"
                      + (f" (at {where})" if where else ""))

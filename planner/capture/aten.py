@@ -29,7 +29,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.graph import _PyTreeCodeGen, _PyTreeInfo
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from planner.capture.scope import SCOPE_KEY, path_of
+from planner.capture.calls import SCOPE_KEY, entry, entry_path
 from planner.step import untouched
 
 
@@ -69,7 +69,7 @@ def aten_graph(model: nn.Module, args: tuple, kwargs: dict) -> fx.GraphModule:
     gm.recompile()
     for node in gm.graph.nodes:
         stack = node.meta.get("nn_module_stack") or {}
-        node.meta[SCOPE_KEY] = tuple(f"{path}#{key}" for key, (path, _) in stack.items() if path)
+        node.meta[SCOPE_KEY] = tuple(entry(path, key) for key, (path, _) in stack.items() if path)
     _add_keep_nodes(gm.graph, calls)
     gm.recompile()
     return gm
@@ -94,12 +94,12 @@ def _add_keep_nodes(graph: fx.Graph, calls: list) -> None:
     """A ``keep_args`` node before each call's first node, in the call's scope."""
     for path, before, arguments in calls:
         first = before.next
-        while first.op != "output" and not any(path_of(e) == path for e in first.meta.get(SCOPE_KEY, ())):
+        while first.op != "output" and not any(entry_path(e) == path for e in first.meta.get(SCOPE_KEY, ())):
             first = first.next
         if first.op == "output":
             continue  # the call ran no op
         scope = first.meta[SCOPE_KEY]
-        depth = next(i for i, e in enumerate(scope) if path_of(e) == path)
+        depth = next(i for i, e in enumerate(scope) if entry_path(e) == path)
         arguments = list(dict.fromkeys(arguments))
         with graph.inserting_before(first):
             keep = graph.call_function(keep_args, tuple(arguments))

@@ -12,13 +12,13 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 import torch.fx as fx
 from torch import nn
 
-from planner.capture.scope import SCOPE_KEY
+from planner.capture.calls import SCOPE_KEY, entry
 
 
 @contextlib.contextmanager
@@ -60,5 +60,5 @@ def export_graph(model: nn.Module, args: tuple, kwargs: dict) -> fx.GraphModule:
             target._parameters[leaf] = param
     for node in gm.graph.nodes:
         stack = node.meta.get("nn_module_stack") or {}
-        node.meta[SCOPE_KEY] = tuple(f"{path}#{key}" for key, (path, _) in stack.items() if path)
+        node.meta[SCOPE_KEY] = tuple(entry(path, key) for key, (path, _) in stack.items() if path)
     return gm

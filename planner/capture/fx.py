@@ -8,13 +8,14 @@ import inspect
 import sys
 from bisect import bisect_left
 from collections import Counter
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any
 
 import torch.fx as fx
 from torch import nn
 
-from planner.capture.scope import SCOPE_KEY
+from planner.capture.calls import SCOPE_KEY, entry
 from planner.errors import CaptureError, user_frame
 
 
@@ -61,7 +62,7 @@ class ScopeTracer(fx.Tracer):
 
     def call_module(self, m, forward, args, kwargs):
         path = self.path_of_module(m)
-        self._scope.append(f"{path}#{self._calls[path]}")
+        self._scope.append(entry(path, self._calls[path]))
         self._calls[path] += 1
         try:
             return super().call_module(m, forward, args, kwargs)
@@ -115,7 +116,7 @@ def trace(model: nn.Module, *, opaque: frozenset[str] = frozenset()) -> tuple[fx
     try:
         with training_mode(root):
             graph = ScopeTracer(opaque).trace(root)
-    except Exception as exc:  # noqa: BLE001 - any tracing failure becomes one clear error
+    except Exception as exc:
         where = user_frame(exc)
         raise CaptureError(
             f"torch.fx could not trace {type(model).__name__}: {type(exc).__name__}: "

@@ -1,8 +1,7 @@
 """How a graph was captured: the tiers of ``planner.capture.api.capture`` as an enum (torch-free, so
 the profile's record can hold it too).
 
-The value is short and stable, for JSON; ``label`` is the sentence reports show. ``parse`` also reads
-the sentences older plan and profile files hold.
+The value is short and stable, for JSON; ``label`` is the sentence reports show.
 """
 
 from __future__ import annotations
@@ -17,7 +16,7 @@ class CaptureMethod(str, enum.Enum):
     """``torch.fx.symbolic_trace``: user modules inlined, torch.nn layers kept as calls."""
     ATEN = "aten"
     """The ATen ops one real forward on the example inputs dispatches (``make_fx``), with their module
-    calls: what eager execution does. The plan runs the model's own forward (``runs_modules``)."""
+    calls: what eager execution does. The plan runs the model's own forward (``planner.rewrite.executor``)."""
     EXPORT = "export"
     """``torch.export.export(..., strict=False)`` on the example inputs: an ATen graph (models on the
     meta device, which cannot run a real forward). The plan runs the model's own forward."""
@@ -30,28 +29,9 @@ class CaptureMethod(str, enum.Enum):
         return self.value
 
     @property
-    def runs_modules(self) -> bool:
-        """Whether plans of this tier run the model's own forward, with checkpoints entered and left by
-        module hooks (``planner.rewrite.chains``), so that segments are chains of module calls; the
-        other tiers run a rewritten graph."""
-        return self in (CaptureMethod.ATEN, CaptureMethod.EXPORT)
-
-    @property
     def label(self) -> str:
         """The human sentence reports show (``torch.fx.symbolic_trace``...)."""
         return _LABELS[self]
-
-    @classmethod
-    def parse(cls, text: str) -> CaptureMethod:
-        """The member named by its value (``"fx"``) or by its label, as files written before the enum hold.
-
-        Raises:
-            ValueError: neither.
-        """
-        for member in cls:
-            if text in (member.value, member.label):
-                return member
-        raise ValueError(f"unknown capture method {text!r}; known: {', '.join(m.value for m in cls)}")
 
 
 _LABELS = {

@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
 
-import torch
 from torch import nn
+from typing_extensions import Unpack
 
 from planner.budget import check_budget, parse_budget
-from planner.capture.inputs import as_inputs
+from planner.capture.inputs import Inputs, as_inputs
 from planner.compiled.backend import CompiledModule
 from planner.compiled.search import FRACTIONS, Probe, Source, probe, probe_all, timed
 from planner.errors import InfeasibleBudget, OptionError, OutOfTime
+from planner.options import OptionArgs, PlanOptions, resolve
+from planner.pipeline import UserInputs, plan_for, prepare
 from planner.plan import Plan
 from planner.units import format_bytes
 
@@ -67,14 +69,14 @@ class CompiledPlan:
         what = ("ckplan's plan compiled" if self.source is Source.PLAN
                 else f"torch.compile at activation_memory_budget={self.fraction:g}")
         return (f"{what}: peak {format_bytes(self.peak_bytes)} "
-                f"measured (budget {format_bytes(self.budget_bytes)}, {format_bytes(self.baseline_peak_bytes)} at 1.0), "
+                f"measured (budget {format_bytes(self.budget_bytes)}, "
+                f"{format_bytes(self.baseline_peak_bytes)} at 1.0), "
                 f"step {self.step_ms:.1f} ms ({self.overhead:+.1%} vs 1.0)")
 
 
-def optimize_compiled(model: nn.Module, budget: int | str, *, inputs: tuple | Mapping | torch.Tensor | None = None,
-                      loss_fn: Callable[[Any], torch.Tensor] | None = None, fractions: Sequence[float] = FRACTIONS,
-                      runs: int = 3, keep_output: bool = True, eager_plan: bool = True,
-                      progress: Callable[[str], None] | None = None) -> CompiledPlan:
+def optimize_compiled(model: nn.Module, budget: int | str, *, inputs: UserInputs = None,
+                      options: PlanOptions | None = None, fractions: Sequence[float] = FRACTIONS, runs: int = 3,
+                      eager_plan: bool = True, **overrides: Unpack[OptionArgs]) -> CompiledPlan:
     """Compiles ``model`` so that one training step's measured peak fits ``budget``, as fast as it can.
 
     torch.compile's ``activation_memory_budget`` bounds saved bytes as a fraction, not the peak, and
@@ -94,12 +96,19 @@ def optimize_compiled(model: nn.Module, budget: int | str, *, inputs: tuple | Ma
     Args:
         budget: bytes, ``"4GB"``-style, or ``"60%"`` of the peak compiled at fraction 1.0.
         fractions: the fractions to probe, each in [0, 1].
-        keep_output: whether the loop keeps the output through backward (as ``optimize``).
+        options, **overrides: the ``PlanOptions`` of ``optimize`` (``loss_fn``, ``keep_output``, ``progress``,
+            and what ckplan's own eager plan is solved with); ``device``, ``world_size`` and ``profile`` do not
+            apply: every partition is compiled and measured here.
 
     Raises:
         InfeasibleBudget: no probe fits; carries the smallest measured peak.
         BudgetError, OptionError, InputError: a malformed budget, a fraction out of [0, 1], no inputs.
     """
+    opts = resolve(options, overrides, where="optimize_compiled")
+    if opts.device is not None or opts.world_size != 1 or opts.profile is not None:
+        raise OptionError("optimize_compiled compiles and measures every partition on this machine: drop device=, "
+                          "world_size= and profile= (optimize() plans for another device or a distributed job)")
+    loss_fn, keep_output, progress = opts.loss_fn, opts.keep_output, opts.progress
     check_budget(budget)
     bad = [f for f in fractions if not 0.0 <= f <= 1.0]
     if bad or not fractions:
@@ -113,8 +122,7 @@ def optimize_compiled(model: nn.Module, budget: int | str, *, inputs: tuple | Ma
     budget_bytes = parse_budget(budget, baseline_peak_bytes=probed[0][1].peak_bytes)
     plans: dict[int, Plan] = {}
     if eager_plan:
-        planned = _plan_probe(model, budget_bytes, inputs, example, loss_fn, keep_output=keep_output,
-                              progress=progress)
+        planned = _plan_probe(model, budget_bytes, inputs, example, opts)
         if planned is not None:
             plans[len(probed)] = planned[0]
             probed.append(planned[1])
@@ -157,18 +165,17 @@ def choose(candidates: Sequence[int], times: Mapping[int, Probe]) -> int:
     return min(tied, key=lambda i: (times[i].peak_bytes, times[i].step_ms))
 
 
-def _plan_probe(model: nn.Module, budget_bytes: int, inputs, example, loss_fn, *, keep_output: bool,
-                progress: Callable[[str], None] | None) -> tuple[Plan, tuple[CompiledModule, Probe]] | None:
+def _plan_probe(model: nn.Module, budget_bytes: int, inputs: UserInputs, example: Inputs,
+                opts: PlanOptions) -> tuple[Plan, tuple[CompiledModule, Probe]] | None:
     """ckplan's eager plan for the budget, compiled and measured; planned once more at a budget scaled by
     budget / measured peak when the compiled peak is over. None when no eager plan fits, or when the plan
     runs by module hooks (their checkpoints are entered and left across graph breaks, and under
     torch.compile the re-run does not reproduce the saved tensors: torch's CheckpointError)."""
-    from planner.pipeline import plan_for, prepare
-
+    progress = opts.progress
     if progress is not None:
         progress("capture and profile the eager step")
-    prepared = prepare(model, inputs=inputs, loss_fn=loss_fn, keep_output=keep_output)
-    if prepared.captured.method.runs_modules:
+    prepared = prepare(model, inputs=inputs, options=replace(opts, progress=None))
+    if not prepared.executor.compiles:
         return None  # plans run by module hooks (Hugging Face models) do not compile: see docs/compiled.md
     target = budget_bytes
     for _ in range(2):
@@ -178,7 +185,7 @@ def _plan_probe(model: nn.Module, budget_bytes: int, inputs, example, loss_fn, *
             plan = plan_for(prepared, target)
         except (InfeasibleBudget, OutOfTime):
             return None
-        probed = probe(plan.module, 1.0, example, loss_fn, keep_output=keep_output, source=Source.PLAN)
+        probed = probe(plan.module, 1.0, example, opts.loss_fn, keep_output=opts.keep_output, source=Source.PLAN)
         if probed[1].peak_bytes <= budget_bytes:
             break
         target = target * budget_bytes // probed[1].peak_bytes

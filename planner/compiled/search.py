@@ -11,8 +11,9 @@ from __future__ import annotations
 import enum
 import statistics
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 import torch._dynamo.config as dynamo_config

@@ -12,21 +12,21 @@ What runs inside the job (rank agreement, sharding, counting) is in ``distribute
 
 from __future__ import annotations
 
-import fnmatch
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Callable, Sequence
 
 import numpy as np
 from torch import nn
 
-from planner.profiling.record import Profile
+from planner.capture.fsdp_units import resolve_units
 from planner.errors import InfeasibleBudget, OptionError
 from planner.memory.model import ChunkPlan, MemoryModel
 from planner.memory.simulate import simulate
+from planner.profiling.record import Profile
+from planner.solve.deadline import Deadline
 from planner.solve.peaks import min_peak
 from planner.solve.result import Solution, SolverStatus
-from planner.capture.scope import path_of, repeated_blocks
 
 PARALLEL = ("fsdp", "ddp")
 """Data-parallel engines a plan can budget for."""
@@ -124,46 +124,12 @@ def _optimizer_bytes(optimizer: str | int | None, trainable_shard_bytes: int, n:
                       "of its state for the whole model (an int >= 0)")
 
 
-def resolve_units(model: nn.Module, units: Sequence[str] | None) -> tuple[str, ...]:
-    """FSDP units as module paths in model order: ``units`` (paths or per-part globs such as
-    ``layers.*``), default the model's repeated blocks (``scope.repeated_blocks``).
-
-    Raises:
-        OptionError (a ValueError): a pattern matches no submodule, units are nested, or there is no default.
-    """
-    names = [name for name, _ in model.named_modules() if name]
-    if units is None:
-        blocks = repeated_blocks(names)
-        if not blocks:
-            raise OptionError(f"{type(model).__name__} has no container of numbered blocks to shard: pass "
-                              "units=['path.of.block', ...] (module paths or globs such as 'layers.*')")
-        return blocks
-    if isinstance(units, str):
-        units = [units]
-    found: dict[str, None] = {}
-    for pattern in units:
-        parts = pattern.split(".")
-        matched = [n for n in names if len(n.split(".")) == len(parts)
-                   and all(fnmatch.fnmatchcase(a, b) for a, b in zip(n.split("."), parts))]
-        if not matched:
-            raise OptionError(f"unit {pattern!r} matches no submodule of {type(model).__name__}: name modules as "
-                              "model.named_modules() does, e.g. 'blocks.0' or 'blocks.*'")
-        found.update(dict.fromkeys(matched))
-    for a in found:
-        for b in found:
-            if b.startswith(a + "."):
-                raise OptionError(f"unit {b!r} is inside unit {a!r}: name disjoint modules as units")
-    order = {name: i for i, name in enumerate(names)}
-    return tuple(sorted(found, key=order.__getitem__))
-
-
 def unit_of_nodes(profile: Profile, units: Sequence[str]) -> list[str]:
     """The FSDP unit each node runs in (``""``: the root's own code)."""
     wanted = set(units)
     out = []
-    for node in profile.nodes:
-        paths = (path_of(entry) for entry in node.scope)
-        out.append(next((p for p in paths if p in wanted), ROOT))
+    for i in range(len(profile.nodes)):
+        out.append(next((p for p in profile.calls.paths_around(i) if p in wanted), ROOT))
     return out
 
 
@@ -217,7 +183,7 @@ def _in_flight(gathered: dict[str, int], unit: str, neighbour: str | None) -> in
 
 def split_at_units(memory: MemoryModel, solution: Solution, budget_bytes: int, dist: Distributed,
                    profile: Profile, *, resolve: Callable[[int], Solution] | None = None,
-                   time_limit_s: float = 30.0, attempts: int = 4) -> Solution:
+                   deadline: Deadline, attempts: int = 4) -> Solution:
     """Cuts segments between the FSDP units they contain, so a segment re-runs at most one unit.
 
     A segment re-runs when its backward first unpacks a saved tensor. FSDP2 (torch >= 2.4) does
@@ -253,7 +219,7 @@ def split_at_units(memory: MemoryModel, solution: Solution, budget_bytes: int, d
             solution = None
         if solution is None or not solution.plan:
             break
-    smallest = simulate(memory, _cut(memory, min_peak(memory, time_limit_s=time_limit_s), unit_nodes))
+    smallest = simulate(memory, _cut(memory, min_peak(memory, deadline=deadline), unit_nodes))
     if smallest.peak_bytes <= budget_bytes:
         return Solution(plan=smallest.plan, status=SolverStatus.FEASIBLE, recompute_us=smallest.recompute_us,
                         bound_us=None, solve_time_s=0.0)
@@ -274,19 +240,3 @@ def _cut(memory: MemoryModel, plan: ChunkPlan, unit_nodes: Sequence[bool]) -> Ch
                 start = k + 1
         out.append((start, stop))
     return tuple(out)
-
-
-def early_gathers(segments: Sequence, units: Sequence[str]) -> int:
-    """Units a plan's re-runs gather before their own backward, per step (FSDP2): in each segment
-    every unit but the last, and the last too when ops follow it in the segment. Each stays
-    gathered until its post-backward; the number of all-gathers does not change. Conservative:
-    an op after the last unit that saves nothing does not start the re-run early."""
-    wanted = set(units)
-    early = 0
-    for seg in segments:
-        paths = list(seg.module_paths)
-        inside = [i for i, p in enumerate(paths) if p in wanted]
-        if inside:
-            early += len(inside) - 1 + (1 if inside[-1] < len(paths) - 1 else 0)
-    return early
-

@@ -13,20 +13,21 @@ import ctypes
 import functools
 import pickle
 from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
+from typing_extensions import Unpack
 
-from planner.capture.api import capture
-from planner.capture.method import CaptureMethod
-from planner.distributed.memory import resolve_units
-from planner.errors import InfeasibleBudget, PlanMismatch, PlannerError
+from planner.capture.fsdp_units import resolve_units
+from planner.errors import InfeasibleBudget, PlannerError
+from planner.options import OptionArgs, PlanOptions, resolve
+from planner.pipeline import optimize
 from planner.plan import Plan
-from planner.rewrite.graph import rewrite
 
 COLLECTIVES = ("all_gather_single", "all_gather_into_tensor", "reduce_scatter_single", "reduce_scatter_tensor",
                "all_reduce")
@@ -34,11 +35,12 @@ COLLECTIVES = ("all_gather_single", "all_gather_into_tensor", "reduce_scatter_si
 
 
 def plan_on_rank0(model: nn.Module, budget: int | str, *, src: int = 0, group: dist.ProcessGroup | None = None,
-                  **optimize_kwargs: Any) -> Plan:
+                  inputs: Any = None, options: PlanOptions | None = None, **overrides: Unpack[OptionArgs]) -> Plan:
     """``optimize()`` on rank ``src`` only; every rank gets the same plan and its own planned module.
 
     Call it on every rank, before sharding, with the same arguments and an identical model
-    (built from the same seed or checkpoint). ``world_size`` defaults to the group's size.
+    (built from the same seed or checkpoint). Takes ``optimize``'s arguments (``inputs``, ``options`` and
+    any ``PlanOptions`` field as a keyword); ``world_size`` defaults to the group's size.
     A planning error on ``src`` is raised on every rank, so no rank waits forever.
 
     Example:
@@ -46,19 +48,19 @@ def plan_on_rank0(model: nn.Module, budget: int | str, *, src: int = 0, group: d
         >>> for block in plan.module.blocks: fully_shard(block)                 # doctest: +SKIP
         >>> fully_shard(plan.module)                                             # doctest: +SKIP
     """
-    from planner.pipeline import optimize
-
+    opts = resolve(options, overrides, where="plan_on_rank0")
     if not dist.is_initialized():
         raise RuntimeError("plan_on_rank0 needs torch.distributed: call dist.init_process_group(...) first, "
                            "or use planner.optimize on a single process")
-    optimize_kwargs.setdefault("world_size", dist.get_world_size(group))
+    if "world_size" not in overrides and (options is None or options.world_size == 1):
+        opts = replace(opts, world_size=dist.get_world_size(group))
     payload: list[Any] = [None]
     plan = None
     if dist.get_rank() == src:
         try:
-            plan = optimize(model, budget, **optimize_kwargs)
+            plan = optimize(model, budget, inputs=inputs, options=opts)
             payload[0] = ("plan", replace(plan, module=None))
-        except Exception as exc:  # noqa: BLE001 - re-raised below, on every rank
+        except Exception as exc:
             payload[0] = ("error", _portable(exc))
     dist.broadcast_object_list(payload, src=src, group=group)
     kind, value = payload[0]
@@ -67,8 +69,7 @@ def plan_on_rank0(model: nn.Module, budget: int | str, *, src: int = 0, group: d
         raise cls(*args)
     if plan is not None:
         return plan
-    module = apply_plan(value, model, units=optimize_kwargs.get("units"), inputs=optimize_kwargs.get("inputs"))
-    return replace(value, module=module)
+    return replace(value, module=value.apply(model, inputs=inputs, units=opts.units))
 
 
 def _portable(exc: Exception) -> tuple:
@@ -78,24 +79,18 @@ def _portable(exc: Exception) -> tuple:
     try:
         pickle.loads(pickle.dumps(exc))
         return type(exc), exc.args
-    except Exception:  # noqa: BLE001 - any exception type that cannot travel
+    except Exception:
         return PlannerError, (f"{type(exc).__name__}: {exc}",)
 
 
-def apply_plan(plan: Plan, model: nn.Module, *, units: Sequence[str] | None = None, inputs=None) -> nn.Module:
-    """``plan.apply(model)`` that also rebuilds plans made for FSDP (captured with units as calls).
+def apply_plan(plan: Plan, model: nn.Module, *, units: Sequence[str] | None = None, inputs: Any = None) -> nn.Module:
+    """``plan.apply(model, units=units, inputs=inputs)``: a plan made for FSDP (units captured as calls)
+    rebuilt on ``model`` with the units it was made with.
 
     Raises:
         PlanMismatch (a ValueError): ``model`` does not trace to the graph the plan was made for.
     """
-    if plan.capture_method != CaptureMethod.FX_UNITS:
-        return plan.apply(model, inputs=inputs)
-    captured = capture(model, units=frozenset(resolve_units(model, units)))
-    if captured.fingerprint != plan.fingerprint:
-        raise PlanMismatch(f"this plan was made for a graph with fingerprint {plan.fingerprint}, but "
-                           f"{type(model).__name__} with these units traces to {captured.fingerprint}: pass the "
-                           "units= the plan was made with, on the same architecture")
-    return rewrite(model, captured, [s.spec() for s in plan.segments]).module
+    return plan.apply(model, inputs=inputs, units=units)
 
 
 def fully_shard_units(module: nn.Module, units: Sequence[str] | None = None, **fully_shard_kwargs: Any) -> nn.Module:

@@ -7,6 +7,7 @@ The simulator fills it for every plan (``Timeline.breakdown``, ``Plan.peak_break
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 LARGEST_PREFIX = "largest kept activation: "
 """Label of one ``largest_kept`` entry, followed by the producing node's name."""
@@ -28,7 +29,7 @@ class PeakBreakdown:
     """Largest activations alive at the peak, as ``(producing node, bytes)``; only where an explanation
     asks for them (an infeasible budget), else empty."""
 
-    LABELS = {
+    LABELS: ClassVar[dict[str, str]] = {
         "parameters_bytes": "parameters and buffers",
         "kept_activations_bytes": "kept activations",
         "recomputed_activations_bytes": "recomputed activations",

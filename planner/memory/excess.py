@@ -18,19 +18,17 @@ This module computes, per node, the module paths around it and what opens each p
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 
-from planner.capture.scope import path_of
+from planner.capture.calls import CallIndex
+from planner.memory.model import ChunkPlan, MemoryModel
 from planner.memory.regions import Regions
 from planner.memory.release import segment_starts
 from planner.memory.saves import segment_of
 from planner.profiling.record import Profile
-
-if TYPE_CHECKING:
-    from planner.memory.model import ChunkPlan, MemoryModel
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,36 +42,41 @@ class Opening:
     """``(first, last)`` chunks of each call: a segment covering all of them holds the call wholly."""
 
 
+def opened_paths(calls: CallIndex, ranges: Sequence[tuple[int, int]]) -> set[str]:
+    """Module paths whose code the fx rewrite of segments over node ``ranges`` (``[lo, hi)``) opens: a
+    boundary falls strictly inside one of its calls, or one of its calls lies wholly inside a segment.
+    The rule ``planner.rewrite.graph`` applies; ``openings`` is the same rule per chunk."""
+    cuts = {x for r in ranges for x in r}
+    return {c.path for c in calls.calls
+            if any(c.first < x <= c.last for x in cuts) or any(a <= c.first and c.last < b for a, b in ranges)}
+
+
 def openings(profile: Profile, regions: Regions) -> tuple[tuple[Opening, ...], tuple[tuple[int, ...], ...]]:
-    """``(openers, around)``: what opens each module path, and per node the paths whose calls enclose it
-    (its own call excluded: a module called as one node runs its own forward either way). Path 0 is the
-    root: any segment at all replaces the model's forward by generated code. Nodes past the last chunk
-    (the loss) get none: their excess is the same under every plan."""
-    first: dict[str, int] = {}
-    last: dict[str, int] = {}
-    end = regions.end
-    for i, node in enumerate(profile.nodes[:end]):
-        for entry in node.scope:
-            first.setdefault(entry, i)
-            last[entry] = i
+    """``(openers, around)``: what opens each module path (``opened_paths`` per chunk), and per node the
+    paths whose calls enclose it (its own call excluded: a module called as one node runs its own forward
+    either way). Path 0 is the root: any segment at all replaces the model's forward by generated code.
+    Nodes past the last chunk (the loss) get none: their excess is the same under every plan."""
+    calls, end = profile.calls, regions.end
     chunk_of = regions.chunk_of()
     paths: dict[str, int] = {"": 0}
     cuts: list[set[int]] = [set(range(regions.n_chunks))]
     spans: list[list[tuple[int, int]]] = [[]]
-    for entry in first:
-        p = paths.setdefault(path_of(entry), len(paths))
+    for call in calls.calls:
+        if call.first >= end:
+            continue
+        lo, hi = call.first, min(call.last, end - 1)
+        p = paths.setdefault(call.path, len(paths))
         if p == len(cuts):
             cuts.append(set())
             spans.append([])
-        lo, hi = first[entry], last[entry]
         cuts[p].update(j for j in range(regions.n_chunks) if lo < regions.starts[j] <= hi)
         spans[p].append((chunk_of[lo], chunk_of[hi]))
     around = []
     for i, node in enumerate(profile.nodes):
-        scope = node.scope
-        if scope and node.kind == "call_module" and path_of(scope[-1]) == node.target:
-            scope = scope[:-1]
-        around.append((0, *sorted({paths[path_of(e)] for e in scope})) if i < end else ())
+        enclosing = calls.around[i]
+        if enclosing and node.kind == "call_module" and calls.path(enclosing[-1]) == node.target:
+            enclosing = enclosing[:-1]
+        around.append((0, *sorted({paths[calls.path(c)] for c in enclosing})) if i < end else ())
     openers = tuple(Opening(tuple(sorted(c)), tuple(s)) for c, s in zip(cuts, spans))
     return openers, tuple(around)
 

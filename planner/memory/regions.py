@@ -11,13 +11,14 @@ segment would be recomputed from the modified value.
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 import numpy as np
 
-from planner.capture.scope import path_of, repeated_blocks
-from planner.memory.chains import find_chains
+from planner.capture.calls import repeated_blocks
+from planner.memory.rules import ANY_RUN, SegmentRules
 from planner.profiling.record import Profile
 
 
@@ -39,9 +40,11 @@ class Regions:
     """True when the graph has more admissible cut positions than ``max_chunks`` allowed: a plan may
     exist among finer chunks that these do not contain."""
     chains: Mapping[tuple[int, int], tuple[str, ...]] | None = None
-    """For plans run by module hooks: the chunk ranges ``(first, stop)`` that are chains of module
-    calls (``planner.memory.chains``), each with its members' paths; only these may be segments.
-    None: any run of checkpointable chunks may be one (a rewritten graph)."""
+    """The chunk ranges ``(first, stop)`` that are the executor's spans (``SegmentRules.spans``: chains
+    of module calls), each with its members' paths; only these may be segments. None: any run of
+    checkpointable chunks may be one (a rewritten graph)."""
+    rules: SegmentRules = ANY_RUN
+    """What the executor allows (``planner.rewrite.executor``)."""
 
     @property
     def n_chunks(self) -> int:
@@ -65,20 +68,24 @@ class Regions:
         return owner
 
 
-def find_regions(profile: Profile, *, max_chunks: int = 64, modules: bool = False) -> Regions:
+def checkpointable_end(profile: Profile) -> int:
+    """One past the last node a segment may hold (the loss and what follows it are never checkpointed)."""
+    return next((i for i, n in enumerate(profile.nodes) if not n.checkpointable), len(profile.nodes))
+
+
+def find_regions(profile: Profile, *, max_chunks: int = 64, rules: SegmentRules = ANY_RUN) -> Regions:
     """Chooses at most ``max_chunks`` chunks for ``profile``'s graph.
 
     Args:
         profile: the profiled step.
         max_chunks: upper bound on the number of chunks (the solver's size grows
             with its square).
-        modules: the plan runs by module hooks: cut only at the edges of chains of module calls,
-            and allow only chains as segments (``Regions.chains``).
+        rules: what the executor allows; with ``rules.spans`` (plans run by module hooks) cuts lie only
+            at the edges of spans and only spans may be segments (``Regions.chains``).
     """
-    nodes = profile.nodes
-    end = next((i for i, n in enumerate(nodes) if not n.checkpointable), len(nodes))
+    end = checkpointable_end(profile)
     if end == 0:
-        return Regions(starts=(), end=0, checkpointable=())
+        return Regions(starts=(), end=0, checkpointable=(), rules=rules)
     last_use = _last_use(profile)
     mutated_after = _mutation_spans(profile)
     crossing = np.zeros(end + 2, dtype=np.int64)  # bytes of activations live across each position
@@ -92,18 +99,18 @@ def find_regions(profile: Profile, *, max_chunks: int = 64, modules: bool = Fals
     # Rank cut positions: block edges, then shallower module boundaries, then, within each block (or,
     # outside the blocks, each module call), fewer crossing bytes first; a block's k-th best cut comes
     # before any block's (k+1)-th, so that every block can be cut inside before any is cut twice.
-    found = find_chains(profile, end) if modules else []
+    found = [s for s in rules.spans if s.hi <= end] if rules.spans is not None else []
     chain_edges = {b for chain in found for b in (chain.lo, chain.hi)}
     groups: dict[tuple[int, int | str | None], list[tuple[int, int]]] = {}  # (depth, block or call): cuts
     for b in range(1, end):
-        if modules and b not in chain_edges:
+        if rules.spans is not None and b not in chain_edges:
             continue
         if any(p < b <= m for p, m in mutated_after):
             continue
-        depth = -1 if b in block_edges else _common_depth(nodes[b - 1].scope, nodes[b].scope)
+        depth = -1 if b in block_edges else profile.calls.common_depth(b - 1, b)
         unit = next((i for i, (lo, hi) in enumerate(block_nodes) if lo < b < hi), None)
         if unit is None and depth > 0:  # outside the repeated blocks: the module call the cut lies in
-            unit = nodes[b].scope[depth - 1]  # (DenseNet's dense layers)
+            unit = profile.calls.calls[profile.calls.around[b][depth - 1]].entry  # (DenseNet's dense layers)
         groups.setdefault((depth, unit), []).append((int(crossing[b]), b))
     candidates = []
     for (depth, _), members in groups.items():
@@ -122,10 +129,10 @@ def find_regions(profile: Profile, *, max_chunks: int = 64, modules: bool = Fals
     if len(blocks) != len(block_nodes):  # a block edge could not be cut (in-place hazard)
         blocks, block_paths = (), ()
     chains = None
-    if modules:
+    if rules.spans is not None:
         chains = {(index[c.lo], index[c.hi]): c.members for c in found if c.lo in index and c.hi in index}
     return Regions(starts=starts, end=end, checkpointable=checkpointable, blocks=blocks, block_paths=block_paths,
-                   capped=len(candidates) > len(chosen), chains=chains)
+                   capped=len(candidates) > len(chosen), chains=chains, rules=rules)
 
 
 def find_blocks(profile: Profile, end: int) -> tuple[tuple[str, ...], list[tuple[int, int]]]:
@@ -135,17 +142,14 @@ def find_blocks(profile: Profile, end: int) -> tuple[tuple[str, ...], list[tuple
     Returns their paths and node ranges ``[first, stop)``, or nothing when there is no such
     container or its children's calls are not contiguous, disjoint runs of nodes.
     """
-    calls: dict[str, list[int]] = {}
-    for i, node in enumerate(profile.nodes[:end]):
-        for entry in node.scope:
-            calls.setdefault(path_of(entry), []).append(i)
+    calls = profile.calls.nodes_by_path(end)
     blocks = repeated_blocks(calls)
     if len(blocks) < 2:
         return (), []
     paths = sorted(blocks, key=lambda c: calls[c][0])
     ranges = [(calls[c][0], calls[c][-1] + 1) for c in paths]
     contiguous = all(len(calls[c]) == hi - lo for c, (lo, hi) in zip(paths, ranges))
-    disjoint = all(a[1] <= b[0] for a, b in zip(ranges, ranges[1:]))
+    disjoint = all(a[1] <= b[0] for a, b in itertools.pairwise(ranges))
     return (tuple(paths), ranges) if contiguous and disjoint else ((), [])
 
 
@@ -160,12 +164,3 @@ def _last_use(profile: Profile) -> list[int]:
 def _mutation_spans(profile: Profile) -> list[tuple[int, int]]:
     """``(producer, mutating node)`` for every in-place modification of an activation."""
     return [(profile.storages[s].producer, i) for i, node in enumerate(profile.nodes) for s in node.mutates]
-
-
-def _common_depth(a: tuple[str, ...], b: tuple[str, ...]) -> int:
-    depth = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        depth += 1
-    return depth

@@ -18,12 +18,9 @@ Torch-free.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 
-if TYPE_CHECKING:
-    from planner.memory.model import ChunkPlan, MemoryModel
+from planner.memory.model import ChunkPlan, MemoryModel
 
 
 def segment_starts(model: MemoryModel, plan: ChunkPlan) -> np.ndarray:

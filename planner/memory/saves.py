@@ -23,15 +23,10 @@ CP-SAT encoding (``planner.solve_selective``) use it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 
-NEVER = np.iinfo(np.int64).max // 4
-"""``first_saver`` of a storage nobody saves (``planner.memory.model``)."""
-
-if TYPE_CHECKING:
-    from planner.memory.model import ChunkPlan, MemoryModel
+from planner.memory.model import NEVER, ChunkPlan, MemoryModel
 
 Saves = frozenset
 """Saved node indices (each inside a checkpointed segment of the plan)."""

@@ -20,8 +20,8 @@ forward allocation of one of the re-run nodes.
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 import numpy as np
 
@@ -103,7 +103,8 @@ def simulate(model: MemoryModel, plan: ChunkPlan, saves: Saves = frozenset()) ->
         last = rerun_chunk(model, first, stop)
         if last is not None:
             t = model.recompute_at[last]
-            bwd[t] = max(bwd[t], model.const_recompute[last] + kept_bwd[t] + rerun_bytes(model, first, last, stop, saves))
+            rerun = model.const_recompute[last] + kept_bwd[t] + rerun_bytes(model, first, last, stop, saves)
+            bwd[t] = max(bwd[t], rerun)
     fwd_peak, bwd_peak = int(fwd.max(initial=0)), int(bwd.max(initial=0))
     if fwd_peak >= bwd_peak:
         phase, node, peak = "forward", int(fwd.argmax()), fwd_peak
@@ -192,7 +193,8 @@ def rerun_bytes(model: MemoryModel, first: int, last: int, stop: int, saves: Sav
     The segment is re-run up to ``t = recompute_at[last]`` (early stop). While node u
     re-runs, alive are: the storages the segment produced before u that some node up to t
     saves (held until unpacked) or that a later node still reads, u's own allocations (at t only
-    those up to its last saved tensor, where the re-run stops: ``stop_rise``), the locals of the model's own forward when that is what re-runs (``rerun_excess``), and
+    those up to its last saved tensor, where the re-run stops: ``stop_rise``), the locals of the model's own
+    forward when that is what re-runs (``rerun_excess``), and
     the copies of the buffers the segment mutates (restored after the re-run). Storages cached by
     ``saves`` are counted as kept, not here (``planner.memory.saves.rerun_parts``).
     """

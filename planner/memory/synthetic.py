@@ -5,11 +5,12 @@ from __future__ import annotations
 import itertools
 import random
 
-from planner.profiling.record import LOSS_NODE, NodeCost, Profile, StorageCost
+from planner.capture.calls import entry_path
+from planner.memory.build import build_model
+from planner.memory.model import ChunkPlan, MemoryModel
 from planner.memory.regions import find_regions
-from planner.memory.model import ChunkPlan, MemoryModel, build_model
 from planner.memory.simulate import simulate
-from planner.capture.scope import path_of
+from planner.profiling.record import LOSS_NODE, NodeCost, Profile, StorageCost
 
 PARAM_BYTES = 1000
 
@@ -37,8 +38,8 @@ class GraphBuilder:
         return out
 
     def build(self, loss_reads: list[int]) -> Profile:
-        ops = self.ops + [dict(name=LOSS_NODE, reads=list(loss_reads), out=[], saves=list(loss_reads),
-                               cost_ms=0.01, scope=())]
+        ops = [*self.ops, dict(name=LOSS_NODE, reads=list(loss_reads), out=[], saves=list(loss_reads), cost_ms=0.01,
+                               scope=())]
         storages = self.storages
         last_use = {s: max([i for i, o in enumerate(ops) if s in o["reads"]], default=storages[s].producer)
                     for s in range(len(storages))}
@@ -57,7 +58,7 @@ class GraphBuilder:
                        + grad_out)
             nodes.append(NodeCost(
                 name=o["name"], kind=LOSS_NODE if is_loss else "call_function", target=o["name"],
-                module_path=path_of(o["scope"][-1]) if o["scope"] else "", scope=o["scope"],
+                module_path=entry_path(o["scope"][-1]) if o["scope"] else "", scope=o["scope"],
                 fwd_ms=o["cost_ms"], bwd_ms=2 * o["cost_ms"], fwd_start_bytes=start_f,
                 fwd_peak_bytes=start_f + sum(storages[s].nbytes for s in o["out"]) + 8 * is_loss,
                 bwd_start_bytes=start_b, bwd_peak_bytes=start_b + grad_in,
@@ -108,7 +109,8 @@ def transformer_profile(layers: int, *, tokens: int = 1024, width: int = 256, he
     graph = GraphBuilder(input_bytes=8 * tokens)
     (x,) = graph.op("embed", [0], [act], cost_ms=ms(0.2), scope=("embed#0",))
     for i in range(layers):
-        blk, att, mlp = (f"blocks.{i}#0",), (f"blocks.{i}#0", f"blocks.{i}.attn#0"), (f"blocks.{i}#0", f"blocks.{i}.mlp#0")
+        blk = (f"blocks.{i}#0",)
+        att, mlp = (*blk, f"blocks.{i}.attn#0"), (*blk, f"blocks.{i}.mlp#0")
         a, _ = graph.op(f"ln1_{i}", [x], [act, 8 * tokens], saves=[x], save_outputs=[1], cost_ms=ms(0.1), scope=blk)
         (qkv,) = graph.op(f"qkv_{i}", [a], [3 * act], saves=[a], cost_ms=ms(3.0), scope=att)
         (s1,) = graph.op(f"scores_{i}", [qkv], [scores], saves=[qkv], cost_ms=ms(1.0), scope=att)
@@ -164,7 +166,7 @@ def all_plans(model: MemoryModel) -> list[ChunkPlan]:
                 break
             if not model.regions.allows(k, stop):
                 continue
-            plans.extend(((k, stop),) + rest for rest in extend(stop))
+            plans.extend(((k, stop), *rest) for rest in extend(stop))
         return plans
 
     return extend(0)
@@ -184,5 +186,11 @@ def min_peak_brute(model: MemoryModel) -> int:
     return min(simulate(model, plan).peak_bytes for plan in all_plans(model))
 
 
-__all__ = ["graph_profile", "random_profile", "memory_model", "all_plans", "brute_force", "min_peak_brute",
-           "itertools"]
+__all__ = [
+    "all_plans",
+    "brute_force",
+    "graph_profile",
+    "memory_model",
+    "min_peak_brute",
+    "random_profile",
+]

@@ -7,19 +7,19 @@ device=)`` goes through ``profile_for``. Saving and loading live in ``profile_io
 
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 import torch
 from torch import nn
 
-from planner.capture.cache import no_cache
 from planner.capture.api import Captured, capture
+from planner.capture.cache import no_cache
 from planner.capture.inputs import Inputs, as_inputs
-from planner.profiling.record import LOSS_NODE, Profile
-from planner.profiling.devices import DeviceSpec, device_names, is_device_spec, load_device
 from planner.errors import InputError, OptionError, ProfileMismatch
+from planner.profiling.devices import DeviceSpec, device_names, is_device_spec, load_device
 from planner.profiling.memory_pass import profile as measure
 from planner.profiling.meta import estimate, to_meta
+from planner.profiling.record import LOSS_NODE, Profile
 from planner.step import LossFn
 
 Device = str | torch.device | None

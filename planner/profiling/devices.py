@@ -9,19 +9,17 @@ profiles measured on real devices (docs/profiles.md). Torch-free.
 from __future__ import annotations
 
 import enum
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from planner.errors import OptionError, ProfileFileError
 from planner.profiling.record import Profile
+from planner.records import check_record, read_json, record_from_json
 
 SPEC_DIR = Path(__file__).resolve().parent / "device_specs"
 """Where the bundled device specs live."""
 SPEC_SCHEMA = "ckplan.device"
 SPEC_VERSION = 1
-_OPTIONAL = ("sac_op_us",)
-"""Spec file keys that may be absent (files written before them)."""
 MATMUL_DTYPES = ("float64", "float32", "tf32", "bfloat16", "float16", "float8")
 """Keys of ``peak_dense_tflops``: the precision a matmul or convolution computes in."""
 
@@ -88,18 +86,21 @@ def load_device(device: str | Path) -> DeviceSpec:
         raise OptionError(f"unknown device {text!r}: use one of {', '.join(device_names())}, a device spec "
                           "file (.json, see docs/profiles.md), or leave device unset to measure where the model is")
     try:
-        data = json.loads(path.read_text())
+        data = read_json(path)
     except OSError as exc:
         raise ProfileFileError(f"cannot read device spec {path}: {exc.strerror or exc}") from None
-    except json.JSONDecodeError as exc:
-        raise ProfileFileError(f"device spec {path} is not valid JSON (line {exc.lineno}: {exc.msg})") from None
+    except ValueError as exc:
+        raise ProfileFileError(f"device spec {path} is not a ckplan device spec: {exc}") from None
     if not isinstance(data, dict) or data.get("schema") != SPEC_SCHEMA or data.get("version") != SPEC_VERSION:
         raise ProfileFileError(f"{path} is not a ckplan device spec (expected schema {SPEC_SCHEMA!r} "
                                f"version {SPEC_VERSION}); see docs/profiles.md")
     try:
-        spec = DeviceSpec(**{k: data[k] for k in DeviceSpec.__dataclass_fields__ if k in data or k not in _OPTIONAL})
+        spec = record_from_json(DeviceSpec, data, "spec")
+        check_record(spec, where="spec")
     except KeyError as exc:
         raise ProfileFileError(f"device spec {path} lacks the field {exc.args[0]!r}; see docs/profiles.md") from None
+    except (TypeError, ValueError) as exc:
+        raise ProfileFileError(f"device spec {path} has a malformed field ({exc}); see docs/profiles.md") from None
     if "float32" not in spec.peak_dense_tflops or spec.memory_bandwidth_gb_per_s <= 0:
         raise ProfileFileError(f"device spec {path} needs a float32 rate in peak_dense_tflops and a positive "
                                "memory_bandwidth_gb_per_s")

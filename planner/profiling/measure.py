@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -18,7 +19,8 @@ from torch.utils._pytree import tree_leaves
 
 from planner.capture.inputs import Inputs
 from planner.profiling.memtrack import LiveStorages
-from planner.step import backward, default_loss, sync as _sync, untouched
+from planner.step import backward, default_loss, untouched
+from planner.step import sync as _sync
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -11,23 +11,24 @@ from __future__ import annotations
 
 import weakref
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.fx as fx
 from torch import nn
-from torch.utils._pytree import tree_leaves
 from torch.utils._python_dispatch import _disable_current_modes
+from torch.utils._pytree import tree_leaves
 
 from planner.capture.api import Captured, target_text
-from planner.capture.method import CaptureMethod
-from planner.capture.scope import SCOPE_KEY, call_module_path
+from planner.capture.calls import SCOPE_KEY
 from planner.capture.inputs import Inputs
-from planner.profiling.record import LOSS_NODE, NodeCost, Profile, StorageCost
+from planner.capture.method import CaptureMethod
 from planner.errors import ProfileError
-from planner.profiling.memtrack import LiveStorages, storage_key
 from planner.profiling.eager import eager_excess, eager_forward_trace
+from planner.profiling.memtrack import LiveStorages, storage_key
+from planner.profiling.record import LOSS_NODE, NodeCost, Profile, StorageCost
 from planner.profiling.runner import StepRunner
 from planner.profiling.timing import Timer, checkpoint_overhead_ms, measure_sac_op_us, time_plain_steps
 from planner.step import LossFn, default_loss, sync, untouched
@@ -101,7 +102,7 @@ def check_trainable(model: nn.Module) -> None:
         )
 
 
-def eager_excess_of(recorder: "MemoryRecorder", captured: Captured, model: nn.Module,
+def eager_excess_of(recorder: MemoryRecorder, captured: Captured, model: nn.Module,
                     inputs: Inputs) -> list[int] | None:
     """Per node, what the model's own forward keeps alive beyond the traced graph: the planned module
     calls the user's modules (outside segments for fx plans, everywhere for plans run by module hooks).
@@ -112,13 +113,13 @@ def eager_excess_of(recorder: "MemoryRecorder", captured: Captured, model: nn.Mo
                         [rec["ops"] for rec in recorder.records])
 
 
-def assemble(recorder: "MemoryRecorder", captured: Captured, model: nn.Module, inputs: Inputs, *,
+def assemble(recorder: MemoryRecorder, captured: Captured, model: nn.Module, inputs: Inputs, *,
              times: StepTimes, excess: list[int] | None, device: str, estimated_for: str = "") -> Profile:
     """The ``Profile`` of a recorded step with its times (measured or estimated)."""
     nodes = tuple(
         NodeCost(
             name=rec["name"], kind=rec["kind"], target=rec["target"], scope=rec["scope"],
-            module_path=call_module_path(rec["scope"]),
+            module_path=captured.calls.module_path(i) if i < len(captured.calls.around) else "",
             fwd_ms=times.fwd_ms[i], bwd_ms=times.bwd_ms[i],
             fwd_start_bytes=rec["fwd_start"], fwd_peak_bytes=rec["fwd_peak"],
             bwd_start_bytes=recorder.bwd_start.get(i), bwd_peak_bytes=recorder.bwd_peak.get(i),
@@ -126,7 +127,8 @@ def assemble(recorder: "MemoryRecorder", captured: Captured, model: nn.Module, i
             saves=tuple(sorted(rec["saves"])), mutates=tuple(sorted(rec["mutates"])),
             mutated_buffers=tuple(rec["buffers"]), checkpointable=rec["kind"] != LOSS_NODE,
             mutated_buffer_bytes=sum(recorder.buffer_bytes[name] for name in rec["buffers"]),
-            eager_excess_bytes=excess[i] if excess else 0, stop_peak_bytes=rec.get("stop_peak"), aten_ops=rec["ops"][1] - rec["ops"][0],
+            eager_excess_bytes=excess[i] if excess else 0, stop_peak_bytes=rec.get("stop_peak"),
+            aten_ops=rec["ops"][1] - rec["ops"][0],
         )
         for i, rec in enumerate(recorder.records)
     )
@@ -202,9 +204,8 @@ class MemoryRecorder(StepRunner):
 
     def step(self, inputs: Inputs, loss_fn: LossFn) -> None:
         for value in tree_leaves((inputs.args, inputs.kwargs)):
-            if isinstance(value, torch.Tensor):
-                if not self.tracker.track(value):  # already counted (e.g. shares a parameter's storage)
-                    continue
+            if isinstance(value, torch.Tensor) and not self.tracker.track(value):
+                continue  # already counted (e.g. shares a parameter's storage)
         self.tracker.trace = []
         with self.tracker, torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t):
             super().step(inputs, loss_fn)

@@ -63,9 +63,6 @@ class LiveStorages(TorchDispatchMode):
             self.on_new_storage(key, tensor)
         return True
 
-    def is_tracked(self, tensor: torch.Tensor) -> bool:
-        return tensor.untyped_storage()._cdata in self._sizes
-
     def mark(self) -> int:
         """Start a new peak window; returns the live bytes now."""
         self.window_peak_bytes = self.live_bytes

@@ -10,8 +10,9 @@ step is ever allocated.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -22,10 +23,10 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 from planner.capture.api import Captured
 from planner.capture.inputs import Inputs
-from planner.profiling.record import Profile
 from planner.profiling.devices import DeviceSpec
 from planner.profiling.estimate import Roofline
 from planner.profiling.memory_pass import MemoryRecorder, StepTimes, assemble, check_trainable, eager_excess_of
+from planner.profiling.record import Profile
 from planner.step import LossFn, default_loss, untouched
 
 META = torch.device("meta")

@@ -13,13 +13,14 @@ type is one ``ProfileFileError`` naming the file and the problem. Torch-free.
 from __future__ import annotations
 
 import json
-from dataclasses import MISSING, asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from planner.capture.calls import CallIndex
 from planner.capture.method import CaptureMethod
 from planner.errors import ProfileFileError
-from planner.records import as_list, as_tuple, check_record, read_json
+from planner.records import as_list, check_record, read_json, record_from_json
 
 LOSS_NODE = "loss"
 """Name of the pseudo-node appended after the graph: ``loss_fn(output)``."""
@@ -83,11 +84,11 @@ class NodeCost:
     stop_peak_bytes: int | None = None
     """Peak live bytes of its forward up to the moment autograd saved the last tensor it saves. A
     checkpoint's re-run that ends at this node stops right there (torch stops re-running once every
-    saved tensor is back), before anything the node allocates later; None when unknown (profiles
-    saved before this field)."""
+    saved tensor is back), before anything the node allocates later; None when unknown (a node that
+    saves nothing, hand-made profiles)."""
     aten_ops: int | None = None
     """ATen ops its forward dispatches, views included (each costs selective checkpointing's dispatch
-    modes a Python call); None when unknown (profiles saved before this field)."""
+    modes a Python call); None when unknown (hand-made profiles)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -120,8 +121,8 @@ class Profile:
     """Time one ``checkpoint`` call adds beyond re-running its ops (holders, RNG state), ms."""
     sac_op_us: float | None = None
     """Time selective checkpointing's dispatch modes add per ATen op of this graph (forward and
-    re-run), measured on it, microseconds; None when not measured (estimated profiles, autocast,
-    older files): the planner then takes it from the device spec (``devices.sac_op_cost``)."""
+    re-run), measured on it, microseconds; None when not measured (estimated profiles, autocast):
+    the planner then takes it from the device spec (``devices.sac_op_cost``)."""
     fingerprint: str = ""
     """Structure hash of the captured graph (``Captured.fingerprint``) the nodes belong to."""
     capture_method: CaptureMethod | None = None
@@ -129,6 +130,13 @@ class Profile:
     estimated_for: str = ""
     """Name of the device spec whose roofline gave the times, with memory from meta tensors;
     ``""`` when the step was measured on ``device``."""
+    calls: CallIndex = field(init=False, repr=False, compare=False)
+    """The module calls of the graph (built from the nodes' scopes, not stored in the file)."""
+
+    def __post_init__(self) -> None:
+        scopes = [n.scope if isinstance(n.scope, tuple) and all(isinstance(e, str) for e in n.scope) else ()
+                  for n in self.nodes]  # a malformed file is refused by check_record, naming the field
+        object.__setattr__(self, "calls", CallIndex.from_scopes(scopes))
 
     @property
     def step_ms(self) -> float:
@@ -149,14 +157,13 @@ SCHEMA = "ckplan.profile"
 SCHEMA_VERSION = 1
 """Version this ckplan writes and reads; bumped when a field changes meaning or is removed."""
 
-_TUPLE_FIELDS = {"scope", "inputs", "outputs", "saves", "mutates", "mutated_buffers"}
 
 
 def profile_to_dict(prof: Profile) -> dict[str, Any]:
     """The JSON-ready form of a profile: run-level fields, then ``storages`` and ``nodes``."""
     data: dict[str, Any] = {"schema": SCHEMA, "version": SCHEMA_VERSION}
     for f in fields(Profile):
-        if f.name not in ("nodes", "storages"):
+        if f.init and f.name not in ("nodes", "storages"):
             value = getattr(prof, f.name)
             data[f.name] = list(value) if isinstance(value, tuple) else value.value if isinstance(
                 value, CaptureMethod) else value
@@ -201,13 +208,13 @@ def profile_from_dict(data: Any, *, source: str = "profile") -> Profile:
         raise ProfileFileError(f"{source} has profile schema version {data.get('version')!r}; this ckplan reads "
                                f"version {SCHEMA_VERSION}: profile the model again with this version")
     try:
-        storages = tuple(_record(StorageCost, s) for s in as_list(data["storages"], "profile.storages"))
-        nodes = tuple(_record(NodeCost, n) for n in as_list(data["nodes"], "profile.nodes"))
-        run = {f.name: data[f.name] for f in fields(Profile) if f.name not in ("nodes", "storages")
-               and (f.name in data or _required(f))}
-        run["input_shapes"] = as_tuple(run["input_shapes"])
-        run.update(_legacy_run(run))
-        prof = Profile(nodes=nodes, storages=storages, **run)
+        storages = tuple(record_from_json(StorageCost, s, f"profile.storages[{i}]")
+                         for i, s in enumerate(as_list(data["storages"], "profile.storages")))
+        nodes = tuple(record_from_json(NodeCost, n, f"profile.nodes[{i}]")
+                      for i, n in enumerate(as_list(data["nodes"], "profile.nodes")))
+        run = {k: v for k, v in data.items() if k not in ("nodes", "storages")}
+        prof = record_from_json(Profile, {**run, "nodes": nodes, "storages": storages}, "profile",
+                                convert={"capture_method": CaptureMethod})
         check_record(prof, where="profile")
     except KeyError as exc:
         raise ProfileFileError(f"{source} lacks the field {exc.args[0]!r}; the file is incomplete or was "
@@ -216,34 +223,6 @@ def profile_from_dict(data: Any, *, source: str = "profile") -> Profile:
         raise ProfileFileError(f"{source} has a malformed record ({exc}); profile the model again") from None
     _check_indices(prof, source)
     return prof
-
-
-def _required(f) -> bool:
-    return f.default is MISSING and f.default_factory is MISSING
-
-
-def _record(cls, raw: dict) -> Any:
-    if not isinstance(raw, dict):
-        raise TypeError(f"expected an object, got {type(raw).__name__}")
-    known = {f.name for f in fields(cls)}
-    missing = [f.name for f in fields(cls) if _required(f) and f.name not in raw]
-    if missing:
-        raise KeyError(f"{cls.__name__}.{missing[0]}")
-    values = {k: as_tuple(v) if k in _TUPLE_FIELDS else v for k, v in raw.items() if k in known}
-    if isinstance(values.get("aten_ops"), int) and values["aten_ops"] < 0:  # files before None: -1
-        values["aten_ops"] = None
-    return cls(**values)
-
-
-def _legacy_run(run: dict) -> dict:
-    """Run-level fields as this version holds them, from files that wrote older forms: ``sac_op_us``
-    -1 for "not measured" (now None), ``capture_method`` as a sentence or ``""`` (now the enum or None)."""
-    out = {}
-    if isinstance(run.get("sac_op_us"), (int, float)) and run["sac_op_us"] < 0:
-        out["sac_op_us"] = None
-    if isinstance(run.get("capture_method"), str):
-        out["capture_method"] = CaptureMethod.parse(run["capture_method"]) if run["capture_method"] else None
-    return out
 
 
 def _check_indices(prof: Profile, source: str) -> None:

@@ -9,7 +9,8 @@ turns a failing node into one error naming it, the user's line and the input sha
 from __future__ import annotations
 
 import re
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -128,7 +129,7 @@ class StepRunner(fx.Interpreter):
                 loss = loss_fn(output)
             except ProfileError:
                 raise
-            except Exception as exc:  # noqa: BLE001 - report the user's loss failure clearly
+            except Exception as exc:
                 where = user_frame(exc)
                 raise _node_error("loss_fn(output)", where, exc, list(tree_leaves(output)),
                                   "make loss_fn accept the model's output") from exc
@@ -152,7 +153,7 @@ class StepRunner(fx.Interpreter):
                 return getattr(self, n.op)(n.target, args, kwargs)
             except ProfileError:
                 raise
-            except Exception as exc:  # noqa: BLE001 - name the node and the user's line
+            except Exception as exc:
                 raise _node_error(f"node {n.name} ({n.format_node()})", _stack_line(n), exc, values,
                                   "make the model run on inputs of these dtypes, shapes and devices") from exc
         return self.around_node(self.index[n], n, compute, values)

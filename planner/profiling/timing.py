@@ -118,8 +118,12 @@ def sac_op_overhead_us(gm: fx.GraphModule, inputs: Inputs, loss_fn: LossFn, devi
     on the GPT example about 3x what tiny Linear+GELU pairs give (more arguments per op). None (not
     measured) under autocast, or when the graph fails as one checkpointed segment (checkpoint raises
     ``CheckpointError`` on a re-run that differs from the forward); any other error propagates."""
-    from torch.utils.checkpoint import (CheckpointError, checkpoint, create_selective_checkpoint_contexts,
-                                        noop_context_fn)
+    from torch.utils.checkpoint import (
+        CheckpointError,
+        checkpoint,
+        create_selective_checkpoint_contexts,
+        noop_context_fn,
+    )
 
     def step(context_fn) -> float:
         sync(device)
@@ -131,7 +135,7 @@ def sac_op_overhead_us(gm: fx.GraphModule, inputs: Inputs, loss_fn: LossFn, devi
 
     if torch.is_autocast_enabled(device.type):
         return None  # autocast's weight-cast cache upsets SAC's op counters (pytorch#193338); not measured
-    selective = lambda: create_selective_checkpoint_contexts(_recompute_all)  # noqa: E731
+    selective = lambda: create_selective_checkpoint_contexts(_recompute_all)
     diffs = []
     try:
         step(noop_context_fn), step(selective)  # warm-up
@@ -154,7 +158,7 @@ def _recompute_all(ctx, op, *args, **kwargs):
     return CheckpointPolicy.PREFER_RECOMPUTE
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def dispatch_overhead_us(device: str = "cpu") -> float:
     """Time SAC's two dispatch modes add per ATen op of a segment (forward and re-run) on ``device``,
     measured once per process on 16 tiny Linear+GELU pairs: checkpointed with SAC minus without, per op

@@ -17,22 +17,24 @@ import contextlib
 import re
 import sys
 import traceback
+from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
-from typing import Callable
 
 import torch
 from rich.console import Console
 
-from planner.report import render as cli_report
-from planner.report.model_file import ModelFile, UserError, load_model_file, located, to_device
 from planner.budget import ACCEPTED_FORMS, check_budget
 from planner.capture.inputs import as_inputs
 from planner.errors import BudgetError, InfeasibleBudget, PlannerError
-from planner.profiling.measure import measure_peak, step_times_ms
+from planner.options import PlanOptions
 from planner.pipeline import optimize
 from planner.plan import Plan
 from planner.profiling.api import Profile, profile
+from planner.profiling.measure import measure_peak, step_times_ms
 from planner.profiling.record import load_profile
+from planner.report import render as cli_report
+from planner.report.model_file import ModelFile, UserError, load_model_file, located, to_device
 from planner.solve.registry import SOLVERS
 
 EXIT_OK, EXIT_INTERNAL, EXIT_USAGE, EXIT_INFEASIBLE, EXIT_NOT_FOUND, EXIT_INTERRUPTED = 0, 1, 2, 3, 4, 130
@@ -176,11 +178,8 @@ def _plan(args: argparse.Namespace, err: Console) -> tuple[ModelFile, Plan, cli_
           _model_code(args.model_file)):
         found = _load(args, stage)
         saved = _profile_file(args, found)  # a user's mistake raises a PlannerError (exit 2), anything else
-        plan = optimize(found.model, args.budget, inputs=found.inputs, loss_fn=found.loss_fn,  # is a bug (exit 1)
-                        time_limit_s=args.time_limit, solver=args.solver, progress=stage, profile=saved,
-                        world_size=args.world_size, parallel=args.parallel, selective=not args.whole_segments,
-                        must_save=args.must_save, must_recompute=args.must_recompute,
-                        max_chunks=args.max_chunks, keep_output=not args.drop_output)
+        plan = optimize(found.model, args.budget, inputs=found.inputs,  # is a bug (exit 1)
+                        options=replace(_options(args, found, stage), profile=saved))
         verification = None
         if args.verify:
             stage("verify")
@@ -197,6 +196,14 @@ def _model_code(model_file: str):
     except SystemExit as exc:
         raise UserError(f"{located(exc, fallback=model_file)}: the model's code called sys.exit() while "
                         "ckplan ran it; forward and loss_fn must return a value, not exit") from exc
+
+
+def _options(args: argparse.Namespace, found: ModelFile, stage: Callable[[str], None]) -> PlanOptions:
+    """The plan options the command line and the model file give."""
+    return PlanOptions(loss_fn=found.loss_fn, keep_output=not args.drop_output, solver=args.solver,
+                       time_limit_s=args.time_limit, max_chunks=args.max_chunks, selective=not args.whole_segments,
+                       must_save=tuple(args.must_save), must_recompute=tuple(args.must_recompute),
+                       world_size=args.world_size, parallel=args.parallel, progress=stage)
 
 
 def _load(args: argparse.Namespace, stage: Callable[[str], None]) -> ModelFile:
@@ -225,8 +232,7 @@ def _compiled(args: argparse.Namespace, out: Console, err: Console) -> int:
     with (cli_report.StageProgress(err, enabled=show, solver=args.solver, time_limit_s=args.time_limit) as stage,
           _model_code(args.model_file)):
         found = _load(args, stage)
-        plan = optimize_compiled(found.model, args.budget, inputs=found.inputs, loss_fn=found.loss_fn,
-                                 keep_output=not args.drop_output, progress=stage,
+        plan = optimize_compiled(found.model, args.budget, inputs=found.inputs, options=_options(args, found, stage),
                                  **({"fractions": args.fractions} if args.fractions else {}))
     if args.json:
         cli_report.print_json(compiled_json(plan, model_file=args.model_file))
@@ -314,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         cli_report.print_error(err, "interrupted")
         return EXIT_INTERRUPTED
-    except Exception as exc:  # noqa: BLE001 - not a user's mistake: a bug in ckplan
+    except Exception as exc:
         _show_debug(args, exc)
         message = _internal_error(exc, debug=args.debug)
         if args.json:

@@ -13,20 +13,23 @@ import dataclasses
 import html
 import math
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
-import torch
 from torch import nn
+from typing_extensions import Unpack
 
 from planner.budget import check_budget, format_bytes
-from planner.profiling.record import Profile
 from planner.errors import InfeasibleBudget, InputError, OptionError
-from planner.pipeline import Prepared, plan_for, prepare
-from planner.plan import Plan, html_table
 from planner.memory.simulate import simulate
+from planner.options import OptionArgs, PlanOptions, resolve
+from planner.pipeline import PREPARE_OPTIONS, Prepared, UserInputs, plan_for, prepare
+from planner.plan import Plan, html_table
+from planner.profiling.record import Profile
+from planner.report.plotting import plot_blocks, plot_tradeoff
+from planner.solve.deadline import Deadline
 from planner.solve.registry import SOLVERS, get_solver
-from planner.step import LossFn
 
 REFERENCES = (("none", "none"), ("every block", "every_block"), ("√n", "sqrt_n"))
 """Hand-made strategies shown next to the sweep: (label, name in ``planner.solve.registry.SOLVERS``)."""
@@ -131,32 +134,19 @@ class Tradeoff:
     def plot(self) -> Any:
         """Predicted peak against overhead: every row, the Pareto front, the knee and the
         reference strategies. Returns a matplotlib Figure."""
-        from planner.report.plotting import plot_tradeoff
-
         return plot_tradeoff(self)
 
     def plot_blocks(self) -> Any:
         """Heatmap of ``blocks_table()``: budgets down, blocks across. Returns a matplotlib Figure."""
-        from planner.report.plotting import plot_blocks
-
         return plot_blocks(self)
 
     def _repr_html_(self) -> str:
         return tradeoff_html(self)
 
 
-def sweep(
-    model: nn.Module,
-    budgets: Sequence[int | str],
-    *,
-    inputs: tuple | Mapping | torch.Tensor | None = None,
-    loss_fn: LossFn | None = None,
-    profile: Prepared | Profile | None = None,
-    solver: str = "cpsat",
-    time_limit_s: float = 30.0,
-    selective: bool = True,
-    progress: Callable[[str], None] | None = None,
-) -> Tradeoff:
+def sweep(model: nn.Module, budgets: Sequence[int | str], *, inputs: UserInputs = None,
+          prepared: Prepared | None = None, options: PlanOptions | None = None,
+          **overrides: Unpack[OptionArgs]) -> Tradeoff:
     """Plans ``model`` for every budget from one capture and profile.
 
     Guarantees, checked on the returned rows: a smaller budget never has a smaller predicted
@@ -169,15 +159,11 @@ def sweep(
     Args:
         model: the model to train (not modified).
         budgets: budgets in any form ``optimize`` takes (bytes, ``"4GB"``, ``"4GiB"``, ``"60%"``).
-        inputs: arguments for ``model``, as for ``optimize``; not with a ``Prepared`` profile.
-        loss_fn: ``output -> scalar``, as for ``optimize``; not with a ``Prepared`` profile.
-        profile: a ``Prepared`` from ``planner.prepare(model, ...)`` to skip capture and profile,
-            or a ``Profile`` (``planner.profile``, ``planner.load_profile``) to skip profiling only.
-        solver: strategy from ``planner.solve.registry.SOLVERS``; ``cpsat`` is optimal.
-        time_limit_s: solver time limit per budget, s.
-        selective: op-level saves inside segments (``optimize``'s default, ~7 s per budget on the GPT
-            example); ``False`` for whole-segment plans (~0.2 s per budget).
-        progress: called with each stage's name (``capture``, ``profile``, ``solve``, ``rewrite``).
+        inputs: arguments for ``model``, as for ``optimize``; not with ``prepared``.
+        prepared: a ``Prepared`` from ``planner.prepare(model, ...)`` to skip capture and profile (also
+            accepted as ``profile=``, which otherwise takes a saved ``Profile`` to skip profiling only).
+        options, **overrides: the ``PlanOptions`` of ``optimize``; ``time_limit_s`` is per budget.
+            ``selective=False`` plans whole segments (~0.2 s per budget on the GPT example, ~7 s with saves).
 
     Returns:
         A ``Tradeoff`` with one row per budget, largest first; infeasible budgets are rows
@@ -186,24 +172,25 @@ def sweep(
     Raises:
         InputError (a TypeError): ``profile`` is neither a ``Prepared`` nor a ``Profile``.
         BudgetError, OptionError (ValueErrors): no budgets, a malformed budget, an unknown solver,
-        ``inputs``/``loss_fn`` given with ``profile``, or a ``profile`` of another model.
+        ``inputs`` or prepare-time options given with ``prepared``, or a ``prepared`` of another model.
 
     Example:
         >>> tradeoff = sweep(model, ["100%", "70%", "50%"], inputs=(x,))   # doctest: +SKIP
         >>> tradeoff.plot().savefig("tradeoff.png")                          # doctest: +SKIP
     """
+    if isinstance(overrides.get("profile"), Prepared):  # profile=<Prepared>: the same as prepared=
+        prepared = overrides.pop("profile")  # type: ignore[assignment]
     if not budgets:
         raise OptionError("sweep needs at least one budget, e.g. ['100%', '70%', '50%']")
     for budget in budgets:
         check_budget(budget)  # reject a malformed budget before any work
-    get_solver(solver)
-    prepared = _prepared(model, profile, inputs=inputs, loss_fn=loss_fn, progress=progress)
+    prepared, opts = _prepared(model, prepared, inputs, options, overrides)
+    get_solver(opts.solver)
     rows, min_peak = [], None
     for budget in budgets:
         start = time.perf_counter()
         try:
-            plan = plan_for(prepared, budget, solver=solver, time_limit_s=time_limit_s, selective=selective,
-                            progress=progress)
+            plan = plan_for(prepared, budget, options=opts)
         except InfeasibleBudget as exc:
             rows.append(TradeoffRow(budget_bytes=exc.budget_bytes, feasible=False, predicted_peak_bytes=None,
                                     predicted_overhead=None, n_segments=None,
@@ -217,19 +204,27 @@ def sweep(
                     min_peak_bytes=min_peak, prepared=prepared)
 
 
-def _prepared(model: nn.Module, profile: Any, *, inputs: Any, loss_fn: LossFn | None,
-              progress: Callable[[str], None] | None) -> Prepared:
-    if profile is None or isinstance(profile, Profile):  # a saved profile: captured again, checked, not re-run
-        return prepare(model, inputs=inputs, loss_fn=loss_fn, progress=progress, profile=profile)
-    if not isinstance(profile, Prepared):
-        raise InputError(f"profile= takes a Prepared from planner.prepare(model, inputs=..., loss_fn=...) or a "
-                         f"Profile (planner.profile, planner.load_profile), not {type(profile).__name__}")
-    if profile.model is not model:
+def _prepared(model: nn.Module, prepared: Prepared | None, inputs: UserInputs, options: PlanOptions | None,
+              overrides: Mapping[str, Any]) -> tuple[Prepared, PlanOptions]:
+    """The prepared model a sweep plans, and the options it plans with."""
+    if prepared is None:
+        if overrides.get("profile") is not None and not isinstance(overrides["profile"], Profile):
+            raise InputError(f"profile= takes a Prepared from planner.prepare(model, inputs=..., loss_fn=...) or a "
+                             f"Profile (planner.profile, planner.load_profile), not "
+                             f"{type(overrides['profile']).__name__}")
+        opts = resolve(options, overrides, where="sweep")
+        get_solver(opts.solver)  # an unknown solver before any work
+        return prepare(model, inputs=inputs, options=opts), opts
+    if not isinstance(prepared, Prepared):
+        raise InputError(f"prepared= takes a Prepared from planner.prepare(model, inputs=..., loss_fn=...), not "
+                         f"{type(prepared).__name__}")
+    if prepared.model is not model:
         raise OptionError("profile= was prepared for another model instance; pass the same model to sweep")
-    if inputs is not None or loss_fn is not None:
-        raise OptionError("inputs and loss_fn are fixed when the profile is prepared; pass them to "
-                          "planner.prepare, not to sweep together with profile=")
-    return profile
+    fixed = sorted(set(overrides) & set(PREPARE_OPTIONS))
+    if inputs is not None or fixed:
+        raise OptionError(f"{'inputs' if inputs is not None else fixed[0]} is fixed when the profile is prepared; "
+                          "pass it to planner.prepare, not to sweep together with profile=")
+    return prepared, resolve(options or prepared.options, overrides, where="sweep")
 
 
 def _row(plan: Plan, budget_bytes: int, solve_time_s: float) -> TradeoffRow:
@@ -263,7 +258,7 @@ def reference_points(prepared: Prepared) -> tuple[ReferencePoint, ...]:
     memory, out = prepared.memory, []
     for label, name in REFERENCES:
         try:
-            solution = SOLVERS[name](memory, prepared.baseline.peak_bytes, time_limit_s=0.0)
+            solution = SOLVERS[name](memory, prepared.baseline.peak_bytes, deadline=Deadline.after(0.0))
         except OptionError:  # every_block on a model without a container of numbered blocks
             continue
         out.append(ReferencePoint(name=label, predicted_peak_bytes=simulate(memory, solution.plan).peak_bytes,

@@ -13,9 +13,10 @@ import sys
 import sysconfig
 import traceback
 import types
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -100,7 +101,7 @@ def _run_file(path: str) -> dict[str, Any]:
     except SystemExit as exc:
         raise UserError(f"{located(exc, fallback=path)}: the model file exited while loading; keep training "
                         "code under `if __name__ == \"__main__\":`") from exc
-    except Exception as exc:  # noqa: BLE001 - any failure inside the user's file is a user error
+    except Exception as exc:
         raise UserError(located(exc, fallback=path)) from exc
     finally:
         sys.argv = argv
@@ -118,7 +119,7 @@ def _resolve(namespace: dict[str, Any], path: str, name: str, flag: str) -> Any:
     if callable(value) and not isinstance(value, (nn.Module, torch.Tensor)):
         try:
             value = value()
-        except Exception as exc:  # noqa: BLE001 - the user's factory failed
+        except Exception as exc:
             raise UserError(located(exc, fallback=f"calling `{name}` from {path}")) from exc
     return value
 

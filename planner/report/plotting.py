@@ -9,7 +9,8 @@ imported when a figure is drawn, so importing this module never needs it.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -20,8 +21,22 @@ if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
-    from planner.report.explore import Tradeoff
     from planner.plan import Plan
+
+class Tradeoff(Protocol):
+    """What the trade-off figures read of ``planner.report.explore.Tradeoff`` (which imports this module)."""
+
+    rows: Sequence[Any]
+    references: Sequence[Any]
+    baseline_peak_bytes: int
+    min_peak_bytes: int | None
+
+    def front(self) -> Sequence[Any]: ...
+
+    def knee(self) -> Any: ...
+
+    def blocks_table(self) -> list[dict[str, Any]]: ...
+
 
 MIB = 2**20
 _PLAN, _BASE, _SHADE, _KNEE = "tab:blue", "tab:gray", "tab:orange", "tab:red"
@@ -83,7 +98,8 @@ def plot_blocks(tradeoff: Tradeoff) -> Figure:
     figure_class = _figure_class()
     table = tradeoff.blocks_table()
     labels = [key for key in table[0] if key != "budget_bytes"] if table else []
-    fig = figure_class(figsize=(max(5.0, 0.45 * len(labels) + 2.5), max(2.5, 0.4 * len(table) + 1.5)), layout="constrained")
+    size = (max(5.0, 0.45 * len(labels) + 2.5), max(2.5, 0.4 * len(table) + 1.5))
+    fig = figure_class(figsize=size, layout="constrained")
     ax = fig.subplots()
     if not labels:
         ax.text(0.5, 0.5, "nothing in this model can be checkpointed", ha="center", va="center")

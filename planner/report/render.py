@@ -113,7 +113,8 @@ def header(plan: Plan, *, model_file: str, solver: str) -> Table:
     grid.add_column()
     grid.add_row(Text("ckplan", style="bold"), Text(model_file, style="bold cyan"))
     grid.add_row("peak", Text.assemble(
-        (format_bytes(plan.baseline_peak_bytes), "bold"), " → ", (format_bytes(plan.predicted_peak_bytes), "bold green"),
+        (format_bytes(plan.baseline_peak_bytes), "bold"), " → ",
+        (format_bytes(plan.predicted_peak_bytes), "bold green"),
         f" ({100 * change:+.1f}%)"))
     grid.add_row("budget", f"{format_bytes(plan.budget_bytes)} ({100 * share:.0f}% of the un-checkpointed peak)")
     grid.add_row("overhead", Text.assemble(
@@ -178,7 +179,8 @@ def print_explain(console: Console, plan: Plan) -> None:
     if plan.segments:
         _section(console, explain_segments(plan.segments))
     else:
-        _section(console, Text(f"nothing checkpointed: the un-checkpointed peak {format_bytes(plan.baseline_peak_bytes)}"
+        _section(console, Text("nothing checkpointed: the un-checkpointed peak "
+                               f"{format_bytes(plan.baseline_peak_bytes)}"
                            f" already fits the budget {format_bytes(plan.budget_bytes)}", style="green"))
     parts = _table(f"what the peak {format_bytes(plan.predicted_peak_bytes)} is made of")
     parts.add_column("component")
@@ -212,7 +214,8 @@ def explain_segments(segments: tuple[Segment, ...]) -> Table:
     table.add_column("KiB freed per ms", justify="right")
     for i, seg in enumerate(segments):
         nodes = seg.nodes[0] if len(seg.nodes) == 1 else f"{seg.nodes[0]} … {seg.nodes[-1]}"
-        what = Text.assemble((", ".join(seg.module_paths), "cyan"), f"\n{len(seg.nodes)} node{'' if len(seg.nodes) == 1 else 's'}: {nodes}")
+        plural = "" if len(seg.nodes) == 1 else "s"
+        what = Text.assemble((", ".join(seg.module_paths), "cyan"), f"\n{len(seg.nodes)} node{plural}: {nodes}")
         if seg.saved_nodes:
             what.append(f"\nkeeps the outputs of {len(seg.saved_nodes)} node{'' if len(seg.saved_nodes) == 1 else 's'} "
                         f"(not re-run): {', '.join(seg.saved_nodes)}")

@@ -27,15 +27,19 @@ import contextlib
 import functools
 import threading
 import weakref
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
-from torch.utils.checkpoint import (CheckpointPolicy, _checkpoint_without_reentrant_generator,
-                                    create_selective_checkpoint_contexts)
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    _checkpoint_without_reentrant_generator,
+    create_selective_checkpoint_contexts,
+)
 
 from planner.capture.cache import training_with_grad
 from planner.errors import PlannerError
@@ -113,9 +117,9 @@ class _Watch(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if not self.inside and torch.is_grad_enabled():
-            if any(isinstance(t, torch.Tensor) and t.requires_grad for t in tree_flatten(out)[0]):
-                self.foreign.append(getattr(func, "__name__", repr(func)))
+        if (not self.inside and torch.is_grad_enabled()
+                and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tree_flatten(out)[0])):
+            self.foreign.append(getattr(func, "__name__", repr(func)))
         return out
 
 

@@ -17,8 +17,8 @@ import inspect
 import linecache
 import operator
 import textwrap
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Iterator, Sequence
 
 import torch
 import torch.fx as fx
@@ -26,8 +26,9 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from planner.capture.api import Captured
-from planner.capture.scope import SCOPE_KEY, path_of
+from planner.capture.calls import CallIndex, is_inside
 from planner.capture.fx import shallow_clone, trace
+from planner.memory.excess import opened_paths
 from planner.rewrite.sac import compiled_sac_contexts, sac_contexts, sac_mark, trace_marks_into_graphs
 
 SEGMENT_PREFIX = "_ckplan_segment_"
@@ -96,14 +97,10 @@ def rewrite(model: nn.Module, captured: Captured, segments: Sequence[SegmentSpec
         if [n.name for n in flat[lo:hi]] != list(seg.nodes):
             raise ValueError(f"segment {seg.nodes[0]}..{seg.nodes[-1]} is not a contiguous run of the graph")
         ranges.append((lo, hi))
-    if captured.method.runs_modules:
-        raise ValueError(f"a graph captured as {captured.method.label} is run by module hooks "
-                         "(planner.rewrite.modules), not rewritten")
-    opened = {path for path in _opened_modules(flat, ranges)
-              if not any(path == o or path.startswith(o + ".") for o in captured.opaque)}
+    opened = {path for path in opened_paths(captured.calls, ranges) if not is_inside(path, captured.opaque)}
     every = {name for name, _ in model.named_modules() if name}
     coarse_gm, root = trace(model, opaque=frozenset(every - opened))
-    spans = _flat_spans(coarse_gm.graph, flat)
+    spans = _flat_spans(coarse_gm.graph, flat, captured.calls)
     groups = [[n for n, (lo, hi) in spans.items() if a <= lo and hi <= b] for a, b in ranges]
     for (a, b), group in zip(ranges, groups):
         covered = {i for n in group for i in range(*spans[n])}
@@ -128,24 +125,7 @@ def _saved_in(group: list[fx.Node], spans: dict, flat: list[fx.Node], seg: Segme
     return found
 
 
-def _opened_modules(flat: list[fx.Node], ranges: list[tuple[int, int]]) -> set[str]:
-    """Paths of module calls to inline: those a segment boundary falls strictly inside, and those
-    wholly inside a segment. Inside a segment nothing is saved, so tensor lifetimes decide the
-    memory; the traced code frees each value at its last use, exactly as it was profiled, while
-    a module's own Python forward keeps temporaries alive until their names are rebound."""
-    first: dict[str, int] = {}
-    last: dict[str, int] = {}
-    for i, node in enumerate(flat):
-        for entry in node.meta.get(SCOPE_KEY, ()):
-            first.setdefault(entry, i)
-            last[entry] = i
-    cuts = {x for a, b in ranges for x in (a, b)}
-    return {path_of(entry) for entry in first
-            if any(first[entry] < x <= last[entry] for x in cuts)
-            or any(a <= first[entry] and last[entry] < b for a, b in ranges)}
-
-
-def _flat_spans(coarse: fx.Graph, flat: list[fx.Node]) -> dict[fx.Node, tuple[int, int]]:
+def _flat_spans(coarse: fx.Graph, flat: list[fx.Node], calls: CallIndex) -> dict[fx.Node, tuple[int, int]]:
     """Range of flat nodes each coarse node stands for.
 
     ``get_attr`` nodes have no position to match: a trace reads each parameter once, where it is
@@ -164,11 +144,11 @@ def _flat_spans(coarse: fx.Graph, flat: list[fx.Node]) -> dict[fx.Node, tuple[in
         if ptr >= len(flat):
             raise AssertionError(f"re-traced graph has more nodes than the captured one at {node.name}")
         if node.op == "call_module":
-            entry = next((e for e in flat[ptr].meta.get(SCOPE_KEY, ()) if path_of(e) == node.target), None)
-            if entry is None:
+            call = next((c for c in calls.around[ptr] if calls.path(c) == node.target), None)
+            if call is None:
                 raise AssertionError(f"re-traced call of {node.target} does not match node {flat[ptr].name}")
             hi = ptr
-            while hi < len(flat) and entry in flat[hi].meta.get(SCOPE_KEY, ()):
+            while hi < len(flat) and call in calls.around[hi]:
                 hi += 1
         else:
             if flat[ptr].op != node.op or flat[ptr].target != node.target:
@@ -257,7 +237,8 @@ def _generate(base: type, name: str, main: fx.Graph, pieces: list[fx.Graph],
             body.append(
                 f"@property\n"
                 f"def {CONTEXT_PREFIX}{g}(self):\n"
-                f"    # selective checkpointing: keep the outputs of {len(segments[g].saved_nodes)} node(s), re-run the rest\n"
+                f"    # selective checkpointing: keep the outputs of {len(segments[g].saved_nodes)} node(s), "
+                f"re-run the rest\n"
                 f"    if torch.compiler.is_compiling():\n"
                 f"        return _ckplan_compiled_sac_contexts\n"
                 f"    return lambda: _ckplan_sac_contexts(self, {segments[g].restore_buffers!r}, "
@@ -316,7 +297,7 @@ def _eval_guard(base: type, main: fx.Graph) -> str:
 def _compile(source: str, namespace: dict, name: str) -> type:
     filename = f"<ckplan generated {name}>"
     linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
-    exec(compile(source, filename, "exec"), namespace)  # noqa: S102 - our own generated code
+    exec(compile(source, filename, "exec"), namespace)
     cls = namespace[name]
     cls.__module__ = namespace["_ckplan_base"].__module__
     return cls

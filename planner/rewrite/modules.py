@@ -14,8 +14,9 @@ import inspect
 import math
 import warnings
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 from torch import nn

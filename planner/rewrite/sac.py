@@ -24,10 +24,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import operator
 import threading
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
+import torch.fx as fx
+import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
@@ -91,3 +94,28 @@ def compiled_sac_contexts() -> tuple:
     once, whatever it recomputes."""
     _state.saving = False
     return create_selective_checkpoint_contexts(policy)
+
+
+_MODULES = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.LayerNorm, nn.GELU, nn.ReLU, nn.SiLU, nn.Tanh,
+            nn.Sigmoid, nn.Softmax)
+"""torch.nn layers that run one op writing fresh memory (views of their input aside)."""
+_FUNCTIONS = {F.linear, F.conv1d, F.conv2d, F.conv3d, F.layer_norm, F.gelu, F.relu, F.silu, F.softmax,
+              F.log_softmax, torch.tanh, torch.sigmoid, torch.relu, torch.softmax, torch.add, torch.mul,
+              operator.add, operator.mul, operator.sub, torch.sub}
+_METHODS = {"contiguous", "softmax", "relu", "tanh", "sigmoid", "add", "mul", "sub"}
+
+
+def is_single_op(node: fx.Node, root: nn.Module) -> bool:
+    """A node that runs one fresh-output, non-random ATen op (plus views): what selective checkpointing can
+    keep exactly, as one node of the memory model."""
+    if node.op == "call_module":
+        return type(root.get_submodule(node.target)) in _MODULES
+    if node.op == "call_method":
+        return node.target in _METHODS
+    if node.op != "call_function":
+        return False
+    if isinstance(node.target, torch._ops.OpOverload):  # torch.export: nodes are ATen ops already
+        return writes_new_memory(node.target) and not is_random(node.target)
+    if node.target is F.scaled_dot_product_attention:
+        return node.kwargs.get("dropout_p", 0.0) == 0.0 and len(node.args) < 5
+    return node.target in _FUNCTIONS

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import math
 
-from planner.memory.model import ChunkPlan, MemoryModel
-from planner.memory.simulate import simulate
-from planner.solve.result import Solution, SolverStatus
 from planner.errors import OptionError
+from planner.memory.model import ChunkPlan, MemoryModel
+from planner.memory.saves import SaveOptions
+from planner.memory.simulate import simulate
+from planner.solve.deadline import Deadline
+from planner.solve.result import Solution, SolverStatus
 
 
 def _fixed(model: MemoryModel, plan: ChunkPlan) -> Solution:
@@ -22,12 +24,14 @@ def _fixed(model: MemoryModel, plan: ChunkPlan) -> Solution:
                     bound_us=None, solve_time_s=0.0)
 
 
-def no_checkpointing(model: MemoryModel, budget_bytes: int, *, time_limit_s: float = 0.0) -> Solution:
+def no_checkpointing(model: MemoryModel, budget_bytes: int, *, deadline: Deadline | None = None,
+                     options: SaveOptions | None = None) -> Solution:
     """Nothing recomputed: the un-checkpointed step."""
     return _fixed(model, ())
 
 
-def every_block(model: MemoryModel, budget_bytes: int, *, time_limit_s: float = 0.0) -> Solution:
+def every_block(model: MemoryModel, budget_bytes: int, *, deadline: Deadline | None = None,
+                options: SaveOptions | None = None) -> Solution:
     """Each block of the model's repeated container (``blocks.0``, ``layers.3``...) in its own segment.
 
     Raises:
@@ -39,7 +43,8 @@ def every_block(model: MemoryModel, budget_bytes: int, *, time_limit_s: float = 
     return _fixed(model, model.regions.blocks)
 
 
-def sqrt_n(model: MemoryModel, budget_bytes: int, *, time_limit_s: float = 0.0) -> Solution:
+def sqrt_n(model: MemoryModel, budget_bytes: int, *, deadline: Deadline | None = None,
+           options: SaveOptions | None = None) -> Solution:
     """About √n equal segments over the blocks (or the chunks when there are no blocks); every
     segment but the last is checkpointed, as ``torch.utils.checkpoint.checkpoint_sequential`` does."""
     units = list(model.regions.blocks) or [(k, k + 1) for k in range(model.n_chunks)]

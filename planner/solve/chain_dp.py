@@ -7,17 +7,17 @@ The strategies built on it (``rotor``, ``rotor_saves``, ``relaxed``, ``smallest_
 from __future__ import annotations
 
 import bisect
-import time
 from dataclasses import dataclass
 
 import numpy as np
 
+from planner.memory.model import ChunkPlan, MemoryModel, prefix_by
+from planner.memory.saves import NEVER, rerun_parts
+from planner.memory.simulate import recomputed_from, rerun_bytes, rerun_chunk, segment_recompute_us
+from planner.solve.deadline import Deadline
+from planner.solve.result import Failure, NoSolution
 from planner.solve.rotor_saves import SaveTable, Variant
 from planner.solve.rotor_step import INF, Step
-from planner.memory.saves import NEVER, rerun_parts
-from planner.memory.model import ChunkPlan, MemoryModel, prefix_by
-from planner.memory.simulate import recomputed_from, rerun_bytes, rerun_chunk, segment_recompute_us
-from planner.solve.result import NoSolution
 
 MAX_OPEN = 6
 """Most storages tracked across one chunk boundary (the DP's state grows as 2 ** open)."""
@@ -77,9 +77,9 @@ class ChainDP:
     does, else conservatively; ``candidates`` adds each segment's save variants (``rotor_saves``)."""
 
     def __init__(self, model: MemoryModel, budget: int, *, optimistic: bool, candidates: tuple[int, ...] = (),
-                 deadline: float | None = None):
+                 deadline: Deadline | None = None):
         self.m, self.budget, self.optimistic, self.candidates = model, budget, optimistic, candidates
-        self.deadline = deadline  # time.perf_counter() past which run() and fits() give up (None: never)
+        self.deadline = deadline  # past it run() and fits() give up (None: never)
         n, regions = model.n_nodes, model.regions
         self.edges = [*regions.starts, regions.end]
         tracked = _storages(model)
@@ -109,8 +109,8 @@ class ChainDP:
         if not optimistic and len(model.excess):
             self.const_fwd = self.const_fwd + model.excess
         self.kept_fixed = prefix_by(fixed_at, fixed, n)
-        own_fixed = np.array([sum(int(fixed[x]) for x in own if fixed_at[x] <= t) for t, own in enumerate(model.own_saved)],
-                             dtype=np.int64)
+        own_fixed = np.array([sum(int(fixed[x]) for x in own if fixed_at[x] <= t)
+                              for t, own in enumerate(model.own_saved)], dtype=np.int64)
         self.const_bwd = model.const_bwd + self.kept_fixed - own_fixed
         self.recompute_from = recomputed_from(model)
         self._pieces: dict[tuple, tuple[int, int, int] | None] = {}
@@ -217,7 +217,8 @@ class ChainDP:
                 base, relief, restored = self._rerun_parts[a, b]
                 t = int(m.recompute_at[last])
                 replay = base - sum(relief[o] for o in saves if o in relief)
-                self._reruns[key] = (t, int(m.const_recompute[last] + self.kept_fixed[t]) + int(replay.max()) + restored)
+                peak = int(m.const_recompute[last] + self.kept_fixed[t]) + int(replay.max()) + restored
+                self._reruns[key] = (t, peak)
         return self._reruns[key]
 
     def _tail(self, *, closing: bool) -> int:
@@ -232,7 +233,7 @@ class ChainDP:
         K = self.m.n_chunks
         end = Step.upto(self.budget - self._tail(closing=not self.optimistic), 0)
         self.value: list[dict[int, Step]] = [{} for _ in range(K)] + [
-            {mask: end for mask in range(1 << len(self.opened[K]))}]
+            dict.fromkeys(range(1 << len(self.opened[K])), end)]
         self.least = [INF] * K + [int(end.value[0])]  # per chunk: its smallest value over flags and M
         for a in range(K - 1, -1, -1):
             self._check_time()
@@ -240,7 +241,7 @@ class ChainDP:
                 best = Step.upto(-1, 0)
 
                 def promising(b: int, cost: int, floor: int) -> bool:  # can segment [a, b) beat best anywhere?
-                    return cost + self.least[b] < best.at(self.budget - floor)
+                    return cost + self.least[b] < best.at(self.budget - floor)  # noqa: B023 - best as it is now
 
                 for cost, worst, added, b, out, _ in self._moves(a, mask, promising):
                     cap, after = self.budget - worst, self.value[b][out]
@@ -256,9 +257,9 @@ class ChainDP:
     def _check_time(self) -> None:
         """Raises NoSolution (not infeasible) once the deadline has passed: checked once per chunk, about
         1/K of a run (60 ms of 16 s at 256 chunks on a 2700-node model)."""
-        if self.deadline is not None and time.perf_counter() > self.deadline:
-            raise NoSolution(False, f"the time limit ran out in the chunk DP ({self.m.n_chunks} chunks); "
-                                    "raise time_limit_s")
+        if self.deadline is not None and self.deadline.passed:
+            raise NoSolution(Failure.OUT_OF_TIME, f"the time limit ran out in the chunk DP ({self.m.n_chunks} "
+                             "chunks); raise time_limit_s")
 
     def _moves(self, a: int, mask: int, promising=None):
         """Every piece starting at chunk a allowed by the flags ``mask``: (cost, worst bytes, bytes
@@ -306,7 +307,7 @@ class ChainDP:
             for mask, (kept, plan) in reach[a].items():
                 for _, worst, added, b, out, (ckpt, _) in self._moves(a, mask):
                     if kept + worst <= budget and kept + added < reach[b].get(out, (INF,))[0]:
-                        reach[b][out] = (kept + added, plan + ((a, b),) if ckpt else plan)
+                        reach[b][out] = (kept + added, (*plan, (a, b)) if ckpt else plan)
         tail = self._tail(closing=True)
         done = [plan for kept, plan in reach[K].values() if kept + tail <= budget]
         return done[0] if done else None
@@ -315,7 +316,7 @@ class ChainDP:
         plan, saves, a, mask, kept = [], set(), 0, 0, 0
         while a < self.m.n_chunks:
             target = self.value[a][mask].at(kept)
-            for cost, worst, added, b, out, (ckpt, v) in self._moves(a, mask):
+            for cost, worst, added, b, out, (ckpt, v) in self._moves(a, mask):  # noqa: B007 - read after the break
                 if kept + worst <= self.budget and cost + self.value[b][out].at(kept + added) == target:
                     break
             else:

@@ -14,12 +14,22 @@ from dataclasses import dataclass
 import numpy as np
 from ortools.sat.python import cp_model
 
-from planner.memory.saves import NEVER, SaveOptions
 from planner.memory.model import ChunkPlan, MemoryModel, prefix_by
+from planner.memory.saves import NEVER, SaveOptions
 from planner.memory.simulate import recomputed_from, rerun_bytes, rerun_chunk, rerun_skip_us, simulate
-from planner.solve.result import NoSolution, Solution, SolverStatus
-from planner.solve.cpsat_saves import (add_saves, backward_reliefs, cache_items, objective_relief, relief_rows,
-                                     rerun_limits, sac_overhead, same_segment)
+from planner.solve.cpsat_saves import (
+    add_saves,
+    backward_reliefs,
+    cache_items,
+    objective_relief,
+    relief_rows,
+    rerun_limits,
+    sac_overhead,
+    same_segment,
+)
+from planner.solve.deadline import Deadline
+from planner.solve.incumbent import Incumbent
+from planner.solve.result import Failure, NoSolution, Solution, SolverStatus
 
 
 @dataclass(kw_only=True, slots=True)
@@ -98,7 +108,8 @@ def build(model: MemoryModel, *, budget_bytes: int | None,
     return cp, variables, peak
 
 
-def _holder_literals(model: MemoryModel, s: int, ckpt: list, covers: dict, save_reasons: dict) -> list[tuple[int, object]]:
+def _holder_literals(model: MemoryModel, s: int, ckpt: list, covers: dict,
+                     save_reasons: dict) -> list[tuple[int, object]]:
     """``(node, literal)`` per holder of storage s a plan may choose (``planner.memory.release``): a chunk
     left alone that saves it (from its first saver there), a segment starting after s's chunk that reads
     it (from its first node), a save in the segment of s's first saver (a save keeps its cached storages).
@@ -203,7 +214,8 @@ def _objective(model: MemoryModel, variables: _Vars):
     the fixed cost of each checkpoint call, minus what saves spare, plus SAC's charge: the sum of
     ``planner.memory.simulate.segment_recompute_us`` over the chosen segments, as a linear expression."""
     return (sum(int(model.chunk_cost_us[k]) * var for k, var in enumerate(variables.ckpt))
-            + sum((model.segment_cost_us - rerun_skip_us(model, a, b)) * var for (a, b), var in variables.segment.items())
+            + sum((model.segment_cost_us - rerun_skip_us(model, a, b)) * var
+                  for (a, b), var in variables.segment.items())
             - objective_relief(model, variables.save)
             + variables.sac)
 
@@ -317,17 +329,20 @@ def read_saves(solver: cp_model.CpSolver, variables: _Vars) -> frozenset:
     return frozenset(o for o, var in (variables.save or {}).items() if solver.value(var))
 
 
-def search(model: MemoryModel, budget_bytes: int, *, hint: ChunkPlan | None = None,
-           hint_saves: frozenset = frozenset(), time_limit_s: float = 30.0, workers: int | None = None,
-           dump_path: str | None = None, options: SaveOptions | None = None, below_us: int | None = None) -> Solution:
+def search(model: MemoryModel, budget_bytes: int, *, deadline: Deadline, hint: ChunkPlan | None = None,
+           hint_saves: frozenset = frozenset(), workers: int | None = None, dump_path: str | None = None,
+           options: SaveOptions | None = None, below_us: int | None = None,
+           incumbent: Incumbent | None = None) -> Solution:
     """CP-SAT alone: the least-recompute plan, from an optional hint (a plan and its saves; no dynamic
-    programs). ``below_us``: only plans strictly cheaper than that count.
+    programs), until ``deadline`` (building the model counts). ``below_us``: only plans strictly cheaper
+    than that count.
 
-    Ctrl-C stops the search like the time limit: the best plan found is returned (FEASIBLE).
+    Ctrl-C stops the search cleanly (``run``); the best plan it found goes to ``incumbent`` and the
+    KeyboardInterrupt goes on to ``planner.solve.incumbent.interruptible``, which returns that plan.
 
     Raises:
-        NoSolution: infeasible (proven; with ``below_us``: nothing cheaper), or no plan found within the
-            time limit or before Ctrl-C (``interrupted``).
+        NoSolution: infeasible (proven; with ``below_us``: nothing cheaper), or no plan found in time.
+        KeyboardInterrupt: Ctrl-C.
     """
     began = time.perf_counter()
     cp, variables, _ = build(model, budget_bytes=budget_bytes, options=options)
@@ -341,24 +356,30 @@ def search(model: MemoryModel, budget_bytes: int, *, hint: ChunkPlan | None = No
             cp.add_hint(var, ab in chosen)
         for o, var in (variables.save or {}).items():
             cp.add_hint(var, o in hint_saves)
-    solver = _solver(max(0.0, time_limit_s - (time.perf_counter() - began)), workers)  # building counts too
+    solver = _solver(deadline.left_s(), workers)
     status, interrupted = run(solver, cp)
-    if status == cp_model.INFEASIBLE:
-        raise NoSolution(True, "no plan fits the budget")
+    if status == cp_model.INFEASIBLE and not interrupted:
+        raise NoSolution(Failure.INFEASIBLE, "no plan fits the budget")
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        why = "stopped by Ctrl-C" if interrupted else f"within {time_limit_s:.1f} s"
-        raise NoSolution(False, f"CP-SAT found no plan {why} (status {solver.status_name(status)}); raise "
-                                "time_limit_s", bound_us=max(0, int(solver.best_objective_bound)),
-                         interrupted=interrupted)
+        if interrupted:
+            raise KeyboardInterrupt
+        raise NoSolution(Failure.OUT_OF_TIME, f"CP-SAT found no plan in {time.perf_counter() - began:.1f} s "
+                         f"(status {solver.status_name(status)}); raise time_limit_s",
+                         bound_us=max(0, int(solver.best_objective_bound)))
     plan, saves = read_plan(solver, variables), read_saves(solver, variables)
     timeline = simulate(model, plan, saves)
     if timeline.peak_bytes > budget_bytes:  # the encoding and the simulator must agree
         raise AssertionError(f"solver plan {plan} saving {sorted(saves)} simulates to {timeline.peak_bytes} "
                              f"> budget {budget_bytes}")
     optimal = status == cp_model.OPTIMAL
-    return Solution(plan=plan, status=SolverStatus.OPTIMAL if optimal else SolverStatus.FEASIBLE,
-                    recompute_us=timeline.recompute_us, bound_us=int(solver.best_objective_bound),
-                    solve_time_s=time.perf_counter() - began, saves=saves, interrupted=interrupted)
+    found = Solution(plan=plan, status=SolverStatus.OPTIMAL if optimal else SolverStatus.FEASIBLE,
+                     recompute_us=timeline.recompute_us, bound_us=int(solver.best_objective_bound),
+                     solve_time_s=time.perf_counter() - began, saves=saves)
+    if interrupted:
+        if incumbent is not None:
+            incumbent.offer(found)
+        raise KeyboardInterrupt
+    return found
 
 
 def _solver(time_limit_s: float, workers: int | None) -> cp_model.CpSolver:
@@ -382,8 +403,9 @@ def run(solver: cp_model.CpSolver, cp: cp_model.CpModel) -> tuple[int, bool]:
     ``finally`` blocks; OR-Tools 9.15), and it hid the interruption from the caller. In the
     main thread the solve runs in a helper thread while this one waits, so Ctrl-C raises
     KeyboardInterrupt here as anywhere in Python: the search is stopped and its status (FEASIBLE
-    with the best plan found, or UNKNOWN) returned with ``True``. Elsewhere, Ctrl-C is the main
-    thread's business: the solve runs here, to its limit.
+    with the best plan found, or UNKNOWN) returned with ``True``, for the caller to keep that plan and
+    raise KeyboardInterrupt again. Elsewhere, Ctrl-C is the main thread's business: the solve runs here,
+    to its limit.
     """
     solver.parameters.catch_sigint_signal = False
     if threading.current_thread() is not threading.main_thread():
@@ -393,7 +415,7 @@ def run(solver: cp_model.CpSolver, cp: cp_model.CpModel) -> tuple[int, bool]:
     def work() -> None:
         try:
             outcome.append(solver.solve(cp))
-        except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread below
+        except BaseException as exc:
             outcome.append(exc)
         finally:
             done.set()

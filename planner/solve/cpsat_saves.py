@@ -9,9 +9,18 @@ from __future__ import annotations
 
 import numpy as np
 
-from planner.memory.saves import (NEVER, SaveOptions, cached, dropped_at, pack_chunks, partner, relief_row, rerun_parts,
-                           until_rerun)
 from planner.memory.model import MemoryModel
+from planner.memory.saves import (
+    NEVER,
+    SaveOptions,
+    cached,
+    dropped_at,
+    pack_chunks,
+    partner,
+    relief_row,
+    rerun_parts,
+    until_rerun,
+)
 
 
 def add_saves(cp, model: MemoryModel, options: SaveOptions, ckpt: list, covers: dict) -> tuple[dict, dict]:
@@ -113,7 +122,7 @@ def rerun_limits(model: MemoryModel, a: int, last: int, b: int, save: dict) -> l
     """The re-run of segment ``[a, b)`` as ``(bytes, {o: relief})`` pairs: its peak is the largest
     ``bytes - sum(relief[o] * save[o])``. Nodes with the same reliefs are merged (only their largest
     base matters), and pairs another one always dominates are dropped."""
-    base, relief, restored = rerun_parts(model, a, last, b, [o for o in save])
+    base, relief, restored = rerun_parts(model, a, last, b, list(save))
     if not relief:
         return [(int(base.max()) + restored, {})]
     keys = sorted(relief)

@@ -4,38 +4,37 @@ infeasible budget), and the peak the encoding gives a fixed plan (tests check it
 
 from __future__ import annotations
 
-import time
-
 from ortools.sat.python import cp_model
 
-from planner.memory.saves import SaveOptions
 from planner.memory.model import ChunkPlan, MemoryModel
+from planner.memory.saves import SaveOptions
 from planner.memory.simulate import simulate
-from planner.solve.result import NoSolution
 from planner.solve.cpsat import _solver, build, read_plan, read_saves, run
+from planner.solve.deadline import Deadline
+from planner.solve.result import Failure, NoSolution
 from planner.solve.rotor import smallest_peak
 
 
-def min_peak(model: MemoryModel, *, time_limit_s: float = 30.0, workers: int | None = None,
+def min_peak(model: MemoryModel, *, deadline: Deadline, workers: int | None = None,
              options: SaveOptions | None = None) -> ChunkPlan:
     """A plan reaching the smallest predicted peak (used to explain infeasible budgets); with
     ``options``, the smallest under the user's overrides (use ``min_peak_saves`` for its saves)."""
-    return min_peak_saves(model, time_limit_s=time_limit_s, workers=workers, options=options)[0]
+    return min_peak_saves(model, deadline=deadline, workers=workers, options=options)[0]
 
 
-def min_peak_saves(model: MemoryModel, *, time_limit_s: float = 30.0, workers: int | None = None,
+def min_peak_saves(model: MemoryModel, *, deadline: Deadline, workers: int | None = None,
                    options: SaveOptions | None = None) -> tuple[ChunkPlan, frozenset]:
     """``min_peak`` with the saves of that plan.
 
     Without ``options`` the chunk DP (``rotor.smallest_peak``) answers, exactly when it tracks every
-    storage; otherwise CP-SAT improves on the DP's plan within ``time_limit_s`` and the DP's plan is the
+    storage; otherwise CP-SAT improves on the DP's plan until ``deadline`` and the DP's plan is the
     answer if it finds nothing better (unhinted, CP-SAT found no plan at all in 20 s on a 2700-node model
     at 64 chunks, where the DP is exact in 1 s).
 
     Raises:
         NoSolution: with ``options``: no plan satisfies them (``infeasible``), or none found in time.
+        KeyboardInterrupt: Ctrl-C before CP-SAT found a plan.
     """
-    began = time.perf_counter()
     hint = None
     if options is None:
         hint, exact = smallest_peak(model)
@@ -46,7 +45,7 @@ def min_peak_saves(model: MemoryModel, *, time_limit_s: float = 30.0, workers: i
         chosen = set(hint)
         for ab, var in variables.segment.items():
             cp.add_hint(var, ab in chosen)
-    solver = _solver(max(0.0, time_limit_s - (time.perf_counter() - began)), workers)
+    solver = _solver(deadline.left_s(), workers)
     solver.parameters.optimize_with_core = False  # one integer objective: plain search is faster here
     status, interrupted = run(solver, cp)
     if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
@@ -55,11 +54,13 @@ def min_peak_saves(model: MemoryModel, *, time_limit_s: float = 30.0, workers: i
             return found
     if hint is not None:
         return hint, frozenset()
-    raise NoSolution(status == cp_model.INFEASIBLE, "CP-SAT could not find the smallest peak",
-                     interrupted=interrupted)
+    if interrupted:
+        raise KeyboardInterrupt
+    raise NoSolution(Failure.INFEASIBLE if status == cp_model.INFEASIBLE else Failure.OUT_OF_TIME,
+                     "CP-SAT could not find the smallest peak")
 
 
-def encoded_peak(model: MemoryModel, plan: ChunkPlan, *, time_limit_s: float = 30.0,
+def encoded_peak(model: MemoryModel, plan: ChunkPlan, *, deadline: Deadline,
                  saves: frozenset = frozenset(), options: SaveOptions | None = None) -> int:
     """The peak the CP-SAT encoding gives a fixed plan (saving ``saves``, candidates of ``options``);
     equals ``simulate(model, plan, saves).peak_bytes`` when the encoding is right (tests check it on
@@ -70,8 +71,8 @@ def encoded_peak(model: MemoryModel, plan: ChunkPlan, *, time_limit_s: float = 3
         cp.add(var == int(ab in chosen))
     for o, var in (variables.save or {}).items():
         cp.add(var == int(o in saves))
-    solver = _solver(time_limit_s, None)
+    solver = _solver(deadline.left_s(), None)
     solver.parameters.optimize_with_core = False
     if run(solver, cp)[0] != cp_model.OPTIMAL:
-        raise NoSolution(False, f"could not evaluate plan {plan}")
+        raise NoSolution(Failure.OUT_OF_TIME, f"could not evaluate plan {plan}")
     return int(solver.value(peak))

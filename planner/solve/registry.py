@@ -1,4 +1,4 @@
-"""Every planning strategy, as peers with one signature: ``(model, budget_bytes, *, time_limit_s) -> Solution``.
+"""Every planning strategy, as peers with one signature: ``(model, budget_bytes, *, deadline, options) -> Solution``.
 
 ``cpsat`` is the planner; the others are what people do by hand today, kept so
 they can be compared with it on the same cost model (``bench/``) and selected with
@@ -10,16 +10,22 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from planner.solve.baselines import every_block, no_checkpointing, sqrt_n
-from planner.solve.rotor import rotor
-from planner.memory.model import MemoryModel
-from planner.solve.result import Solution
-from planner.solve.default import solve
 from planner.errors import OptionError
+from planner.memory.model import MemoryModel
+from planner.memory.saves import SaveOptions
+from planner.solve.baselines import every_block, no_checkpointing, sqrt_n
+from planner.solve.deadline import Deadline
+from planner.solve.default import solve
+from planner.solve.result import Solution
+from planner.solve.rotor import rotor
 
 
 class Solver(Protocol):
-    def __call__(self, model: MemoryModel, budget_bytes: int, *, time_limit_s: float) -> Solution: ...
+    """A strategy: the plan for ``budget_bytes`` found before ``deadline``; ``options`` (op-level saves,
+    overrides) are read by the strategies whose ``Capabilities.saves`` says so, ignored by the others."""
+
+    def __call__(self, model: MemoryModel, budget_bytes: int, *, deadline: Deadline,
+                 options: SaveOptions | None = None) -> Solution: ...
 
 
 SOLVERS: dict[str, Solver] = {

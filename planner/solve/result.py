@@ -41,7 +41,8 @@ class Solution:
     saves: frozenset = frozenset()
     """Nodes inside segments whose outputs selective checkpointing keeps (``planner.memory.saves``)."""
     interrupted: bool = False
-    """Ctrl-C stopped the search that returned it: the caller returns it as it is, searching no further."""
+    """Ctrl-C stopped the solve that returned it (``planner.solve.incumbent``): the caller returns it as it
+    is, searching no further."""
 
 
 def best_bound(*bounds_us: int | None) -> int | None:
@@ -50,13 +51,24 @@ def best_bound(*bounds_us: int | None) -> int | None:
     return max(known) if known else None
 
 
-class NoSolution(Exception):
-    """CP-SAT ended without a plan: ``infeasible`` is True when it proved none exists; ``bound_us`` is
-    its lower bound on the recompute time of any plan when it stopped at the time limit (None when
-    nothing is proven); ``interrupted`` when Ctrl-C stopped it."""
+class Failure(str, enum.Enum):
+    """Why a strategy returned no plan."""
 
-    def __init__(self, infeasible: bool, message: str, bound_us: int | None = None, interrupted: bool = False):
+    INFEASIBLE = "infeasible"
+    """Proven: no plan fits (under the strategy's reading of the cost model)."""
+    OUT_OF_TIME = "out of time"
+    """The deadline passed before a plan was found; nothing is proven."""
+
+
+class NoSolution(Exception):
+    """A strategy ended without a plan, and why (``failure``). ``bound_us``: its lower bound on the recompute
+    time of any plan when it stopped at the deadline (None when nothing is proven)."""
+
+    def __init__(self, failure: Failure, message: str, bound_us: int | None = None):
         super().__init__(message)
-        self.infeasible = infeasible
+        self.failure = failure
         self.bound_us = bound_us
-        self.interrupted = interrupted
+
+    @property
+    def infeasible(self) -> bool:
+        return self.failure is Failure.INFEASIBLE

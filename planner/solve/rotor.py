@@ -23,52 +23,53 @@ from __future__ import annotations
 
 import time
 
-from planner.solve.chain_dp import ChainDP
-from planner.memory.saves import SaveOptions
 from planner.memory.model import ChunkPlan, MemoryModel
+from planner.memory.saves import SaveOptions
 from planner.memory.simulate import segment_recompute_us, simulate
-from planner.solve.result import NoSolution, Solution, SolverStatus
+from planner.solve.chain_dp import ChainDP
+from planner.solve.deadline import Deadline
+from planner.solve.result import Failure, NoSolution, Solution, SolverStatus
 
 
-def rotor(model: MemoryModel, budget_bytes: int, *, time_limit_s: float = 30.0) -> Solution:
+def rotor(model: MemoryModel, budget_bytes: int, *, deadline: Deadline, options: SaveOptions | None = None) -> Solution:
     """The least-recompute plan under the conservative reading of the cost model (the optimum
-    when every storage is tracked).
+    when every storage is tracked). Whole segments: ``options`` are not read (``registry.Capabilities``).
 
     Raises:
-        NoSolution: no plan fits under that reading (``infeasible=True``), or ``time_limit_s`` ran out
-            (``infeasible=False``).
+        NoSolution: no plan fits under that reading (INFEASIBLE), or ``deadline`` passed (OUT_OF_TIME).
     """
     began = time.perf_counter()
     if budget_bytes < 0:
-        raise NoSolution(True, "a negative budget fits no plan")
-    dp = ChainDP(model, budget_bytes, optimistic=False, deadline=began + time_limit_s)
+        raise NoSolution(Failure.INFEASIBLE, "a negative budget fits no plan")
+    dp = ChainDP(model, budget_bytes, optimistic=False, deadline=deadline)
     plan = dp.run()
     exact = dp.exact  # then no plan fits with less recompute
     plan = plan[0] if plan is not None else None
     if plan is None:
-        raise NoSolution(True, "no plan fits the budget" + ("" if exact else " under the conservative chain model"))
+        raise NoSolution(Failure.INFEASIBLE,
+                         "no plan fits the budget" + ("" if exact else " under the conservative chain model"))
     timeline = simulate(model, plan)
     if timeline.peak_bytes > budget_bytes:
         raise AssertionError(f"rotor plan {plan} simulates to {timeline.peak_bytes} > budget {budget_bytes}")
     return Solution(plan=plan, status=SolverStatus.OPTIMAL if exact else SolverStatus.FEASIBLE,
-                    recompute_us=timeline.recompute_us, bound_us=timeline.recompute_us if exact else None, solve_time_s=time.perf_counter() - began)
+                    recompute_us=timeline.recompute_us, bound_us=timeline.recompute_us if exact else None,
+                    solve_time_s=time.perf_counter() - began)
 
 
-def rotor_saves(model: MemoryModel, budget_bytes: int, options: SaveOptions, *,
-                deadline: float | None = None) -> Solution:
+def rotor_saves(model: MemoryModel, budget_bytes: int, options: SaveOptions, *, deadline: Deadline) -> Solution:
     """The least-recompute plan when each segment may keep one of its save variants
-    (``planner.rotor_saves``): FEASIBLE, the optimum within that space (CP-SAT may do better with
+    (``planner.solve.rotor_saves``): FEASIBLE, the optimum within that space (CP-SAT may do better with
     other save sets). Overrides (``must_save`` / ``must_recompute``) are not handled here.
 
     Raises:
-        NoSolution: no plan fits under the conservative reading (``infeasible=True`` only when exact),
-            or ``deadline`` (a ``time.perf_counter()`` value) passed.
+        NoSolution: no plan fits under the conservative reading (INFEASIBLE only when exact), or
+            ``deadline`` passed (OUT_OF_TIME).
     """
     began = time.perf_counter()
     dp = ChainDP(model, budget_bytes, optimistic=False, candidates=options.candidates, deadline=deadline)
     found = dp.run()
     if found is None:
-        raise NoSolution(dp.exact, "no plan fits the budget")
+        raise NoSolution(Failure.INFEASIBLE if dp.exact else Failure.OUT_OF_TIME, "no plan fits the budget")
     plan, saves = found
     timeline = simulate(model, plan, saves)
     if timeline.peak_bytes > budget_bytes:
@@ -78,7 +79,7 @@ def rotor_saves(model: MemoryModel, budget_bytes: int, options: SaveOptions, *,
                     solve_time_s=time.perf_counter() - began, saves=saves)
 
 
-def relaxed(model: MemoryModel, budget_bytes: int, *, deadline: float | None = None) -> tuple[ChunkPlan, int] | None:
+def relaxed(model: MemoryModel, budget_bytes: int, *, deadline: Deadline | None = None) -> tuple[ChunkPlan, int] | None:
     """The optimum of a relaxation of the cost model, and its recompute time (a lower bound).
 
     Untracked storages count as never kept, so every plan that fits the real model fits the
@@ -87,7 +88,7 @@ def relaxed(model: MemoryModel, budget_bytes: int, *, deadline: float | None = N
     None: no plan fits even the relaxation (so none fits).
 
     Raises:
-        NoSolution: ``deadline`` (a ``time.perf_counter()`` value) passed (``infeasible=False``).
+        NoSolution: ``deadline`` passed (OUT_OF_TIME); None: no deadline.
     """
     if budget_bytes < 0:
         return None

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from planner.memory.saves import NEVER, cached, partner, relief_row, until_rerun
 from planner.memory.model import MemoryModel
+from planner.memory.saves import NEVER, cached, partner, relief_row, until_rerun
 
 PREFIXES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 """Prefix lengths tried per segment (plus none and all of them)."""

@@ -1,0 +1,112 @@
+"""``PlanOptions``: everything that shapes a plan, in one record every entry point takes.
+
+``optimize``, ``prepare``, ``plan_for``, ``sweep``, ``optimize_compiled``, ``enable`` and the rank helpers
+accept ``options=PlanOptions(...)`` and the same names as keyword arguments, which override it
+(``resolve``). A name that is not an option is an ``OptionError`` listing the options.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, fields, replace
+from typing import Any, TypedDict
+
+from planner.errors import OptionError
+from planner.profiling.record import Profile
+from planner.step import LossFn
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PlanOptions:
+    """What shapes a plan besides the model, its inputs and the budget. Every field has the default
+    ``optimize`` uses."""
+
+    loss_fn: LossFn | None = None
+    """``output -> scalar`` differentiated by a step; default ``output.loss`` or the sum of the floating outputs."""
+    keep_output: bool = True
+    """Whether the training loop keeps the model's output referenced through backward (a plain loop);
+    False for loops that drop it first, as Hugging Face ``Trainer`` does."""
+    solver: str = "cpsat"
+    """Planning strategy, one of ``planner.solve.registry.SOLVERS``."""
+    time_limit_s: float = 30.0
+    """Seconds the solve stage may take, all of it; past it the best plan found is returned (FEASIBLE)."""
+    max_chunks: int = 64
+    """Most cut positions the search starts with (finer chunkings follow while they pay)."""
+    selective: bool = True
+    """Let checkpointed segments keep chosen op outputs (torch's selective checkpointing)."""
+    must_save: tuple[str, ...] = ()
+    """Module paths or op names (``planner.patterns`` globs) never re-run in backward."""
+    must_recompute: tuple[str, ...] = ()
+    """Module paths or op names (``planner.patterns`` globs) re-run in backward, never kept."""
+    profile: Profile | None = None
+    """A saved profile to plan from instead of profiling."""
+    device: str | None = None
+    """Plan for this device without it: a spec name (``"h100"``) or a spec file; None: measure where the
+    model is."""
+    world_size: int = 1
+    """Plan for one rank of a job on this many ranks."""
+    parallel: str | None = None
+    """``fsdp`` (default when ``world_size`` > 1) or ``ddp``."""
+    units: tuple[str, ...] | None = None
+    """FSDP units (module paths or globs); default the model's repeated blocks."""
+    optimizer: str | int | None = None
+    """Count its state in the budget: ``adamw``, ``adam``, ``sgd``, ``sgd-momentum``, or its bytes."""
+    progress: Callable[[str], None] | None = None
+    """Called with the name of each stage as it starts (``capture``, ``profile``, ``solve``, ``rewrite``)."""
+
+    def __post_init__(self) -> None:
+        """Normalises pattern lists to tuples and checks the numbers, so that every entry point refuses a bad
+        option before any work."""
+        for name in ("must_save", "must_recompute", "units"):  # a single pattern, or any sequence of them
+            value = getattr(self, name)
+            if isinstance(value, str):
+                object.__setattr__(self, name, (value,))
+            elif value is not None and not isinstance(value, tuple) and isinstance(value, Sequence | set):
+                object.__setattr__(self, name, tuple(value))
+        if isinstance(self.max_chunks, bool) or not isinstance(self.max_chunks, int) or self.max_chunks < 1:
+            raise OptionError(f"max_chunks must be an int >= 1 (got {self.max_chunks!r}); e.g. max_chunks=128 for "
+                              "finer plans")
+        if isinstance(self.world_size, bool) or not isinstance(self.world_size, int) or self.world_size < 1:
+            raise OptionError(f"world_size must be an integer >= 1 (the number of ranks), got {self.world_size!r}")
+        limit = self.time_limit_s
+        if isinstance(limit, bool) or not isinstance(limit, int | float) or not 0 <= limit < float("inf"):
+            raise OptionError(f"time_limit_s must be a number of seconds >= 0 (got {limit!r}); e.g. time_limit_s=60")
+
+
+class OptionArgs(TypedDict, total=False):
+    """The fields of ``PlanOptions`` as keyword arguments (``**options: Unpack[OptionArgs]``)."""
+
+    loss_fn: LossFn | None
+    keep_output: bool
+    solver: str
+    time_limit_s: float
+    max_chunks: int
+    selective: bool
+    must_save: Sequence[str]
+    must_recompute: Sequence[str]
+    profile: Profile | None
+    device: Any
+    world_size: int
+    parallel: str | None
+    units: Sequence[str] | None
+    optimizer: str | int | None
+    progress: Callable[[str], None] | None
+
+
+NAMES = tuple(f.name for f in fields(PlanOptions))
+"""Every option, in declaration order."""
+
+
+def resolve(options: PlanOptions | None, overrides: Mapping[str, Any], *, where: str) -> PlanOptions:
+    """``options`` (default ``PlanOptions()``) with the keyword arguments ``overrides`` applied.
+
+    Raises:
+        OptionError (a ValueError): ``options`` is not a ``PlanOptions``, or an override is not an option;
+            ``where`` names the entry point.
+    """
+    if options is not None and not isinstance(options, PlanOptions):
+        raise OptionError(f"{where}(options=...) takes a planner.PlanOptions, not {type(options).__name__}")
+    unknown = sorted(set(overrides) - set(NAMES))
+    if unknown:
+        raise OptionError(f"{where}() got an unknown option {unknown[0]!r}; the options are: {', '.join(NAMES)}")
+    return replace(options or PlanOptions(), **overrides)

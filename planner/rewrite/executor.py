@@ -1,0 +1,180 @@
+"""How a plan runs: the two executors, and the one place that chooses between them.
+
+A plan runs either as a rewritten graph (``GraphExecutor``: torch.fx traced the model; each segment is a
+generated method called through ``torch.utils.checkpoint``, ``planner.rewrite.graph``) or through the
+user's own modules (``HookExecutor``: models fx cannot trace, Hugging Face ones; each segment is a chain
+of module calls entered and left by forward hooks, ``planner.rewrite.chains``). The stages must agree on
+what the chosen one allows: which runs of nodes may be segments, which nodes a segment can keep, whether
+a segment runs the modules' own code. Each executor answers that once, as ``SegmentRules`` the memory
+model and the solvers read, and builds the planned module from the plan's segments.
+``executor_for`` is the only code that looks at how a model was captured to decide how its plan runs.
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from torch import nn
+
+from planner.capture.api import Captured, capture
+from planner.capture.fsdp_units import resolve_units
+from planner.capture.inputs import as_inputs
+from planner.capture.method import CaptureMethod
+from planner.errors import PlanMismatch
+from planner.memory.chains import alone_in_module, find_chains
+from planner.memory.regions import checkpointable_end
+from planner.memory.rules import SegmentRules
+from planner.profiling.record import Profile
+from planner.rewrite.chains import Chain
+from planner.rewrite.graph import SegmentSpec, rewrite
+from planner.rewrite.modules import PlannedShapes, clone_tree, describe, install_plan
+from planner.rewrite.sac import is_single_op
+from planner.rewrite.segment import Segment
+
+
+class ExecutorKind(str, enum.Enum):
+    """How a plan runs. A ``str`` (its value)."""
+
+    GRAPH = "graph"
+    """A generated subclass whose forward is the rewritten graph."""
+    HOOKS = "hooks"
+    """The model's own forward, with checkpoints entered and left by module hooks."""
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Built:
+    """A planned module and what ``--emit`` shows of it."""
+
+    module: nn.Module
+    source: str
+    """Python source of the generated class, or the chains as comments (plans run by hooks)."""
+
+
+class Executor(abc.ABC):
+    """One way of running a plan: the rules every stage follows, and building the planned module."""
+
+    kind: ClassVar[ExecutorKind]
+    compiles: ClassVar[bool]
+    """Whether ``torch.compile(planned_module)`` trains as the eager plan does."""
+
+    def __init__(self, method: CaptureMethod) -> None:
+        self.method = method
+        """How the model was captured (what ``apply`` captures a fresh instance with again)."""
+
+    @abc.abstractmethod
+    def rules(self, captured: Captured, profile: Profile) -> SegmentRules:
+        """Where segments may lie, which nodes they can keep, which module code they run."""
+
+    @abc.abstractmethod
+    def build(self, model: nn.Module, captured: Captured, segments: Sequence[Segment], *,
+              target: nn.Module | None = None, planned: PlannedShapes | None = None) -> Built:
+        """The module that runs ``segments`` of the captured ``model`` (not modified unless it is ``target``).
+
+        Args:
+            target: the module tree to plan in place (``enable``); only plans run by hooks support it.
+            planned: the shapes and peak the plan was made for (a plan run by hooks warns on larger calls).
+        """
+
+    @abc.abstractmethod
+    def apply(self, model: nn.Module, segments: Sequence[Segment], *, fingerprint: str, inputs: Any = None,
+              units: Sequence[str] | None = None, planned: PlannedShapes | None = None) -> nn.Module:
+        """A saved plan's module on ``model``, a fresh instance of the architecture it was made for.
+
+        Raises:
+            PlanMismatch: ``model`` does not capture to the graph the plan was made for (``fingerprint``).
+        """
+
+
+class GraphExecutor(Executor):
+    """Plans of models torch.fx traces: the rewritten graph (``planner.rewrite.graph``)."""
+
+    kind = ExecutorKind.GRAPH
+    compiles = True
+
+    def rules(self, captured: Captured, profile: Profile) -> SegmentRules:
+        """Any run of nodes; single ops can be kept; segments run the traced code of what they cut."""
+        return SegmentRules(spans=None, savable=_single_ops(captured, profile), opens_modules=True)
+
+    def build(self, model: nn.Module, captured: Captured, segments: Sequence[Segment], *,
+              target: nn.Module | None = None, planned: PlannedShapes | None = None) -> Built:
+        if target is not None:
+            raise ValueError("a rewritten graph is a new module: plan the model's own object with enable()")
+        rewritten = rewrite(model, captured, [_spec(s) for s in segments])
+        return Built(module=rewritten.module, source=rewritten.source)
+
+    def apply(self, model: nn.Module, segments: Sequence[Segment], *, fingerprint: str, inputs: Any = None,
+              units: Sequence[str] | None = None, planned: PlannedShapes | None = None) -> nn.Module:
+        if self.method is CaptureMethod.FX_UNITS:  # captured with its FSDP units kept as calls
+            captured = capture(model, units=frozenset(resolve_units(model, units)))
+        else:
+            example = as_inputs(model, inputs) if inputs is not None or hasattr(model, "example_inputs") else None
+            captured = capture(model, example)
+        if captured.fingerprint != fingerprint:
+            fix = ("pass the units= the plan was made with, on the same architecture"
+                   if self.method is CaptureMethod.FX_UNITS else
+                   "apply it to the same architecture and configuration, or plan again")
+            raise PlanMismatch(f"this plan was made for a graph with fingerprint {fingerprint}, but "
+                               f"{type(model).__name__} traces to {captured.fingerprint}: {fix}")
+        return rewrite(model, captured, [_spec(s) for s in segments]).module
+
+
+class HookExecutor(Executor):
+    """Plans that run the model's own forward: chains of module calls entered and left by forward hooks
+    (``planner.rewrite.chains``), on a clone of the module tree or on the model itself (``enable``)."""
+
+    kind = ExecutorKind.HOOKS
+    compiles = False  # regions entered and left across graph breaks: torch's CheckpointError under compile
+
+    def rules(self, captured: Captured, profile: Profile) -> SegmentRules:
+        """Chains of module calls only; a module call of one op can be kept; every module runs its own code."""
+        end = checkpointable_end(profile)
+        savable = _single_ops(captured, profile) & alone_in_module(profile, end)
+        return SegmentRules(spans=tuple(find_chains(profile.calls, end)), savable=savable, opens_modules=False)
+
+    def build(self, model: nn.Module, captured: Captured, segments: Sequence[Segment], *,
+              target: nn.Module | None = None, planned: PlannedShapes | None = None) -> Built:
+        chains = [_chain(s) for s in segments]
+        module = clone_tree(model) if target is None else target
+        install_plan(module, chains, planned=planned)
+        return Built(module=module, source=describe(chains, model))
+
+    def apply(self, model: nn.Module, segments: Sequence[Segment], *, fingerprint: str, inputs: Any = None,
+              units: Sequence[str] | None = None, planned: PlannedShapes | None = None) -> nn.Module:
+        """Needs no inputs and no capture: each chain checks on its first training forward that the model
+        runs it (``ChainError`` names a module the model does not have)."""
+        module = clone_tree(model)
+        install_plan(module, [_chain(s) for s in segments], planned=planned)
+        return module
+
+
+_RUNS_MODULES = {CaptureMethod.FX: False, CaptureMethod.FX_BLOCKS: False, CaptureMethod.FX_UNITS: False,
+                 CaptureMethod.ATEN: True, CaptureMethod.EXPORT: True}
+"""Per capture tier: whether its plans run the model's own modules (the ATen tiers capture code fx cannot
+trace, which only the model's own forward runs), else a rewritten graph."""
+
+
+def executor_for(method: CaptureMethod) -> Executor:
+    """The executor of plans for a model captured by ``method``."""
+    return HookExecutor(method) if _RUNS_MODULES[method] else GraphExecutor(method)
+
+
+def _single_ops(captured: Captured, profile: Profile) -> frozenset[int]:
+    """Nodes that run one fresh-output, non-random op and write no buffer: what a segment can keep exactly."""
+    graph = {n.name: n for n in captured.graph_module.graph.nodes}
+    return frozenset(i for i, node in enumerate(profile.nodes)
+                     if node.name in graph and is_single_op(graph[node.name], captured.graph_module))
+
+
+def _spec(segment: Segment) -> SegmentSpec:
+    return SegmentSpec(nodes=segment.nodes, restore_buffers=segment.restore_buffers, saved_nodes=segment.saved_nodes)
+
+
+def _chain(segment: Segment) -> Chain:
+    return Chain(members=segment.chain, saved_modules=segment.saved_modules, restore_buffers=segment.restore_buffers)
