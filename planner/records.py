@@ -14,7 +14,7 @@ import math
 import reprlib
 import types
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -83,7 +83,7 @@ def as_list(value: Any, where: str) -> list:
     return value
 
 
-def check_record(record: Any, *, where: str, limits: dict[str, float] = UNIT_LIMITS,
+def check_record(record: Any, *, where: str, limits: Mapping[str, float] = UNIT_LIMITS,
                  signed: tuple[str, ...] = ()) -> None:
     """Raises ``TypeError`` naming ``where.field`` unless every field of the dataclass ``record`` (nested
     records, tuples and dicts included) holds its annotated type: ints (not bools) that fit an int64,
@@ -113,7 +113,7 @@ def check_record(record: Any, *, where: str, limits: dict[str, float] = UNIT_LIM
                 check(key, args[0], f"{path} key", None)
                 check(item, args[1], f"{path}[{key!r}]", bounds)
             return None
-        if dataclasses.is_dataclass(hint):
+        if isinstance(hint, type) and dataclasses.is_dataclass(hint):
             if not isinstance(value, hint):
                 raise TypeError(f"{path} is {reprlib.repr(value)}, expected an object ({hint.__name__})")
             return fields_of(value, path)
@@ -124,7 +124,8 @@ def check_record(record: Any, *, where: str, limits: dict[str, float] = UNIT_LIM
         return None
 
     def fields_of(value: Any, path: str) -> None:
-        hints = _hints(type(value))
+        record_type: type = type(value)  # annotated: mypy does not take type[Any] for Hashable
+        hints = _hints(record_type)
         for f in dataclasses.fields(value):
             limit = next((v for unit, v in limits.items() if f.name.endswith(unit)), None)
             bounds = None if limit is None else (-limit if f.name in signed else 0, limit)

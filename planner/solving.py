@@ -148,8 +148,8 @@ def solve_budget(solver: str, memory: MemoryModel, budget_bytes: int, baseline_p
     The strategy works until ``deadline``; ``OutOfTime`` when it found no plan by then. No plan that fits:
     ``InfeasibleBudget`` with the smallest peak (the chunk DP's, which runs to the end: about 1 s at 64
     chunks on 2700 nodes), or ``_NoPlan`` without ``explain``."""
-    overrides = options is not None and bool(options.must_save or options.must_recompute)
-    if budget_bytes >= baseline_peak and not (overrides and options.must_recompute):
+    overrides = options if options is not None and (options.must_save or options.must_recompute) else None
+    if budget_bytes >= baseline_peak and not (overrides is not None and overrides.must_recompute):
         return Solution(plan=(), status=SolverStatus.OPTIMAL, recompute_us=0, bound_us=0, solve_time_s=0.0)
     solution: Solution | None
     try:
@@ -162,8 +162,8 @@ def solve_budget(solver: str, memory: MemoryModel, budget_bytes: int, baseline_p
         return solution
     if not explain:
         raise _NoPlan()
-    if overrides:
-        _infeasible_overrides(memory, budget_bytes, options, deadline)
+    if overrides is not None:
+        _infeasible_overrides(memory, budget_bytes, overrides, deadline)
     best = simulate(memory, *min_peak_saves(memory, deadline=deadline))
     if best.peak_bytes <= budget_bytes:  # a fixed or conservative strategy missed what cpsat can do
         peak = "no plan" if solution is None else f"a plan peaking at {simulate(memory, solution.plan).peak_bytes} B"

@@ -32,7 +32,9 @@ def default_loss(output: Any) -> torch.Tensor:
         raise ProfileError(f"the model returned {got}, with no floating-point tensor to differentiate: return one "
                            "from forward, or pass loss_fn=(output -> scalar loss) (ckplan: define loss_fn in the "
                            "model file)")
-    return sum(t.sum() for t in floats)
+    loss = sum(t.sum() for t in floats)
+    assert isinstance(loss, torch.Tensor)  # floats is not empty, so sum() does not return its start, 0
+    return loss
 
 
 @contextmanager

@@ -83,6 +83,7 @@ def capture(model: nn.Module, inputs: Inputs | None = None, *, units: frozenset[
             if inputs is None:
                 raise
             notes.append(f"{FX.label} failed: {fx_error}")
+    assert inputs is not None  # without inputs, modules=True raised above and a failed fx trace re-raised
     tier = EXPORT if any(t.is_meta for t in (*model.parameters(), *model.buffers())) else ATEN
     try:
         with no_cache(model):
@@ -136,6 +137,6 @@ def target_text(node: fx.Node) -> str:
         return node.target
     module = getattr(node.target, "__module__", None) or ""
     name = getattr(node.target, "__qualname__", None) or getattr(node.target, "__name__", repr(node.target))
-    return f"{module}.{name}" if module and module != "builtins" and not module.startswith("_operator") else name
+    return f"{module}.{name}" if module and module != "builtins" and not module.startswith("_operator") else str(name)
 
 

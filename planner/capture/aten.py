@@ -53,7 +53,7 @@ def aten_graph(model: nn.Module, args: tuple, kwargs: dict) -> fx.GraphModule:
         out_specs.append(out_spec)
         return out
 
-    flat_forward._orig_mod = model  # make_fx records module scopes relative to this root
+    flat_forward.__dict__["_orig_mod"] = model  # make_fx records module scopes relative to this root
     calls: list[tuple[str, fx.Node, list[fx.Node]]] = []
     hooks = [module.register_forward_pre_hook(functools.partial(_note_call, calls, path), with_kwargs=True)
              for path, module in model.named_modules() if path]

@@ -31,14 +31,16 @@ class UnpackingProxy(fx.Proxy):
     graph would not be the step the model's own forward runs (``q, k, v = qkv`` in attention)."""
 
     def __iter__(self) -> Iterator[fx.Proxy]:
-        frame = inspect.currentframe().f_back
+        here = inspect.currentframe()
+        frame = here.f_back if here is not None else None
+        assert frame is not None  # CPython has frames, and this method is always called from one
         instructions = list(dis.get_instructions(frame.f_code))
         at = (bisect_left(instructions, frame.f_lasti, key=lambda i: i.offset) if sys.version_info >= (3, 11)
               else frame.f_lasti // 2)  # as torch.fx.Proxy.__iter__ finds the calling instruction
         inst = instructions[at]
         if inst.opname == "UNPACK_SEQUENCE":
             items = self.tracer.create_proxy("call_function", unpacked, (self,), {})
-            return (items[i] for i in range(inst.argval))
+            return (items[i] for i in range(inst.argval))  # type: ignore[index]  # fx.Proxy gets [] at runtime
         return self.tracer.iter(self)
 
 

@@ -50,7 +50,7 @@ class CompiledPlan:
 
     @property
     def step_ms(self) -> float:
-        return self.probes[self.chosen].step_ms
+        return _ms(self.probes[self.chosen])
 
     @property
     def baseline_peak_bytes(self) -> int:
@@ -58,7 +58,7 @@ class CompiledPlan:
 
     @property
     def baseline_step_ms(self) -> float:
-        return self.probes[0].step_ms
+        return _ms(self.probes[0])
 
     @property
     def overhead(self) -> float:
@@ -153,16 +153,23 @@ TIE = 0.01
 
 def finalists(fitting: Sequence[int], times: Mapping[int, Probe]) -> list[int]:
     """The fitting probes whose median step is within ``CLOSE`` of the fastest."""
-    fastest = min(times[i].step_ms for i in fitting)
-    return [i for i in fitting if times[i].step_ms <= fastest * (1 + CLOSE)]
+    fastest = min(_ms(times[i]) for i in fitting)
+    return [i for i in fitting if _ms(times[i]) <= fastest * (1 + CLOSE)]
 
 
 def choose(candidates: Sequence[int], times: Mapping[int, Probe]) -> int:
     """The fastest candidate; among those within ``TIE`` of it, the one with the smallest peak (then the
     fastest): a partition no faster by more than noise should not cost memory headroom."""
-    fastest = min(times[i].step_ms for i in candidates)
-    tied = [i for i in candidates if times[i].step_ms <= fastest * (1 + TIE)]
+    fastest = min(_ms(times[i]) for i in candidates)
+    tied = [i for i in candidates if _ms(times[i]) <= fastest * (1 + TIE)]
     return min(tied, key=lambda i: (times[i].peak_bytes, times[i].step_ms))
+
+
+def _ms(measured: Probe) -> float:
+    """A timed probe's median step, ms: every fitting probe is timed, and so is the 1.0 baseline."""
+    if measured.step_ms is None:
+        raise ValueError(f"the probe at activation_memory_budget {measured.fraction:g} was not timed")
+    return measured.step_ms
 
 
 def _plan_probe(model: nn.Module, budget_bytes: int, inputs: UserInputs, example: Inputs,
@@ -185,6 +192,7 @@ def _plan_probe(model: nn.Module, budget_bytes: int, inputs: UserInputs, example
             plan = plan_for(prepared, target)
         except (InfeasibleBudget, OutOfTime):
             return None
+        assert plan.module is not None  # plan_for's plans carry their planned module
         probed = probe(plan.module, 1.0, example, opts.loss_fn, keep_output=opts.keep_output, source=Source.PLAN)
         if probed[1].peak_bytes <= budget_bytes:
             break

@@ -213,12 +213,14 @@ def split_at_units(memory: MemoryModel, solution: Solution, budget_bytes: int, d
             status = solution.status if target == budget_bytes else SolverStatus.FEASIBLE
             return replace(solution, plan=predicted.plan, status=status, recompute_us=predicted.recompute_us)
         target -= predicted.peak_bytes - budget_bytes
+        resolved: Solution | None
         try:
-            solution = resolve(target) if resolve is not None and target > 0 else None
+            resolved = resolve(target) if resolve is not None and target > 0 else None
         except InfeasibleBudget:
-            solution = None
-        if solution is None or not solution.plan:
+            resolved = None
+        if resolved is None or not resolved.plan:
             break
+        solution = resolved
     smallest = simulate(memory, _cut(memory, min_peak(memory, deadline=deadline), unit_nodes))
     if smallest.peak_bytes <= budget_bytes:
         return Solution(plan=smallest.plan, status=SolverStatus.FEASIBLE, recompute_us=smallest.recompute_us,

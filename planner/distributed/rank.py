@@ -100,7 +100,8 @@ def fully_shard_units(module: nn.Module, units: Sequence[str] | None = None, **f
 
     for path in resolve_units(module, units):
         fully_shard(module.get_submodule(path), **fully_shard_kwargs)
-    return fully_shard(module, **fully_shard_kwargs)
+    fully_shard(module, **fully_shard_kwargs)  # in place: the module's class becomes FSDP<its class>
+    return module
 
 
 @contextlib.contextmanager

@@ -108,7 +108,7 @@ def find_regions(profile: Profile, *, max_chunks: int = 64, rules: SegmentRules 
         if any(p < b <= m for p, m in mutated_after):
             continue
         depth = -1 if b in block_edges else profile.calls.common_depth(b - 1, b)
-        unit = next((i for i, (lo, hi) in enumerate(block_nodes) if lo < b < hi), None)
+        unit: int | str | None = next((i for i, (lo, hi) in enumerate(block_nodes) if lo < b < hi), None)
         if unit is None and depth > 0:  # outside the repeated blocks: the module call the cut lies in
             unit = profile.calls.calls[profile.calls.around[b][depth - 1]].entry  # (DenseNet's dense layers)
         groups.setdefault((depth, unit), []).append((int(crossing[b]), b))

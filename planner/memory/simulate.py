@@ -122,7 +122,7 @@ def simulate(model: MemoryModel, plan: ChunkPlan, saves: Saves = frozenset()) ->
                                 recomputed_activations_bytes=bump,
                                 gradients_inputs_workspace_bytes=peak - model.param_bytes - live_kept - bump),
         largest_kept=tuple((model.node_names[model.producer[s]], int(model.size[s]),
-                            _why_kept(model, plan, s, saves)) for s in largest),
+                            _why_kept(model, plan, int(s), saves)) for s in largest),
         saves=saves,
     )
 

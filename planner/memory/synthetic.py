@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import itertools
 import random
+from collections.abc import Sequence
 
 from planner.capture.calls import entry_path
 from planner.memory.build import build_model
@@ -24,8 +24,8 @@ class GraphBuilder:
         self.storages = [StorageCost(nbytes=input_bytes, producer=-1)]  # storage 0: the model input
         self.ops: list[dict] = []
 
-    def op(self, name: str, reads: list[int], sizes: list[int], *, saves: list[int] = (),
-           save_outputs: list[int] = (), cost_ms: float = 1.0, scope: tuple[str, ...] = ()) -> list[int]:
+    def op(self, name: str, reads: list[int], sizes: list[int], *, saves: Sequence[int] = (),
+           save_outputs: Sequence[int] = (), cost_ms: float = 1.0, scope: tuple[str, ...] = ()) -> list[int]:
         """Adds a node reading ``reads`` and allocating storages of ``sizes``; it saves the storages
         ``saves`` and its own outputs at positions ``save_outputs``. Returns the new storage ids."""
         index = len(self.ops)
@@ -84,7 +84,7 @@ def graph_profile(
     skips = skips or {}
     internal = internal or [0] * len(sizes)
     graph = GraphBuilder()
-    outputs = []
+    outputs: list[int] = []
     for i, size in enumerate(sizes):
         reads = [outputs[i - 1] if i else 0] + ([outputs[skips[i]]] if i in skips else [])
         made = graph.op(f"n{i}", reads, [size] + ([internal[i]] if internal[i] else []),

@@ -11,6 +11,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeGuard
 
 from planner.errors import OptionError, ProfileFileError
 from planner.profiling.record import Profile
@@ -65,7 +66,7 @@ def device_names() -> list[str]:
     return sorted(p.stem for p in SPEC_DIR.glob("*.json"))
 
 
-def is_device_spec(device: object) -> bool:
+def is_device_spec(device: object) -> TypeGuard[str | Path]:
     """True when ``device`` names a bundled spec or a spec file (not a torch device like ``cuda:0``)."""
     return isinstance(device, (str, Path)) and (str(device) in device_names() or str(device).endswith(".json"))
 

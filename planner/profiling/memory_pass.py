@@ -220,7 +220,13 @@ class MemoryRecorder(StepRunner):
 
     def forward_trace(self) -> list[tuple[str, int]]:
         """The ops of the graph's forward (the loss excluded), with live bytes after each."""
-        return self.tracker.trace[: self.records[-1]["ops"][0]]
+        return self._trace()[: self.records[-1]["ops"][0]]
+
+    def _trace(self) -> list[tuple[str, int]]:
+        """The tracker's list of ops, which ``step`` starts."""
+        if self.tracker.trace is None:
+            raise RuntimeError("no step has run: call step() first")
+        return self.tracker.trace
 
     def _new_storage(self, key: int, tensor: torch.Tensor) -> None:
         index = len(self.storages)
@@ -234,6 +240,7 @@ class MemoryRecorder(StepRunner):
         names = {self._buffer_of[storage_key(v)] for v in values
                  if self._here(v) and storage_key(v) in self._buffer_of}
         if node is not None and node.op == "call_module":
+            assert isinstance(node.target, str)  # a call_module node's target is the module's path
             names |= {self._buffer_of[storage_key(b)] for b in self.module.get_submodule(node.target).buffers()
                       if storage_key(b) in self._buffer_of}
         with _disable_current_modes():  # profiling's own copies are not the model's memory
@@ -286,7 +293,7 @@ class MemoryRecorder(StepRunner):
 
     def around_node(self, index, node, compute, values):
         scope = node.meta.get(SCOPE_KEY, ()) if node is not None else ()
-        record = {
+        record: dict[str, Any] = {
             "name": node.name if node is not None else LOSS_NODE,
             "kind": node.op if node is not None else LOSS_NODE,
             "target": target_text(node) if node is not None else "loss_fn",
@@ -300,7 +307,7 @@ class MemoryRecorder(StepRunner):
         self._producer = index
         first_new = len(self.storages)
         record["fwd_start"] = self.tracker.mark()
-        first_op = len(self.tracker.trace)
+        first_op = len(self._trace())
         try:
             result = super().around_node(index, node, compute, values)
         finally:
@@ -308,7 +315,7 @@ class MemoryRecorder(StepRunner):
             self._current = None
         sync(self.device)
         record["fwd_peak"] = self.tracker.window_peak_bytes
-        record["ops"] = (first_op, len(self.tracker.trace))
+        record["ops"] = (first_op, len(self._trace()))
         record["outputs"] = set(range(first_new, len(self.storages)))
         record["mutates"] = {self._index_of[k] for k in self._writes if k in self._index_of} - record["outputs"]
         with _disable_current_modes():

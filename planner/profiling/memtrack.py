@@ -9,6 +9,8 @@ torch frees it (storage Python objects live exactly as long as the storage).
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -36,13 +38,13 @@ class LiveStorages(TorchDispatchMode):
         self.peak_bytes = 0
         self.window_peak_bytes = 0
         self._sizes: dict[int, int] = {}
-        self.on_new_storage = None
+        self.on_new_storage: Callable[[int, torch.Tensor], None] | None = None
         """Optional callback ``(key, tensor)`` run for each newly seen storage."""
-        self.on_write = None
+        self.on_write: Callable[[torch.Tensor], None] | None = None
         """Optional callback ``(tensor)`` run for each tensor an op modifies in place."""
         self.trace: list[tuple[str, int]] | None = None
         """When a list, ``(op name, live bytes after it)`` is appended for every op."""
-        self.on_op = None
+        self.on_op: Callable[[Any, tuple, Any], None] | None = None
         """Optional callback ``(func, args, out)`` run after every op."""
 
     def track(self, tensor: torch.Tensor) -> bool:
@@ -89,7 +91,7 @@ class LiveStorages(TorchDispatchMode):
 
 def written_tensors(func, args: tuple, kwargs: dict) -> list[torch.Tensor]:
     """Tensors an aten op modifies in place, read from its schema (``Tensor(a!)`` arguments)."""
-    written = []
+    written: list[torch.Tensor] = []
     for i, arg in enumerate(func._schema.arguments):
         if arg.alias_info is not None and arg.alias_info.is_write:
             value = args[i] if i < len(args) else kwargs.get(arg.name)

@@ -90,7 +90,7 @@ def on_meta(*roots: nn.Module) -> Iterator[None]:
                 for key, value in list(store.items()):
                     if isinstance(value, torch.Tensor) and not value.is_meta:
                         meta = copies.setdefault(id(value), to_meta(value))
-                        target = module.__dict__ if store is plain else store
+                        target: dict[str, Any] = module.__dict__ if store is plain else store
                         swapped.append((target, key, value))
                         target[key] = meta
     try:

@@ -57,9 +57,10 @@ def _new_autograd_nodes(result: Any, step: object) -> list:
     found = []
     while stack:
         fn = stack.pop()
-        if fn.metadata.get(SEEN_KEY) is step:
+        metadata: dict = fn.metadata  # type: ignore[assignment]  # a dict on C++ nodes; torch types a method
+        if metadata.get(SEEN_KEY) is step:
             continue
-        fn.metadata[SEEN_KEY] = step
+        metadata[SEEN_KEY] = step
         found.append(fn)
         stack.extend(nxt for nxt, _ in fn.next_functions
                      if nxt is not None and type(nxt).__name__ != "AccumulateGrad")
@@ -109,7 +110,7 @@ class StepRunner(fx.Interpreter):
         return self.run(*fx_pytree.tree_flatten_spec((inputs.args, inputs.kwargs), in_spec))
 
     def _run_kwargs(self, inputs: Inputs) -> Any:
-        placeholders = [n for n in self.module.graph.nodes if n.op == "placeholder"]
+        placeholders = [n for n in self.graph.nodes if n.op == "placeholder"]
         args = list(inputs.args)
         for node in placeholders[len(args):]:
             if node.target in inputs.kwargs:

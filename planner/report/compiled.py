@@ -25,11 +25,10 @@ def print_compiled(console: Console, plan: CompiledPlan, *, model_file: str, qui
     for column in ("partition", "peak", "fits", "step", "vs 1.0"):
         table.add_column(column, justify="left" if column == "partition" else "right")
     for i, p in enumerate(plan.probes):
-        timed = p.step_ms is not None
         table.add_row(Text(_label(p), style="bold" if i == plan.chosen else ""), format_bytes(p.peak_bytes),
                       "yes" if p.peak_bytes <= plan.budget_bytes else "no",
-                      f"{p.step_ms:.1f} ms" if timed else "",
-                      f"{p.step_ms / plan.baseline_step_ms - 1:+.1%}" if timed else "")
+                      f"{p.step_ms:.1f} ms" if p.step_ms is not None else "",
+                      f"{p.step_ms / plan.baseline_step_ms - 1:+.1%}" if p.step_ms is not None else "")
     _section(console, table)
 
 

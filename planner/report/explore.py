@@ -92,13 +92,12 @@ class Tradeoff:
     def front(self) -> tuple[TradeoffRow, ...]:
         """Rows on the Pareto front (distinct points), smallest peak first."""
         feasible = [r for r in self.rows if r.feasible]
-        points = [(r.predicted_peak_bytes, r.predicted_overhead) for r in feasible]
-        return tuple(feasible[i] for i in pareto_front(points))
+        return tuple(feasible[i] for i in pareto_front([_costs(r) for r in feasible]))
 
     def knee(self) -> TradeoffRow | None:
         """The front's knee (see the class docstring), or None when the front has no bend."""
         front = self.front()
-        index = knee_index([(r.predicted_peak_bytes, r.predicted_overhead) for r in front])
+        index = knee_index([_costs(r) for r in front])
         return None if index is None else front[index]
 
     def blocks_table(self, *, frame: bool = False) -> list[dict[str, Any]] | Any:
@@ -233,6 +232,13 @@ def _row(plan: Plan, budget_bytes: int, solve_time_s: float) -> TradeoffRow:
                        solve_time_s=solve_time_s, plan=plan)
 
 
+def _costs(row: TradeoffRow) -> tuple[int, float]:
+    """A feasible row's predicted peak (bytes) and overhead, which ``_row`` sets."""
+    if row.predicted_peak_bytes is None or row.predicted_overhead is None:
+        raise ValueError(f"the row for a budget of {row.budget_bytes} B has no plan")
+    return row.predicted_peak_bytes, row.predicted_overhead
+
+
 def monotone(rows: Sequence[TradeoffRow]) -> tuple[TradeoffRow, ...]:
     """Enforces the sweep's guarantee on rows sorted by budget, largest first.
 
@@ -241,14 +247,14 @@ def monotone(rows: Sequence[TradeoffRow]) -> tuple[TradeoffRow, ...]:
     that plan, which fits its larger budget too.
     """
     out = list(rows)
-    best: TradeoffRow | None = None
+    best: tuple[float, Plan] | None = None  # overhead and plan of the cheapest smaller budget so far
     for k in range(len(out) - 1, -1, -1):
         row = out[k]
-        if best is not None and (not row.feasible or row.predicted_overhead > best.predicted_overhead):
-            plan = dataclasses.replace(best.plan, budget_bytes=row.budget_bytes)
+        if best is not None and (not row.feasible or _costs(row)[1] > best[0]):
+            plan = dataclasses.replace(best[1], budget_bytes=row.budget_bytes)
             out[k] = row = _row(plan, row.budget_bytes, row.solve_time_s)
-        if row.feasible and (best is None or row.predicted_overhead <= best.predicted_overhead):
-            best = row
+        if row.feasible and row.plan is not None and (best is None or _costs(row)[1] <= best[0]):
+            best = _costs(row)[1], row.plan
     return tuple(out)
 
 

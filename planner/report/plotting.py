@@ -10,7 +10,7 @@ imported when a figure is drawn, so importing this module never needs it.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, overload
 
 import numpy as np
 
@@ -19,17 +19,25 @@ from planner.errors import OptionError
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
-    from matplotlib.figure import Figure
+    from matplotlib.figure import Figure, SubFigure
 
     from planner.plan import Plan
 
 class Tradeoff(Protocol):
-    """What the trade-off figures read of ``planner.report.explore.Tradeoff`` (which imports this module)."""
+    """What the trade-off figures read of ``planner.report.explore.Tradeoff`` (which imports this module);
+    read-only, as that frozen dataclass's fields are."""
 
-    rows: Sequence[Any]
-    references: Sequence[Any]
-    baseline_peak_bytes: int
-    min_peak_bytes: int | None
+    @property
+    def rows(self) -> Sequence[Any]: ...
+
+    @property
+    def references(self) -> Sequence[Any]: ...
+
+    @property
+    def baseline_peak_bytes(self) -> int: ...
+
+    @property
+    def min_peak_bytes(self) -> int | None: ...
 
     def front(self) -> Sequence[Any]: ...
 
@@ -122,7 +130,15 @@ def plot_blocks(tradeoff: Tradeoff) -> Figure:
     return fig
 
 
-def plot_timeline(plan: Plan, ax: Axes | None = None) -> Figure:
+@overload
+def plot_timeline(plan: Plan, ax: None = None) -> Figure: ...
+
+
+@overload
+def plot_timeline(plan: Plan, ax: Axes) -> Figure | SubFigure: ...
+
+
+def plot_timeline(plan: Plan, ax: Axes | None = None) -> Figure | SubFigure:
     """Predicted live memory (MiB) over one training step, forward then backward, with and
     without ``plan``; the budget as a horizontal line; checkpointed segments shaded where
     they run forward and where they are recomputed in backward.
@@ -132,7 +148,7 @@ def plot_timeline(plan: Plan, ax: Axes | None = None) -> Figure:
         ax: draw into these axes; default a new Figure.
 
     Returns:
-        The Figure drawn into.
+        The Figure drawn into (``ax``'s SubFigure when it lies in one).
 
     Raises:
         ValueError: the plan carries no timeline.

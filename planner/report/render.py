@@ -163,8 +163,8 @@ def segments_table(plan: Plan) -> Table:
     if selective:
         table.add_column("keeps", justify="right")
     for i, seg in enumerate(plan.segments):
-        row = [str(i), Text(short_paths(seg.module_paths)), str(len(seg.nodes)),
-               format_bytes(seg.freed_bytes), f"{seg.recompute_ms:.2f} ms"]
+        row: list[str | Text] = [str(i), Text(short_paths(seg.module_paths)), str(len(seg.nodes)),
+                                 format_bytes(seg.freed_bytes), f"{seg.recompute_ms:.2f} ms"]
         table.add_row(*row, *([f"{len(seg.saved_nodes)} ops"] if selective else []))
     return table
 

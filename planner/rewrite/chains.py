@@ -187,7 +187,7 @@ class _Runner:
             if training_with_grad(module):
                 self._start(args, kwargs)
         elif self.open is not None:
-            self._enter(j, args, kwargs)
+            self._enter(self.open, j, args, kwargs)
         elif training_with_grad(module):
             raise ChainError(f"{self}: {self.chain.members[j]} ran without {self.chain.members[0]} just before it")
 
@@ -201,7 +201,7 @@ class _Runner:
             if self.open.watch is not None:
                 self.open.watch.left_member()
         else:
-            self._finish()
+            self._finish(self.open)
 
     def _start(self, args: tuple, kwargs: dict) -> None:
         tensors, rebuild = _split_tensors(args, kwargs)
@@ -216,8 +216,7 @@ class _Runner:
             state.watch.__enter__()
         self.open = state
 
-    def _enter(self, j: int, args: tuple, kwargs: dict) -> None:
-        state = self.open
+    def _enter(self, state: _Open, j: int, args: tuple, kwargs: dict) -> None:
         if j != state.expect:
             self.abort()
             raise ChainError(f"{self}: {self.chain.members[j]} ran before {self.chain.members[state.expect]}")
@@ -238,8 +237,8 @@ class _Runner:
         state.records.append((spec, leaves))
         state.expect = j + 1
 
-    def _finish(self) -> None:
-        state, self.open = self.open, None
+    def _finish(self, state: _Open) -> None:
+        self.open = None
         state.outputs.clear()
         if state.watch is not None:
             state.watch.__exit__(None, None, None)

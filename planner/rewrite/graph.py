@@ -203,7 +203,7 @@ def _external_inputs(nodes: list[fx.Node], members: set[fx.Node]) -> list[fx.Nod
 
 
 def _segment_graph(nodes: list[fx.Node], inputs: list[fx.Node], outputs: list[fx.Node],
-                   saved: set[fx.Node] = frozenset()) -> fx.Graph:
+                   saved: frozenset[fx.Node] | set[fx.Node] = frozenset()) -> fx.Graph:
     graph = fx.Graph()
     env = {i: graph.placeholder(i.name) for i in inputs}
 
@@ -275,7 +275,7 @@ def _method(graph: fx.Graph, name: str, namespace: dict, guard: str = "") -> str
     return "\n".join(ln.rstrip() for ln in lines[head:]) + "\n"
 
 
-def _eval_guard(base: type, main: fx.Graph) -> str:
+def _eval_guard(base: type[nn.Module], main: fx.Graph) -> str:
     """First lines of ``forward``: outside training, run the user's own forward."""
     names = [n.target.lstrip("*") for n in main.nodes if n.op == "placeholder"]  # as in the def line
     params = list(inspect.signature(base.forward).parameters.values())[1:]

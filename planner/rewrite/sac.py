@@ -109,6 +109,7 @@ def is_single_op(node: fx.Node, root: nn.Module) -> bool:
     """A node that runs one fresh-output, non-random ATen op (plus views): what selective checkpointing can
     keep exactly, as one node of the memory model."""
     if node.op == "call_module":
+        assert isinstance(node.target, str)  # a call_module node's target is the module's path
         return type(root.get_submodule(node.target)) in _MODULES
     if node.op == "call_method":
         return node.target in _METHODS
@@ -117,5 +118,5 @@ def is_single_op(node: fx.Node, root: nn.Module) -> bool:
     if isinstance(node.target, torch._ops.OpOverload):  # torch.export: nodes are ATen ops already
         return writes_new_memory(node.target) and not is_random(node.target)
     if node.target is F.scaled_dot_product_attention:
-        return node.kwargs.get("dropout_p", 0.0) == 0.0 and len(node.args) < 5
+        return bool(node.kwargs.get("dropout_p", 0.0) == 0.0) and len(node.args) < 5
     return node.target in _FUNCTIONS

@@ -113,7 +113,7 @@ class ChainDP:
                               for t, own in enumerate(model.own_saved)], dtype=np.int64)
         self.const_bwd = model.const_bwd + self.kept_fixed - own_fixed
         self.recompute_from = recomputed_from(model)
-        self._pieces: dict[tuple, tuple[int, int, int] | None] = {}
+        self._pieces: dict[tuple, tuple[int, int, int]] = {}
         self._reruns: dict[tuple, tuple[int, int] | None] = {}
         self._variants: dict[tuple[int, int], list[Variant]] = {}
         self.untracked = {int(s) for s in model.varying()} - set(tracked)
@@ -240,7 +240,7 @@ class ChainDP:
             for mask in range(1 << len(self.opened[a])):
                 best = Step.upto(-1, 0)
 
-                def promising(b: int, cost: int, floor: int) -> bool:  # can segment [a, b) beat best anywhere?
+                def promising(b: int, cost: int, floor: int) -> np.bool_:  # can segment [a, b) beat best anywhere?
                     return cost + self.least[b] < best.at(self.budget - floor)  # noqa: B023 - best as it is now
 
                 for cost, worst, added, b, out, _ in self._moves(a, mask, promising):

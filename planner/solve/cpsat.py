@@ -38,13 +38,13 @@ class _Vars:
     covers: dict          # covers[a, k]: the segment starting at chunk a reaches chunk k
     ckpt: list            # ckpt[k]: chunk k is inside some checkpointed segment
     kept: dict            # kept[s]: storage s stays alive from forward until its release in backward
-    save: dict = None     # save[o]: node o's outputs are cached by selective checkpointing, not re-run
-    same: dict = None     # same[o, k]: o is saved and chunk k is in its segment
+    save: dict            # save[o]: node o's outputs are cached by selective checkpointing, not re-run
+    same: dict            # same[o, k]: o is saved and chunk k is in its segment
     sac: object = 0       # time SAC's dispatch modes add to segments with saves (objective term)
-    cache: list = None    # (storage, release, save[o]): cached storages nobody saves, kept until the re-run
-    held: dict = None     # held[s]: [(node, h)], h: some holder of s sits at or before node (ascending)
-    eager: dict = None    # eager[t]: node t's modules keep their Python locals (planner.memory.excess)
-    rows: dict = None     # rows[o]: per node, the bytes a save of o keeps from being counted as recomputed
+    cache: list           # (storage, release, save[o]): cached storages nobody saves, kept until the re-run
+    held: dict            # held[s]: [(node, h)], h: some holder of s sits at or before node (ascending)
+    eager: dict           # eager[t]: node t's modules keep their Python locals (planner.memory.excess)
+    rows: dict            # rows[o]: per node, the bytes a save of o keeps from being counted as recomputed
 
 
 def build(model: MemoryModel, *, budget_bytes: int | None,
@@ -63,7 +63,7 @@ def build(model: MemoryModel, *, budget_bytes: int | None,
             if model.regions.allows(a, b):
                 segment[a, b] = cp.new_bool_var(f"segment[{a},{b}]")
     # covers[a, k]: the segment that starts at a extends at least to chunk k.
-    covers = {}
+    covers: dict[tuple[int, int], cp_model.IntVar] = {}
     for a in range(n_chunks):
         for k in range(n_chunks - 1, a - 1, -1):
             here, longer = segment.get((a, k + 1)), covers.get((a, k + 1))
@@ -109,7 +109,7 @@ def build(model: MemoryModel, *, budget_bytes: int | None,
 
 
 def _holder_literals(model: MemoryModel, s: int, ckpt: list, covers: dict,
-                     save_reasons: dict) -> list[tuple[int, object]]:
+                     save_reasons: dict) -> list[tuple[int, cp_model.LiteralT]]:
     """``(node, literal)`` per holder of storage s a plan may choose (``planner.memory.release``): a chunk
     left alone that saves it (from its first saver there), a segment starting after s's chunk that reads
     it (from its first node), a save in the segment of s's first saver (a save keeps its cached storages).
@@ -184,15 +184,14 @@ def _eager(cp, model: MemoryModel, segment: dict, covers: dict, ckpt: list) -> d
     if not len(model.excess) or not model.excess.any():
         return {}
     n_chunks = model.n_chunks
-    boundary = [[] for _ in range(n_chunks + 1)]
+    boundary: list[list[cp_model.IntVar]] = [[] for _ in range(n_chunks + 1)]
     for (a, b), var in segment.items():
         boundary[a].append(var)
         boundary[b].append(var)
     opened = {}
     owner = model.regions.chunk_of()
     eager = {}
-    for t in np.flatnonzero(model.excess):
-        t = int(t)
+    for t in np.flatnonzero(model.excess).tolist():  # Python ints
         k = owner[t]
         for p in model.around[t]:
             if p not in opened:
@@ -395,7 +394,7 @@ def _solver(time_limit_s: float, workers: int | None) -> cp_model.CpSolver:
     return solver
 
 
-def run(solver: cp_model.CpSolver, cp: cp_model.CpModel) -> tuple[int, bool]:
+def run(solver: cp_model.CpSolver, cp: cp_model.CpModel) -> tuple[cp_model.CpSolverStatus, bool]:
     """``solver.solve(cp)``'s status, and whether Ctrl-C stopped it.
 
     CP-SAT's own SIGINT handler (``catch_sigint_signal``) is off: it left SIGINT at the OS default
@@ -410,7 +409,8 @@ def run(solver: cp_model.CpSolver, cp: cp_model.CpModel) -> tuple[int, bool]:
     solver.parameters.catch_sigint_signal = False
     if threading.current_thread() is not threading.main_thread():
         return solver.solve(cp), False
-    done, outcome = threading.Event(), []
+    done = threading.Event()
+    outcome: list[cp_model.CpSolverStatus | BaseException] = []
 
     def work() -> None:
         try:

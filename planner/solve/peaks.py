@@ -66,6 +66,7 @@ def encoded_peak(model: MemoryModel, plan: ChunkPlan, *, deadline: Deadline,
     equals ``simulate(model, plan, saves).peak_bytes`` when the encoding is right (tests check it on
     random graphs and plans)."""
     cp, variables, peak = build(model, budget_bytes=None, options=options)
+    assert peak is not None  # build() returns the peak variable when it has no budget
     chosen = set(plan)
     for ab, var in variables.segment.items():
         cp.add(var == int(ab in chosen))

@@ -42,9 +42,9 @@ def rotor(model: MemoryModel, budget_bytes: int, *, deadline: Deadline, options:
     if budget_bytes < 0:
         raise NoSolution(Failure.INFEASIBLE, "a negative budget fits no plan")
     dp = ChainDP(model, budget_bytes, optimistic=False, deadline=deadline)
-    plan = dp.run()
+    found = dp.run()
     exact = dp.exact  # then no plan fits with less recompute
-    plan = plan[0] if plan is not None else None
+    plan = found[0] if found is not None else None
     if plan is None:
         raise NoSolution(Failure.INFEASIBLE,
                          "no plan fits the budget" + ("" if exact else " under the conservative chain model"))
@@ -106,7 +106,8 @@ def smallest_peak(model: MemoryModel) -> tuple[ChunkPlan, bool]:
     Bisects the budget with a forward pass that keeps, per state, only the fewest kept bytes."""
     baseline = simulate(model, ()).peak_bytes
     dp = ChainDP(model, baseline, optimistic=False)
-    lo, hi, best = 0, baseline, ()
+    lo, hi = 0, baseline
+    best: ChunkPlan = ()
     while lo < hi:
         mid = (lo + hi) // 2
         plan = dp.fits(mid)

@@ -82,6 +82,6 @@ class SaveTable:
                                spared_us=sum(c.cost_us for c in chosen) - sac,
                                kept=tuple(s for c in chosen for s in c.kept),
                                held=tuple(h for c in chosen for h in c.held),
-                               relief=sum(c.relief[lo:hi] for c in chosen)))
+                               relief=sum((c.relief[lo:hi] for c in chosen), np.zeros(hi - lo, dtype=np.int64))))
         return out
 

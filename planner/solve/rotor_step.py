@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import overload
 
 import numpy as np
 
@@ -26,7 +27,14 @@ class Step:
             return Step(np.array([0], dtype=np.int64), np.array([INF], dtype=np.int64))
         return Step(np.array([0, limit + 1], dtype=np.int64), np.array([value, INF], dtype=np.int64))
 
-    def at(self, kept) -> np.ndarray | int:
+    @overload
+    def at(self, kept: int) -> np.int64: ...
+
+    @overload
+    def at(self, kept: np.ndarray) -> np.ndarray: ...
+
+    def at(self, kept: int | np.ndarray) -> np.int64 | np.ndarray:
+        """The value at M = ``kept`` bytes (an array of values for an array of M)."""
         return self.value[np.searchsorted(self.start, kept, side="right") - 1]
 
     def shifted(self, added: int, *, cap: int, plus: int) -> Step:
