@@ -29,8 +29,10 @@ from compare_strategies import load, mib  # noqa: E402
 def rows_for(name: str, fractions: list[int], runs: int, time_limit_s: float) -> list[str]:
     from planner.capture.inputs import as_inputs
     from planner.errors import InfeasibleBudget
+    from planner.options import PlanOptions
     from planner.pipeline import plan_for, plan_from_solution, prepare
     from planner.profiling.measure import measure_peak, step_samples_ms
+    from planner.solve.deadline import Deadline
     from planner.solving import widen
 
     model, inputs, loss_fn = load(name)
@@ -41,8 +43,7 @@ def rows_for(name: str, fractions: list[int], runs: int, time_limit_s: float) ->
         budget = prepared.baseline.peak_bytes * fraction // 100
         began = time.perf_counter()
         try:
-            coarse_prepared, coarse = widen(prepared, "cpsat", budget, began + time_limit_s, dict(
-                must_save=(), must_recompute=(), selective=True))
+            coarse_prepared, coarse = widen(prepared, budget, PlanOptions(), Deadline.after(time_limit_s))
         except InfeasibleBudget as exc:
             rows.append(f"| {name} | {fraction}% | infeasible (smallest peak {mib(exc.min_peak_bytes)} MiB) "
                         "| | | | | |")

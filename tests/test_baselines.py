@@ -20,14 +20,15 @@ def test_rotor_is_exact_on_small_chains(seed):
     for budget in (lowest, (lowest + highest) // 2, highest - 1):
         assert rotor(model, budget, deadline=Deadline.after(30)).recompute_us == brute_force(model, budget)
     with pytest.raises(NoSolution):
-        rotor(model, lowest - 1)
+        rotor(model, lowest - 1, deadline=Deadline.after(30))
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("seed", range(3))
 def test_rotor_equals_cpsat_on_50_node_chains(seed):
     model = memory_model(random_profile(50, seed))
-    lowest, highest = simulate(model, min_peak(model, deadline=Deadline.after(30))).peak_bytes, simulate(model, ()).peak_bytes
+    lowest = simulate(model, min_peak(model, deadline=Deadline.after(30))).peak_bytes
+    highest = simulate(model, ()).peak_bytes
     for budget in (lowest, (lowest + highest) // 2, (lowest + 3 * highest) // 4):
         exact = solve(model, budget, deadline=Deadline.after(60))
         assert exact.status == "OPTIMAL"

@@ -4,10 +4,10 @@ exact smallest peak, and a lower bound that never exceeds the optimum."""
 import numpy as np
 import pytest
 
-from planner.solve.deadline import Deadline
 from planner.memory.simulate import simulate
 from planner.memory.synthetic import brute_force, memory_model, min_peak_brute, random_profile, transformer_profile
 from planner.solve import chain_dp as chain
+from planner.solve.deadline import Deadline
 from planner.solve.result import NoSolution
 from planner.solve.rotor import relaxed, rotor, smallest_peak
 

@@ -23,6 +23,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 from planner import optimize
 from planner.memory.simulate import simulate
 from planner.pipeline import plan_for, plan_from_solution, prepare
+from planner.solve.deadline import Deadline
 from planner.solve.default import solve
 from planner.solve.result import Solution
 
@@ -99,7 +100,7 @@ def _gpt(layers: int):
 def _with_every_save(prepared, budget):
     """The whole-segment plan for ``budget`` with every save its segments allow."""
     memory = prepared.memory
-    chunks = solve(memory, plan_for(prepared, budget, selective=False).budget_bytes).plan
+    chunks = solve(memory, plan_for(prepared, budget, selective=False).budget_bytes, deadline=Deadline.after(30)).plan
     saves = every_save(prepared.profile, memory, chunks, prepared.rules.savable)
     peak = simulate(memory, chunks, saves).peak_bytes
     return plan_from_solution(prepared, Solution(plan=chunks, status="FIXED", recompute_us=0, bound_us=0,

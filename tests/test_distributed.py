@@ -24,7 +24,6 @@ import torch.nn.functional as F
 from planner import InfeasibleBudget, load_plan, plan_for, prepare
 from planner.capture.fsdp_units import resolve_units
 from planner.distributed.memory import memory_offset, setup, split_at_units
-from planner.solve.deadline import Deadline
 from planner.distributed.rank import (
     apply_plan,
     count_collectives,
@@ -35,6 +34,7 @@ from planner.distributed.rank import (
     same_on_all_ranks,
 )
 from planner.plan import Segment
+from planner.solve.deadline import Deadline
 from planner.solve.result import Solution
 
 WIDTH, DEPTH, ROWS = 64, 4, 1024

@@ -50,7 +50,8 @@ def test_encoding_equals_simulator_with_saves(seed):
     rng = random.Random(seed)
     cases = list(_plans_with_saves(model, options))
     for plan, saves in rng.sample(cases, 12):
-        assert encoded_peak(model, plan, saves=saves, options=options, deadline=Deadline.after(30)) == simulate(model, plan, saves).peak_bytes
+        encoded = encoded_peak(model, plan, saves=saves, options=options, deadline=Deadline.after(30))
+        assert encoded == simulate(model, plan, saves).peak_bytes
 
 
 @pytest.mark.slow
@@ -93,9 +94,9 @@ def test_save_variant_dp_is_exact_over_its_space(seed):
         best = min((cost for peak, cost in cases if peak <= budget), default=None)
         if best is None:
             with pytest.raises(NoSolution):
-                rotor_saves(model, budget, options)
+                rotor_saves(model, budget, options, deadline=Deadline.after(30))
             continue
-        found = rotor_saves(model, budget, options)
+        found = rotor_saves(model, budget, options, deadline=Deadline.after(30))
         assert found.recompute_us == best
         assert simulate(model, found.plan, found.saves).peak_bytes <= budget
 

@@ -2,7 +2,6 @@
 and says whether infeasibility is proven over every cut position or only over those it searched. And
 when finer chunks re-run less, it solves them while the time limit allows (refinement)."""
 
-import time
 
 import pytest
 import torch
@@ -11,8 +10,10 @@ from torch import nn
 
 import planner.solving as solving
 from planner import InfeasibleBudget, optimize
+from planner.options import PlanOptions
 from planner.pipeline import plan_for, plan_from_solution, prepare
 from planner.report.render import infeasible_json
+from planner.solve.deadline import Deadline
 from planner.step import default_loss
 
 pytestmark = pytest.mark.slow  # several profiles and solves: ~30 s
@@ -59,8 +60,7 @@ def test_not_found_within_the_widest_search_is_not_called_proven(peaks, monkeypa
 
 def _coarse(prepared, budget):
     """The plan at the prepared chunks alone (widened only if none fits there), as before refinement."""
-    return solving.widen(prepared, "cpsat", budget, time.perf_counter() + 30,
-                         dict(must_save=(), must_recompute=(), selective=False))
+    return solving.widen(prepared, budget, PlanOptions(selective=False), Deadline.after(30))
 
 
 @pytest.mark.parametrize("share", [0.25, 0.5, 0.75])
