@@ -39,7 +39,7 @@ def enable(model: nn.Module, budget: int | str, *, inputs: UserInputs = None, op
         raise OptionError("enable() plans the model for this process and its own device: drop world_size= and "
                           "device= (optimize() plans for another device or a distributed job)")
     remove_plan(model)  # profile the model as it is, without an older plan's hooks
-    prepared = prepare(model, inputs=inputs, options=opts, modules=True)
+    prepared = prepare(model, inputs=inputs, options=opts, budget=budget, modules=True)
     return plan_for(prepared, budget, target=model)
 
 

@@ -73,14 +73,18 @@ def optimize(model: nn.Module, budget: int | str, *, inputs: UserInputs = None, 
     opts = resolve(options, overrides, where="optimize")
     check_budget(budget)  # reject a malformed budget before any work
     get_solver(opts.solver)  # reject an unknown solver before any work
-    prepared = prepare(model, inputs=inputs, options=opts)
+    prepared = prepare(model, inputs=inputs, options=opts, budget=budget)
     return plan_for(prepared, budget, options=opts)
 
 
-def prepare(model: nn.Module, *, inputs: UserInputs = None, options: PlanOptions | None = None, modules: bool = False,
-            **overrides: Unpack[OptionArgs]) -> Prepared:
-    """Captures and profiles ``model`` once (arguments as for ``optimize``). ``modules``: plan the
-    model's own forward with module hooks even when torch.fx could trace it (``enable``)."""
+def prepare(model: nn.Module, *, inputs: UserInputs = None, options: PlanOptions | None = None,
+            budget: int | str | None = None, modules: bool = False, **overrides: Unpack[OptionArgs]) -> Prepared:
+    """Captures and profiles ``model`` once (arguments as for ``optimize``).
+
+    A step that does not fit whole in what the device has left is profiled in pieces (memory from shapes,
+    times measured piece by piece, ``planner.profiling.fitting``); ``budget``, the budget the plans will be
+    made for, then bounds the pieces too, so that profiling holds no more than the plan will. ``modules``:
+    plan the model's own forward with module hooks even when torch.fx could trace it (``enable``)."""
     opts = resolve(options, overrides, where="prepare")
     stage = opts.progress or (lambda name: None)
     dist = setup(model, world_size=opts.world_size, parallel=opts.parallel, units=opts.units,
@@ -92,8 +96,8 @@ def prepare(model: nn.Module, *, inputs: UserInputs = None, options: PlanOptions
                            units=dist.opaque if dist else frozenset(), modules=modules)  # for a meta model)
         stage("profile")
         measured = profile_for(captured, model, example, loss_fn=opts.loss_fn,  # one real step node by node,
-                               device=opts.device, saved=opts.profile,          # or a saved or estimated profile
-                               keep_output=opts.keep_output)
+                               device=opts.device, saved=opts.profile,          # or a saved or estimated profile;
+                               keep_output=opts.keep_output, budget=budget)     # in pieces if it does not fit
     device = opts.device
     sac = sac_op_cost(measured, load_device(device) if is_device_spec(device) else None)  # from the profile
     # or the device spec, never from this machine
@@ -177,6 +181,8 @@ def plan_from_solution(prepared: Prepared, solution: Solution, budget_bytes: int
         peak_breakdown=predicted.breakdown,
         largest_kept=predicted.largest_kept,
         keep_output=prepared.profile.keep_output,
+        profile_pieces=prepared.profile.pieces,
+        profile_peak_bytes=prepared.profile.profile_peak_bytes,
         planned_inputs=shapes,
         sac_op_us=prepared.sac_cost.op_us,
         sac_cost_source=prepared.sac_cost.source,

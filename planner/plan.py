@@ -100,6 +100,10 @@ class Plan:
     keep_output: bool = True
     """Whether the predicted peak assumes the loop keeps the model's output referenced through
     backward (``optimize(keep_output=...)``)."""
+    profile_pieces: int = 1
+    """How many pieces the profiled step ran in (1: whole; more when it did not fit where it was profiled)."""
+    profile_peak_bytes: int | None = None
+    """Peak bytes profiling held on the device (``Profile.profile_peak_bytes``); None for an estimate."""
     planned_inputs: dict[str, tuple[int, ...]] = field(default_factory=dict, repr=False)
     """Shape of each tensor argument of the example call, by parameter name: a plan that runs the
     model's own forward warns once when a training call is larger (``planner.rewrite.modules``)."""
@@ -161,7 +165,7 @@ class Plan:
         for name in ("budget_bytes", "predicted_peak_bytes", "baseline_peak_bytes", "predicted_overhead",
                      "recompute_ms", "step_ms", "solver_status", "solve_time_s", "recompute_bound_ms", "fingerprint",
                      "capture_method", "capture_notes", "device", "source", "sac_op_us", "sac_cost_source",
-                     "planned_inputs", "keep_output"):
+                     "planned_inputs", "keep_output", "profile_pieces", "profile_peak_bytes"):
             value = getattr(self, name)
             data[name] = value.value if isinstance(value, enum.Enum) else value  # enums as their short value
         data["peak_breakdown"] = None if self.peak_breakdown is None else self.peak_breakdown.to_dict()

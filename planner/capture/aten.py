@@ -9,6 +9,10 @@ causal masks and repeats grouped key/value heads that eager SDPA never copies), 
 a model runs eagerly (``planner.rewrite.chains``). The graph is specialised to the example inputs;
 it is only profiled, never run by the planned module.
 
+The forward runs as a training forward (gradients on), but autograd saves nothing for the backward that
+never comes: no activation outlives its last use, so a model whose training step does not fit can still
+be captured.
+
 Each module call's tensor arguments are held by a checkpoint around it until its backward, used or
 not (a Hugging Face decoder layer receives ``position_ids`` it never reads). So that the memory model
 sees that, the call's first node is preceded by a ``keep_args`` node of the call's scope that reads
@@ -31,6 +35,10 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from planner.capture.calls import SCOPE_KEY, entry, entry_path
 from planner.step import untouched
+
+
+def _nothing(value: object) -> None:
+    """What autograd keeps of a saved tensor during capture: nothing."""
 
 
 def keep_args(*tensors: torch.Tensor) -> None:
@@ -58,7 +66,10 @@ def aten_graph(model: nn.Module, args: tuple, kwargs: dict) -> fx.GraphModule:
     hooks = [module.register_forward_pre_hook(functools.partial(_note_call, calls, path), with_kwargs=True)
              for path, module in model.named_modules() if path]
     try:
-        with untouched(model):  # training mode; BatchNorm statistics, gradients and the RNG put back after
+        # training mode; BatchNorm statistics, gradients and the RNG put back after. Autograd saves nothing:
+        # it would keep every activation of the forward alive until the graph is made, and a model whose
+        # step does not fit would not be captured (no backward ever runs on this forward)
+        with untouched(model), torch.autograd.graph.saved_tensors_hooks(_nothing, _nothing):
             gm = make_fx(flat_forward, tracing_mode="real", pre_dispatch=True, record_module_stack=True,
                          _error_on_data_dependent_ops=False)(*leaves)
     finally:

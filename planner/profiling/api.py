@@ -7,6 +7,7 @@ device=)`` goes through ``profile_for``. Saving and loading live in ``profile_io
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Mapping
 
 import torch
@@ -15,10 +16,14 @@ from torch import nn
 from planner.capture.api import Captured, capture
 from planner.capture.cache import no_cache
 from planner.capture.inputs import Inputs, as_inputs
-from planner.errors import InputError, OptionError, ProfileMismatch
+from planner.errors import InputError, OptionError, ProfileError, ProfileMismatch
 from planner.profiling.devices import DeviceSpec, device_names, is_device_spec, load_device
+from planner.profiling.fitting import FIT_SHARE, fitting_profile, resident_bytes
+from planner.profiling.headroom import hard_limit, headroom_bytes
+from planner.profiling.memory_pass import device_of
 from planner.profiling.memory_pass import profile as measure
-from planner.profiling.meta import estimate, to_meta
+from planner.profiling.memtrack import OverLimit
+from planner.profiling.meta import estimate, memory_on_meta, to_meta
 from planner.profiling.record import LOSS_NODE, Profile
 from planner.step import LossFn
 
@@ -55,9 +60,11 @@ def profile(model: nn.Module, *, inputs: tuple | Mapping | torch.Tensor | None =
 
 
 def profile_for(captured: Captured, model: nn.Module, example: Inputs, *, loss_fn: LossFn | None = None,
-                device: Device = None, saved: Profile | None = None, keep_output: bool = True) -> Profile:
-    """The profile to plan ``captured`` with: ``saved`` once checked against it, else measured
-    where the model is (``device`` None) or estimated for the device spec ``device``."""
+                device: Device = None, saved: Profile | None = None, keep_output: bool = True,
+                budget: int | str | None = None) -> Profile:
+    """The profile to plan ``captured`` with: ``saved`` once checked against it, estimated for the device
+    spec ``device``, or measured where the model is (``device`` None): the whole step when it fits in what
+    the device has left, else in pieces that fit (``measured``)."""
     if saved is not None:
         if not isinstance(saved, Profile):
             raise InputError(f"profile= takes a planner.Profile (from planner.profile or planner.load_profile), "
@@ -72,8 +79,56 @@ def profile_for(captured: Captured, model: nn.Module, example: Inputs, *, loss_f
         return saved
     spec = resolve_device(model, device)
     if spec is None:
-        return measure(captured, model, example, loss_fn=loss_fn, keep_output=keep_output)
+        return measured(captured, model, example, loss_fn=loss_fn, keep_output=keep_output, budget=budget)
     return estimate(captured, model, example, spec=spec, loss_fn=loss_fn, keep_output=keep_output)
+
+
+def measured(captured: Captured, model: nn.Module, example: Inputs, *, loss_fn: LossFn | None = None,
+             keep_output: bool = True, budget: int | str | None = None) -> Profile:
+    """The profile measured where the model is. Where going past what the device has left makes an
+    allocation fail (``hard_limit``: a GPU, a capped process), the step's memory is first replayed on meta
+    tensors (exact sizes, nothing allocated): when it needs more than ``FIT_SHARE`` of what is left
+    (``headroom_bytes``), it is profiled in pieces that fit what is left and, when they can, the ``budget``
+    (``fitting.fitting_profile``). Else the whole step runs, guarded: past that share, or out of memory,
+    it stops, the allocator's cache is released, and it is profiled in pieces after all."""
+    here = device_of(model, example)
+    room = headroom_bytes(here)
+    if room is not None and hard_limit(here):  # an allocation past it fails: do not try the whole step blind
+        try:
+            replay = memory_on_meta(captured, model, example, loss_fn=loss_fn, keep_output=keep_output)
+        except Exception:  # meta tensors cannot run this code (it reads values): the guarded real step tells
+            replay = None
+        if replay is not None and replay.recorder.tracker.peak_bytes - resident_bytes(model, example) > \
+                room * FIT_SHARE:
+            return fitting_profile(captured, model, example, room_bytes=room, budget=budget, loss_fn=loss_fn,
+                                   keep_output=keep_output, replay=replay)
+    try:
+        return measure(captured, model, example, loss_fn=loss_fn, keep_output=keep_output,
+                       limit_bytes=None if room is None else int(room * FIT_SHARE))
+    except (ProfileError, RuntimeError) as exc:
+        if not out_of_memory(exc):
+            raise
+    gc.collect()
+    if here.type == "cuda":
+        torch.cuda.empty_cache()
+    return fitting_profile(captured, model, example, room_bytes=headroom_bytes(here), budget=budget,
+                           loss_fn=loss_fn, keep_output=keep_output)
+
+
+_OUT_OF_MEMORY = ("can't allocate memory", "out of memory")
+"""What the CPU and CUDA allocators say when an allocation fails."""
+
+
+def out_of_memory(exc: BaseException) -> bool:
+    """Whether ``exc`` (or what caused it) says the device ran out of memory: the profiler's own guard
+    (``OverLimit``), CUDA's ``OutOfMemoryError``, or the CPU allocator's "can't allocate memory"."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        said = str(seen) if isinstance(seen, RuntimeError) else ""
+        if isinstance(seen, (OverLimit, torch.OutOfMemoryError)) or any(m in said for m in _OUT_OF_MEMORY):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
 
 
 def is_meta_model(model: nn.Module) -> bool:

@@ -55,6 +55,7 @@ def profile(
     loss_fn: LossFn | None = None,
     timing_runs: int = 3,
     keep_output: bool = True,
+    limit_bytes: int | None = None,
 ) -> Profile:
     """Profiles one training step of ``captured`` (a trace of ``model``) where the model is.
 
@@ -65,20 +66,25 @@ def profile(
         loss_fn: ``output -> scalar``; default ``default_loss``.
         timing_runs: how many timed steps the per-node times are the median of.
         keep_output: the output stays referenced through backward (False: dropped before it).
+        limit_bytes: the most bytes the step may allocate beyond what is live when it starts; past it
+            ``OverLimit`` is raised at once (the caller profiles in pieces instead).
 
     Returns:
         The step's ``Profile``.
 
     Raises:
         ProfileError: a node failed (naming it, the user's line and the input shapes),
-            or the model has nothing to differentiate.
+            or the model has nothing to differentiate. OverLimit: the step went over ``limit_bytes``.
     """
     loss_fn = loss_fn or default_loss
-    device = _device_of(model, inputs)
+    device = device_of(model, inputs)
     check_trainable(model)
     with untouched(model):
         recorder = MemoryRecorder(captured.graph_module, model, device, keep_output=keep_output)
+        if limit_bytes is not None:
+            recorder.tracker.limit_bytes = recorder.tracker.live_bytes + limit_bytes
         recorder.step(inputs, loss_fn)
+        recorder.tracker.limit_bytes = None
         excess = eager_excess_of(recorder, captured, model, inputs)
         timer = Timer(captured.graph_module, device)
         for _ in range(timing_runs):
@@ -90,7 +96,8 @@ def profile(
                           step_fwd_ms=step_fwd, step_bwd_ms=step_bwd,
                           checkpoint_overhead_ms=checkpoint_overhead_ms(device),
                           sac_op_us=measure_sac_op_us(captured.graph_module, inputs, loss_fn, device, ops))
-    return assemble(recorder, captured, model, inputs, times=times, excess=excess, device=str(device))
+    return assemble(recorder, captured, model, inputs, times=times, excess=excess, device=str(device),
+                    profile_peak_bytes=recorder.tracker.peak_bytes)
 
 
 def check_trainable(model: nn.Module) -> None:
@@ -114,7 +121,8 @@ def eager_excess_of(recorder: MemoryRecorder, captured: Captured, model: nn.Modu
 
 
 def assemble(recorder: MemoryRecorder, captured: Captured, model: nn.Module, inputs: Inputs, *,
-             times: StepTimes, excess: list[int] | None, device: str, estimated_for: str = "") -> Profile:
+             times: StepTimes, excess: list[int] | None, device: str, estimated_for: str = "", pieces: int = 1,
+             profile_peak_bytes: int | None = None) -> Profile:
     """The ``Profile`` of a recorded step with its times (measured or estimated)."""
     nodes = tuple(
         NodeCost(
@@ -149,10 +157,12 @@ def assemble(recorder: MemoryRecorder, captured: Captured, model: nn.Module, inp
         fingerprint=captured.fingerprint,
         capture_method=captured.method,
         estimated_for=estimated_for,
+        pieces=pieces,
+        profile_peak_bytes=profile_peak_bytes,
     )
 
 
-def _device_of(model: nn.Module, inputs: Inputs) -> torch.device:
+def device_of(model: nn.Module, inputs: Inputs) -> torch.device:
     devices = {p.device for p in model.parameters()} | {b.device for b in model.buffers()}
     if len(devices) > 1:
         raise ProfileError(f"the model's parameters are on several devices {sorted(map(str, devices))}; "

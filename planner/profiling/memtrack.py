@@ -16,6 +16,12 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from planner.errors import ProfileError
+
+
+class OverLimit(ProfileError):
+    """A tracked step went over ``LiveStorages.limit_bytes``: it does not fit whole where it runs."""
+
 
 def storage_key(tensor: torch.Tensor) -> int:
     """Identity of the storage behind ``tensor`` (valid while it is alive)."""
@@ -46,6 +52,9 @@ class LiveStorages(TorchDispatchMode):
         """When a list, ``(op name, live bytes after it)`` is appended for every op."""
         self.on_op: Callable[[Any, tuple, Any], None] | None = None
         """Optional callback ``(func, args, out)`` run after every op."""
+        self.limit_bytes: int | None = None
+        """When set, an op that leaves more than this many bytes live raises ``OverLimit`` (before the next
+        op can allocate more): the profiler's guard on a device too small for the whole step."""
 
     def track(self, tensor: torch.Tensor) -> bool:
         """Start counting the storage behind ``tensor``; False if already counted."""
@@ -82,6 +91,9 @@ class LiveStorages(TorchDispatchMode):
         for leaf in tree_leaves(out):
             if isinstance(leaf, torch.Tensor):
                 self.track(leaf)
+        if self.limit_bytes is not None and self.live_bytes > self.limit_bytes:
+            raise OverLimit(f"the step holds {self.live_bytes} B after {func.name()}, over the "
+                            f"{self.limit_bytes} B this process can allocate on {self.device}")
         if self.trace is not None:
             self.trace.append((func.name(), self.live_bytes))
         if self.on_op is not None:

@@ -10,8 +10,9 @@ step is ever allocated.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -43,21 +44,47 @@ def estimate(captured: Captured, model: nn.Module, inputs: Inputs, *, spec: Devi
         ProfileError: a node failed on meta tensors (naming it), e.g. one that reads tensor
             values (``.item()``, data-dependent shapes) which meta tensors do not have.
     """
+    roofline = Roofline(spec)
+    replay = memory_on_meta(captured, model, inputs, loss_fn=loss_fn, keep_output=keep_output, op_ms=roofline.op_ms)
+    recorder = replay.recorder
+    count = len(recorder.records)
+    fwd = [recorder.est_fwd_ms[i] for i in range(count)]
+    bwd = [recorder.est_bwd_ms[i] for i in range(count)]
+    times = StepTimes(fwd_ms=fwd, bwd_ms=bwd, step_fwd_ms=sum(fwd), step_bwd_ms=sum(bwd),
+                      checkpoint_overhead_ms=spec.checkpoint_overhead_us / 1e3)
+    return assemble(recorder, captured, model, replay.example, times=times, excess=replay.excess, device=spec.name,
+                    estimated_for=spec.name)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MetaReplay:
+    """The memory pass of one step replayed on meta tensors (``memory_on_meta``)."""
+
+    recorder: MemoryRecorder
+    """What the pass recorded: storages, saves, per-node live bytes (exact: sizes are all a meta tensor has)."""
+    example: Inputs
+    """The inputs as meta tensors."""
+    excess: list[int] | None
+    """Per node, what the model's own forward keeps beyond the graph (``memory_pass.eager_excess_of``)."""
+
+
+def memory_on_meta(captured: Captured, model: nn.Module, inputs: Inputs, *, loss_fn: LossFn | None = None,
+                   keep_output: bool = True, op_ms: Callable[[Any, tuple, Any], float] | None = None) -> MetaReplay:
+    """The memory pass of one training step of ``captured`` on meta tensors: nothing is allocated, and the
+    model is left as it was (its parameters and buffers are swapped for meta copies during the pass).
+    ``op_ms``: a per-op time estimate to record as it goes (the roofline), if any.
+
+    Raises:
+        ProfileError: a node failed on meta tensors (naming it), e.g. one that reads tensor values.
+    """
     loss_fn = loss_fn or default_loss
     check_trainable(model)
-    roofline = Roofline(spec)
     with untouched(model), on_meta(captured.graph_module, model), FlashAttention(), StrayTensorsToMeta():
         example = Inputs(args=tree_map(to_meta, inputs.args), kwargs=tree_map(to_meta, inputs.kwargs))
-        recorder = MemoryRecorder(captured.graph_module, model, META, op_ms=roofline.op_ms, keep_output=keep_output)
+        recorder = MemoryRecorder(captured.graph_module, model, META, op_ms=op_ms, keep_output=keep_output)
         recorder.step(example, loss_fn)
         excess = eager_excess_of(recorder, captured, model, example)
-        count = len(recorder.records)
-        fwd = [recorder.est_fwd_ms[i] for i in range(count)]
-        bwd = [recorder.est_bwd_ms[i] for i in range(count)]
-        times = StepTimes(fwd_ms=fwd, bwd_ms=bwd, step_fwd_ms=sum(fwd), step_bwd_ms=sum(bwd),
-                          checkpoint_overhead_ms=spec.checkpoint_overhead_us / 1e3)
-        return assemble(recorder, captured, model, example, times=times, excess=excess, device=spec.name,
-                        estimated_for=spec.name)
+    return MetaReplay(recorder=recorder, example=example, excess=excess)
 
 
 def to_meta(value: Any, *, keep_grad: bool = True) -> Any:

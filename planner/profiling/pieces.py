@@ -30,7 +30,7 @@ from torch.utils._pytree import tree_leaves, tree_map_only
 from planner.capture.api import Captured
 from planner.capture.inputs import Inputs
 from planner.errors import ProfileError
-from planner.profiling.memory_pass import StepTimes, _device_of, check_trainable
+from planner.profiling.memory_pass import StepTimes, check_trainable, device_of
 from planner.profiling.runner import SEEN_KEY
 from planner.profiling.timing import Timer, checkpoint_overhead_ms
 from planner.step import LossFn, default_loss, untouched
@@ -204,7 +204,7 @@ def time_in_pieces(
         ProfileError: a node failed, the model has nothing to differentiate, or it is on the meta device.
     """
     loss_fn = loss_fn or default_loss
-    device = device or _device_of(model, inputs)
+    device = device or device_of(model, inputs)
     if device.type == "meta":
         raise ProfileError("time_in_pieces times a real device; a model on the meta device has no times to "
                            "measure (planner.profiling.meta estimates them)")

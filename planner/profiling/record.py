@@ -130,6 +130,13 @@ class Profile:
     estimated_for: str = ""
     """Name of the device spec whose roofline gave the times, with memory from meta tensors;
     ``""`` when the step was measured on ``device``."""
+    pieces: int = 1
+    """How many pieces the measured step ran in: 1 when it ran whole (memory and times measured); more
+    when it did not fit where the model is (memory from a meta-tensor replay, times measured piece by
+    piece, ``planner.profiling.fitting``)."""
+    profile_peak_bytes: int | None = None
+    """Peak bytes the profiling itself held on ``device``: the un-checkpointed peak when the step ran
+    whole, the largest piece's otherwise; None for an estimate (nothing ran)."""
     calls: CallIndex = field(init=False, repr=False, compare=False)
     """The module calls of the graph (built from the nodes' scopes, not stored in the file)."""
 

@@ -1,0 +1,170 @@
+"""Profiling a training step that does not fit whole where the model is.
+
+People checkpoint because the plain step does not fit. Then the step is never run whole: its memory
+comes from the same memory pass replayed on meta tensors (``meta.memory_on_meta``: sizes are exact, and
+nothing is allocated), and its times are measured on the device in contiguous pieces of nodes
+(``pieces.time_in_pieces``), each piece small enough that parameters, gradients, the values crossing
+into it and its own activations and backward stay under a ceiling: the memory the device has left, and
+the budget when one is given. The profiler's own peak (measured, one extra step) is part of the profile.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import nn
+from torch.utils._pytree import tree_leaves
+
+from planner.budget import parse_budget
+from planner.capture.api import Captured
+from planner.capture.inputs import Inputs
+from planner.errors import ProfileError
+from planner.profiling.memory_pass import StepTimes, assemble, device_of
+from planner.profiling.memtrack import LiveStorages
+from planner.profiling.meta import MetaReplay, memory_on_meta
+from planner.profiling.pieces import Piece, PieceTimer, time_in_pieces
+from planner.profiling.record import Profile
+from planner.step import LossFn, default_loss, sync, untouched
+from planner.units import format_bytes
+
+FIT_SHARE = 0.7
+"""Share of the memory a device has left that profiling may take: the rest is for the allocator's rounding
+and fragmentation, autograd's own objects and the rest of the process."""
+
+
+def fitting_profile(captured: Captured, model: nn.Module, inputs: Inputs, *, room_bytes: int | None,
+                    budget: int | str | None = None, loss_fn: LossFn | None = None, keep_output: bool = True,
+                    runs: int = 3, replay: MetaReplay | None = None) -> Profile:
+    """The profile of one training step of ``captured`` that does not fit whole where the model is: memory
+    from a meta-tensor replay, times measured in pieces (``choose_pieces``) that hold at most what the device
+    has left (``room_bytes`` beyond the parameters and inputs, ``FIT_SHARE`` of it) and, when a ``budget`` is
+    given and pieces fit in it, at most the budget.
+
+    Raises:
+        ProfileError: a node failed, or a single node needs more than the device has left (named, with sizes).
+    """
+    loss_fn = loss_fn or default_loss
+    device = device_of(model, inputs)
+    if replay is None:
+        replay = memory_on_meta(captured, model, inputs, loss_fn=loss_fn, keep_output=keep_output)
+    shape = assemble(replay.recorder, captured, model, replay.example, times=_no_times(len(replay.recorder.records)),
+                     excess=replay.excess, device=str(device))
+    device_ceiling = None if room_bytes is None else resident_bytes(model, inputs) + int(room_bytes * FIT_SHARE)
+    budget_bytes = None if budget is None else parse_budget(budget, baseline_peak_bytes=shape.baseline_peak_bytes)
+    ceilings = [c for c in (budget_bytes, device_ceiling) if c is not None]
+    if not ceilings:
+        raise ProfileError(f"the training step ran out of memory on {device}, and how much memory {device} has "
+                           "left cannot be told: plan with a budget (optimize(model, budget, ...))")
+    pieces = _pieces_within(shape, sorted(ceilings))
+    times = time_in_pieces(captured, model, inputs, pieces=pieces, loss_fn=loss_fn, device=device, runs=runs)
+    peak = pieces_peak_bytes(captured, model, inputs, pieces=pieces, loss_fn=loss_fn, device=device)
+    return assemble(replay.recorder, captured, model, replay.example, times=times, excess=replay.excess,
+                    device=str(device), pieces=len(pieces), profile_peak_bytes=peak)
+
+
+class PieceSizes:
+    """Upper estimates of what one piece of a profiled step holds (``bytes``), from the profile's memory."""
+
+    def __init__(self, profile: Profile) -> None:
+        self.profile = profile
+        n = len(profile.nodes)
+        last = [st.producer for st in profile.storages]
+        for i, node in enumerate(profile.nodes):
+            for s in node.inputs:
+                last[s] = max(last[s], i)
+        change = np.zeros(n + 2, dtype=np.int64)  # crossing[b]: bytes made before node b and read at or after
+        for s, st in enumerate(profile.storages):
+            if last[s] > st.producer:
+                change[st.producer + 1] += st.nbytes
+                change[last[s] + 1] -= st.nbytes
+        self.crossing = np.cumsum(change)[: n + 1]
+        self.start = np.array([nd.fwd_start_bytes for nd in profile.nodes], dtype=np.int64)
+        self.peak = np.array([nd.fwd_peak_bytes for nd in profile.nodes], dtype=np.int64)
+        self.bwd_rise = np.array([(nd.bwd_peak_bytes or 0) - (nd.bwd_start_bytes or 0) for nd in profile.nodes],
+                                 dtype=np.int64)
+        self.fixed = profile.param_bytes + profile.grad_bytes
+
+    def bytes(self, lo: int, hi: int) -> int:
+        """Nodes ``[lo, hi)`` run as one piece, forward and backward: parameters, buffers and every gradient,
+        the values crossing into the piece (and on to later pieces), what the piece adds in its forward (its
+        largest rise in the whole step's live bytes), and in its backward what it kept, the gradients of
+        its outputs and of its inputs (the values crossing in), and its largest transient."""
+        start = int(self.start[lo])
+        forward = int(self.peak[lo:hi].max()) - start
+        end = int(self.start[hi]) if hi < len(self.start) else start
+        backward = max(0, end - start) + int(self.crossing[min(hi, len(self.crossing) - 1)]) \
+            + int(self.crossing[lo]) + int(self.bwd_rise[lo:hi].max())
+        return self.fixed + int(self.crossing[lo]) + max(forward, backward)
+
+
+def choose_pieces(profile: Profile, ceiling_bytes: int) -> list[Piece]:
+    """Contiguous pieces covering every node of ``profile`` (the loss in the last), each as long as
+    ``PieceSizes.bytes`` stays within ``ceiling_bytes``.
+
+    Raises:
+        ProfileError: one node alone needs more than ``ceiling_bytes``; the message names it and the sizes.
+    """
+    sizes, n = PieceSizes(profile), len(profile.nodes)
+    pieces: list[Piece] = []
+    lo = 0
+    while lo < n:
+        need = sizes.bytes(lo, lo + 1)
+        if need > ceiling_bytes:
+            node = profile.nodes[lo]
+            raise ProfileError(
+                f"node {node.name} ({node.target}) alone needs about {format_bytes(need)} to be profiled "
+                f"(parameters and gradients {format_bytes(sizes.fixed)}), more than the "
+                f"{format_bytes(ceiling_bytes)} this process can use on {profile.device}: free memory on the "
+                "device, or plan from a profile saved elsewhere (profile=) or for a device spec (device=)")
+        hi = lo + 1
+        while hi < n and sizes.bytes(lo, hi + 1) <= ceiling_bytes:
+            hi += 1
+        pieces.append((lo, hi))
+        lo = hi
+    return pieces
+
+
+def pieces_peak_bytes(captured: Captured, model: nn.Module, inputs: Inputs, *, pieces: list[Piece],
+                      loss_fn: LossFn, device: torch.device) -> int:
+    """The peak bytes one step run in ``pieces`` holds on ``device``: the allocator's peak on CUDA, the
+    live storages (``LiveStorages``: parameters, buffers and inputs counted from the start) elsewhere."""
+    timer = PieceTimer(captured.graph_module, device, pieces)
+    with untouched(model):
+        if device.type == "cuda":
+            sync(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            timer.step(inputs, loss_fn)
+            sync(device)
+            return torch.cuda.max_memory_allocated(device)
+        tracker = LiveStorages(device)
+        for tensor in [*model.parameters(), *model.buffers(), *tree_leaves((inputs.args, inputs.kwargs))]:
+            if isinstance(tensor, torch.Tensor):
+                tracker.track(tensor)
+        with tracker:
+            timer.step(inputs, loss_fn)
+        return tracker.peak_bytes
+
+
+def resident_bytes(model: nn.Module, inputs: Inputs) -> int:
+    """Bytes already on the device before a step: the model's parameters and buffers and the inputs, each
+    storage once (what the profile's live bytes start from)."""
+    sizes = {t.untyped_storage()._cdata: t.untyped_storage().nbytes()
+             for t in [*model.parameters(), *model.buffers(), *tree_leaves((inputs.args, inputs.kwargs))]
+             if isinstance(t, torch.Tensor) and not t.is_meta}
+    return sum(sizes.values())
+
+
+def _pieces_within(profile: Profile, ceilings: list[int]) -> list[Piece]:
+    """The pieces for the smallest ceiling they fit in (the budget when it is below what the device has)."""
+    for ceiling in ceilings[:-1]:
+        try:
+            return choose_pieces(profile, ceiling)
+        except ProfileError:
+            continue
+    return choose_pieces(profile, ceilings[-1])
+
+
+def _no_times(count: int) -> StepTimes:
+    """Zero times for ``count`` nodes: the memory-only profile pieces are chosen from."""
+    return StepTimes(fwd_ms=[0.0] * count, bwd_ms=[0.0] * count, step_fwd_ms=0.0, step_bwd_ms=0.0,
+                     checkpoint_overhead_ms=0.0)

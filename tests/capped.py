@@ -1,0 +1,75 @@
+"""A training step in a process whose memory is capped (``RLIMIT_AS``), for ``test_fitting.py``.
+
+``python tests/capped.py WHAT GROWTH_BYTES BUDGET`` builds the model below, then caps the address space
+this process may still map at ``GROWTH_BYTES`` beyond what it maps already, then does WHAT:
+
+- ``plain``: one un-checkpointed training step;
+- ``plan``: ``optimize(model, BUDGET)`` and one step of the planned module, measured.
+
+It prints one JSON line: ``{"ok": ...}`` and what it measured, or the error. ``GROWTH_BYTES`` 0: no cap,
+and ``VmPeak`` growth reported (how much address space the step needs).
+"""
+
+import json
+import resource
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "examples"))
+
+import gpt  # noqa: E402
+
+CONFIG = gpt.Config(vocab=512, context=256, width=256, heads=4, layers=6, dropout=0.1)
+ROWS = 24
+
+
+def build():
+    torch.manual_seed(0)
+    model = gpt.GPT(CONFIG)
+    tokens = torch.randint(0, CONFIG.vocab, (ROWS, CONFIG.context + 1))
+    return model, (tokens[:, :-1],), lambda logits: torch.nn.functional.cross_entropy(
+        logits.reshape(-1, CONFIG.vocab), tokens[:, 1:].reshape(-1))
+
+
+def vm(key: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) * 1024
+    raise KeyError(key)
+
+
+def main() -> None:
+    what, growth, budget = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    torch.set_num_threads(1)
+    from planner import optimize
+    from planner.capture.inputs import as_inputs
+    from planner.profiling.measure import measure_peak
+
+    model, inputs, loss_fn = build()
+    base = vm("VmSize")
+    if growth:
+        resource.setrlimit(resource.RLIMIT_AS, (base + growth, resource.RLIM_INFINITY))
+    out: dict = {"base": base}
+    try:
+        if what == "plain":
+            loss_fn(model(*inputs)).backward()
+        else:
+            plan = optimize(model, int(budget), inputs=inputs, loss_fn=loss_fn, time_limit_s=20)
+            out.update(predicted=plan.predicted_peak_bytes, budget=plan.budget_bytes, pieces=plan.profile_pieces,
+                       profile_peak=plan.profile_peak_bytes, baseline=plan.baseline_peak_bytes,
+                       segments=len(plan.segments))
+            for p in model.parameters():
+                p.grad = None
+            out["measured"] = measure_peak(plan.module, as_inputs(model, inputs), loss_fn)
+        out.update(ok=True, growth=vm("VmPeak") - base)
+    except Exception as exc:
+        out.update(ok=False, error=f"{type(exc).__name__}: {exc}"[:400], trace=traceback.format_exc()[-800:])
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
