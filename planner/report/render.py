@@ -127,6 +127,9 @@ def header(plan: Plan, *, model_file: str, solver: str) -> Table:
         (str(plan.solver_status), "green" if plan.solver_status == SolverStatus.OPTIMAL else "yellow"),
         _gap(plan), f" in {plan.solve_time_s:.2f} s, on {plan.device}"))
     grid.add_row("capture", plan.capture_method.label)
+    if plan.profile_pieces > 1 and plan.profile_peak_bytes is not None:
+        grid.add_row("profile", f"in {plan.profile_pieces} pieces (the un-checkpointed step does not fit on "
+                                f"{plan.device}): profiling peaked at {format_bytes(plan.profile_peak_bytes)}")
     for note in plan.capture_notes:
         grid.add_row("", Text(note.splitlines()[0][:160], style="dim"))
     return grid
