@@ -51,6 +51,10 @@ class PlanOptions:
     """FSDP units (module paths or globs); default the model's repeated blocks."""
     optimizer: str | int | None = None
     """Count its state in the budget: ``adamw``, ``adam``, ``sgd``, ``sgd-momentum``, or its bytes."""
+    mixed_precision: Any = None
+    """FSDP2's ``MixedPrecisionPolicy`` the job trains with (``param_dtype``, ``reduce_dtype``,
+    ``cast_forward_inputs``): the step is profiled in ``param_dtype`` and the budget counts fp32 shards and
+    optimizer state, gathered units in ``param_dtype`` and gradients reduced in ``reduce_dtype``."""
     progress: Callable[[str], None] | None = None
     """Called with the name of each stage as it starts (``capture``, ``profile``, ``solve``, ``rewrite``)."""
 
@@ -90,6 +94,7 @@ class OptionArgs(TypedDict, total=False):
     parallel: str | None
     units: Sequence[str] | None
     optimizer: str | int | None
+    mixed_precision: Any
     progress: Callable[[str], None] | None
 
 

@@ -32,6 +32,7 @@ from planner.solve.deadline import Deadline
 from planner.solve.registry import get_solver
 from planner.solve.result import Solution
 from planner.solving import solve_budget, solve_prepared
+from planner.step import parameters_in
 
 UserInputs = tuple | Mapping | torch.Tensor | None
 """What ``inputs=`` takes: positional arguments (a tuple), keyword arguments (a dict) or one tensor."""
@@ -88,21 +89,24 @@ def prepare(model: nn.Module, *, inputs: UserInputs = None, options: PlanOptions
     opts = resolve(options, overrides, where="prepare")
     stage = opts.progress or (lambda name: None)
     dist = setup(model, world_size=opts.world_size, parallel=opts.parallel, units=opts.units,
-                 optimizer=opts.optimizer)
+                 optimizer=opts.optimizer, mixed_precision=opts.mixed_precision)
     example = as_inputs(model, inputs)
-    with no_cache(model):  # use_cache=False in training calls, as Hugging Face's checkpointing does
-        stage("capture")
-        captured = capture(model, capture_inputs(model, example),   # graph + module calls (meta inputs
+    dtype = dist.param_dtype if dist else None
+    with no_cache(model), parameters_in(model, dtype):  # use_cache=False in training calls, as Hugging Face's
+        stage("capture")                                 # checkpointing does; the dtype FSDP2 computes in
+        step_inputs = example.cast(dtype) if dist and dist.cast_forward_inputs else example
+        captured = capture(model, capture_inputs(model, step_inputs),   # graph + module calls (meta inputs
                            units=dist.opaque if dist else frozenset(), modules=modules)  # for a meta model)
         stage("profile")
-        measured = profile_for(captured, model, example, loss_fn=opts.loss_fn,  # one real step node by node,
-                               device=opts.device, saved=opts.profile,          # or a saved or estimated profile;
-                               keep_output=opts.keep_output, budget=budget)     # in pieces if it does not fit
+        measured = profile_for(captured, model, step_inputs, loss_fn=opts.loss_fn,  # one real step node by node,
+                               device=opts.device, saved=opts.profile,              # or a saved or estimated
+                               keep_output=opts.keep_output, budget=budget)         # profile; in pieces if it
+    # does not fit where the model is
     device = opts.device
     sac = sac_op_cost(measured, load_device(device) if is_device_spec(device) else None)  # from the profile
     # or the device spec, never from this machine
     executor = executor_for(captured.method)  # how the plan will run, and so what it allows
-    rules = executor.rules(captured, measured)
+    rules = executor.rules(captured, measured, units=dist.units if dist else ())
     return Prepared(model=model, example=example, options=opts, captured=captured, profile=measured,
                     executor=executor, rules=rules, sac_cost=sac, distributed=dist,
                     chunks=cost_model(measured, rules, max_chunks=opts.max_chunks, sac_op_us=sac.op_us,

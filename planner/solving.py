@@ -56,8 +56,9 @@ def refine(prepared: Prepared, budget_bytes: int, deadline: Deadline) -> Prepare
     never worse than the whole-segment one: the chunking twice as fine is taken when its relaxation's
     bound is at least ``REFINE_GAIN`` below the best whole-segment plan so far and its own DP (Rotor)
     finds a cheaper plan, while the time left covers ``REFINE_TIME`` times the next DPs. Running out of
-    time keeps the chunking reached. Not under FSDP, whose units fix the chunking."""
-    if (prepared.distributed is not None or not prepared.regions.capped
+    time keeps the chunking reached. Not where FSDP units captured as calls fix the chunking
+    (``SegmentRules.refinable``)."""
+    if (not prepared.rules.refinable or not prepared.regions.capped
             or budget_bytes >= prepared.baseline.peak_bytes):
         return prepared
     began = time.perf_counter()
@@ -97,8 +98,8 @@ def widen(prepared: Prepared, budget_bytes: int, options: PlanOptions,
     below_fixed = budget_bytes < memory.param_bytes + prepared.profile.grad_bytes  # no plan frees either
     if first.reason or below_fixed or not prepared.regions.capped:
         raise first  # the overrides, or proven: no finer chunking can help
-    if prepared.distributed is not None:
-        raise _unproven(first, prepared)  # FSDP units fix the chunking: not widened
+    if not prepared.rules.refinable:
+        raise _unproven(first, prepared)  # FSDP units captured as calls fix the chunking: not widened
     chunks = prepared.regions.n_chunks
     while prepared.regions.capped and chunks < WIDEST_CHUNKS:
         searched = prepared

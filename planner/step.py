@@ -81,3 +81,24 @@ def backward(loss: torch.Tensor) -> None:
             loss.backward()
     else:
         loss.backward()
+
+
+@contextmanager
+def parameters_in(model: nn.Module, dtype: torch.dtype | None) -> Iterator[None]:
+    """``model``'s floating parameters cast to ``dtype`` for the block, buffers untouched: the step FSDP2 runs
+    under ``MixedPrecisionPolicy(param_dtype=dtype)``. Each parameter stays the same object; its data is
+    swapped and put back afterwards. Nothing happens for ``dtype`` None."""
+    swapped: list[tuple[nn.Parameter, torch.Tensor]] = []
+    if dtype is not None:
+        seen: set[int] = set()
+        for p in model.parameters():
+            if id(p) not in seen and p.is_floating_point() and p.dtype != dtype:
+                seen.add(id(p))
+                swapped.append((p, p.data))
+                p.data = p.data.to(dtype)
+    try:
+        yield
+    finally:
+        for p, data in reversed(swapped):
+            p.data = data
+

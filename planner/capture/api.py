@@ -61,17 +61,24 @@ def capture(model: nn.Module, inputs: Inputs | None = None, *, units: frozenset[
        plan runs the model's own forward with module hooks.
     3. fx with the model's repeated blocks (then its children) kept as opaque calls.
 
-    ``units`` (FSDP units) are kept as calls, fx only: FSDP2 gathers a unit's parameters in hooks of
-    its forward, which must run.
+    ``units`` (FSDP units): FSDP2 gathers a unit's parameters in hooks of its forward, which must run. fx
+    keeps them as calls; when it cannot trace the model, tier 2 follows (the plan runs the model's own
+    forward, units included).
 
     Raises:
         CaptureError: no tier could capture the model; names each failure.
         InputError: ``modules=True`` without example inputs.
     """
-    if units:
-        gm, _ = trace(model, opaque=units)
-        return Captured(graph_module=gm, method=FX_UNITS, fingerprint=fingerprint(gm.graph), opaque=units)
     notes: list[str] = []
+    if units:  # FSDP units as calls, so that FSDP2's hooks run; else the model's own forward runs them
+        try:
+            gm, _ = trace(model, opaque=units)
+            return Captured(graph_module=gm, method=FX_UNITS, fingerprint=fingerprint(gm.graph), opaque=units)
+        except CaptureError as fx_error:
+            if inputs is None:
+                raise
+            notes.append(f"{FX_UNITS.label} failed: {fx_error}")
+            modules = True  # fx fails with the units as calls: it would with them inlined too
     if modules and inputs is None:
         raise InputError("planning the model's own forward (enable(), modules=True) needs example inputs: "
                          "pass inputs=<one training batch>")

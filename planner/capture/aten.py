@@ -37,8 +37,12 @@ from planner.capture.calls import SCOPE_KEY, entry, entry_path
 from planner.step import untouched
 
 
-def _nothing(value: object) -> None:
+def _drop(tensor: torch.Tensor) -> None:
     """What autograd keeps of a saved tensor during capture: nothing."""
+
+
+def _never(kept: None) -> torch.Tensor:
+    raise AssertionError("no backward runs on the capture's forward")
 
 
 def keep_args(*tensors: torch.Tensor) -> None:
@@ -69,7 +73,7 @@ def aten_graph(model: nn.Module, args: tuple, kwargs: dict) -> fx.GraphModule:
         # training mode; BatchNorm statistics, gradients and the RNG put back after. Autograd saves nothing:
         # it would keep every activation of the forward alive until the graph is made, and a model whose
         # step does not fit would not be captured (no backward ever runs on this forward)
-        with untouched(model), torch.autograd.graph.saved_tensors_hooks(_nothing, _nothing):
+        with untouched(model), torch.autograd.graph.saved_tensors_hooks(_drop, _never):
             gm = make_fx(flat_forward, tracing_mode="real", pre_dispatch=True, record_module_stack=True,
                          _error_on_data_dependent_ops=False)(*leaves)
     finally:

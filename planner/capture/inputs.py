@@ -19,6 +19,17 @@ class Inputs:
     args: tuple
     kwargs: dict[str, Any]
 
+    def cast(self, dtype: torch.dtype | None) -> Inputs:
+        """These inputs with their floating tensors cast to ``dtype`` (as FSDP2's ``cast_forward_inputs``
+        does); themselves for None."""
+        if dtype is None:
+            return self
+
+        def to(value: Any) -> Any:
+            return value.to(dtype) if isinstance(value, torch.Tensor) and value.is_floating_point() else value
+
+        return Inputs(args=tuple(to(v) for v in self.args), kwargs={k: to(v) for k, v in self.kwargs.items()})
+
     def describe(self) -> tuple[str, ...]:
         """``name: dtype[shape]`` of each tensor input, for profiles and errors."""
         items = [(f"arg{i}", v) for i, v in enumerate(self.args)] + list(self.kwargs.items())

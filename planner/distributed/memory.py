@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 import numpy as np
+import torch
 from torch import nn
 
 from planner.capture.fsdp_units import resolve_units
@@ -47,15 +49,27 @@ class Distributed:
     units: tuple[str, ...] = ()
     """Module paths of the FSDP units (``fully_shard`` targets besides the root), in model order."""
     unit_bytes: dict[str, int]
-    """Per unit (``""`` for the root): parameter bytes as all-gathered, padded to N shards."""
+    """Per unit (``""`` for the root): parameter bytes as all-gathered (in the compute dtype), padded to N
+    shards."""
     shard_bytes: dict[str, int]
-    """Per unit: parameter bytes one rank keeps between steps (its padded shard; all under DDP)."""
+    """Per unit: parameter bytes one rank keeps between steps (its padded shard, in the parameters' own
+    dtype; all of them under DDP)."""
     grad_bytes: dict[str, int]
-    """Per unit: bytes of the gradients of its trainable parameters, un-sharded."""
+    """Per unit: bytes of the gradients of its trainable parameters, un-sharded, as autograd makes them (in
+    the compute dtype): what the profile counts."""
+    sharded_grad_bytes: dict[str, int] = field(default_factory=dict)
+    """Per unit: the gradient shard one rank keeps after the unit's reduce-scatter (parameters' own dtype)."""
+    reduce_bytes: dict[str, int] = field(default_factory=dict)
+    """Per unit: the reduce-scatter's input, all of the unit's gradients padded, in the reduce dtype."""
     param_bytes: int
-    """All parameters, un-sharded, bytes (what the profile counted)."""
+    """All parameters, un-sharded, in the compute dtype, bytes (what the profile counted)."""
     optimizer_bytes: int
     """Optimizer state on one rank, bytes (sharded 1/N under FSDP)."""
+    param_dtype: torch.dtype | None = None
+    """FSDP2's ``MixedPrecisionPolicy.param_dtype``: what the parameters are gathered and computed in (the
+    profile is measured with them cast to it); None: their own dtype."""
+    cast_forward_inputs: bool = True
+    """Whether floating inputs are cast to ``param_dtype`` too (``MixedPrecisionPolicy.cast_forward_inputs``)."""
 
     @property
     def opaque(self) -> frozenset[str]:
@@ -64,13 +78,19 @@ class Distributed:
 
 
 def setup(model: nn.Module, *, world_size: int = 1, parallel: str | None = None,
-          units: Sequence[str] | None = None, optimizer: str | int | None = None) -> Distributed | None:
+          units: Sequence[str] | None = None, optimizer: str | int | None = None,
+          mixed_precision: Any = None) -> Distributed | None:
     """Checks the distributed arguments of ``optimize`` and measures the model's parameters.
+
+    ``mixed_precision``: FSDP2's ``MixedPrecisionPolicy`` (``param_dtype``, ``reduce_dtype``,
+    ``cast_forward_inputs``): shards and optimizer state stay in the parameters' dtype, parameters are
+    gathered and computed in ``param_dtype``, gradients reduce-scattered in ``reduce_dtype``.
 
     Returns None for a plain single-device plan (world_size 1, no parallel engine, no optimizer).
 
     Raises:
-        OptionError (a ValueError): world_size below 1, an unknown engine or optimizer, or units that name no module.
+        OptionError (a ValueError): world_size below 1, an unknown engine or optimizer, units that name no
+            module, or a mixed-precision policy without FSDP.
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise OptionError(f"world_size must be an integer >= 1 (the number of ranks), got {world_size!r}")
@@ -81,36 +101,55 @@ def setup(model: nn.Module, *, world_size: int = 1, parallel: str | None = None,
                           "(ckplan --parallel fsdp|ddp)")
     if units is not None and parallel != "fsdp":
         raise OptionError(f"units= names FSDP units, but parallel is {parallel!r}: pass parallel='fsdp' or drop units")
+    if mixed_precision is not None and parallel != "fsdp":
+        raise OptionError("mixed_precision= is FSDP2's MixedPrecisionPolicy, but the plan is not for FSDP: pass "
+                          "world_size=N (parallel='fsdp') or drop mixed_precision")
     if parallel is None and optimizer is None:
         return None
     found = resolve_units(model, units) if parallel == "fsdp" else ()
     n = world_size if parallel == "fsdp" else 1
-    unit_bytes, shard_bytes, grad_bytes = {ROOT: 0}, {ROOT: 0}, {ROOT: 0}
-    for u in found:
-        unit_bytes[u] = shard_bytes[u] = grad_bytes[u] = 0
-    seen, full, state = set(), 0, 0
+    param_dtype = getattr(mixed_precision, "param_dtype", None)
+    reduce_dtype = getattr(mixed_precision, "reduce_dtype", None)
+    sizes: dict[str, dict[str, int]] = {k: dict.fromkeys((ROOT, *found), 0) for k in _SIZES}
+    seen, counted, state = set(), 0, 0
     for name, p in model.named_parameters():
         if id(p) in seen:
             continue
         seen.add(id(p))
         owner = next((u for u in found if name.startswith(u + ".")), ROOT)
-        shard = _shard_bytes(p, n)
-        unit_bytes[owner] += shard * n
-        shard_bytes[owner] += shard
-        full += p.numel() * p.element_size()
+        compute = _size(p, param_dtype)
+        padded = _padded(p, n)
+        sizes["unit"][owner] += padded * compute
+        sizes["shard"][owner] += padded // n * p.element_size()
+        counted += p.numel() * compute
         if p.requires_grad:
-            grad_bytes[owner] += p.numel() * p.element_size()
-            state += shard
-    return Distributed(world_size=world_size, parallel=parallel, units=found, unit_bytes=unit_bytes,
-                       shard_bytes=shard_bytes, grad_bytes=grad_bytes, param_bytes=full,
-                       optimizer_bytes=_optimizer_bytes(optimizer, state, n))
+            sizes["grad"][owner] += p.numel() * compute
+            sizes["sharded_grad"][owner] += padded // n * p.element_size()
+            sizes["reduce"][owner] += padded * _size(p, reduce_dtype or param_dtype)
+            state += padded // n * p.element_size()
+    return Distributed(world_size=world_size, parallel=parallel, units=found, unit_bytes=sizes["unit"],
+                       shard_bytes=sizes["shard"], grad_bytes=sizes["grad"], sharded_grad_bytes=sizes["sharded_grad"],
+                       reduce_bytes=sizes["reduce"], param_bytes=counted,
+                       optimizer_bytes=_optimizer_bytes(optimizer, state, n), param_dtype=param_dtype,
+                       cast_forward_inputs=getattr(mixed_precision, "cast_forward_inputs", True))
 
 
-def _shard_bytes(p: nn.Parameter, n: int) -> int:
-    """One rank's shard of ``p``: FSDP2 splits dim 0 into N chunks padded to the largest."""
+_SIZES = ("unit", "shard", "grad", "sharded_grad", "reduce")
+"""The per-unit byte counts ``setup`` sums (``Distributed``'s ``*_bytes`` dicts)."""
+
+
+def _size(p: nn.Parameter, dtype: torch.dtype | None) -> int:
+    """Bytes per element of ``p`` in ``dtype`` (its own when None or when ``p`` is not floating)."""
+    if dtype is None or not p.is_floating_point():
+        return p.element_size()
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _padded(p: nn.Parameter, n: int) -> int:
+    """Elements of ``p`` once FSDP2 pads dim 0 to N equal chunks (``numel`` for N = 1 and scalars)."""
     if n == 1 or p.dim() == 0:
-        return p.numel() * p.element_size()
-    return math.ceil(p.shape[0] / n) * (p.numel() // max(p.shape[0], 1)) * p.element_size()
+        return p.numel()
+    return math.ceil(p.shape[0] / n) * n * (p.numel() // max(p.shape[0], 1))
 
 
 def _optimizer_bytes(optimizer: str | int | None, trainable_shard_bytes: int, n: int) -> int:
@@ -159,26 +198,29 @@ def memory_offset(profile: Profile, dist: Distributed) -> MemoryOffset:
     order = sorted(first, key=first.__getitem__)
     fwd = np.zeros(n_nodes, dtype=np.int64)
     bwd = np.zeros(n_nodes, dtype=np.int64)
+    cast = dist.param_dtype is not None  # an all-gather casts the local shard first: a copy of A(u)/N
     for t, u in enumerate(owner):
         nxt = next((v for v in order if first[v] > t), None)
         prev = next((v for v in reversed(order) if last[v] < t), None)
-        fwd[t] = resident + _in_flight(gathered, u, nxt)
+        fwd[t] = resident + _in_flight(gathered, u, nxt, n if cast else 0)
         done = [v for v in order if first[v] > t]  # units whose backward has finished
-        # finished units keep a 1/N shard of their gradients; the latest one's reduce-scatter may
-        # still be in flight (un-sharded input and sharded output both alive)
-        shrink = sum(dist.grad_bytes[v] for v in done[1:]) * (n - 1) // n
-        in_flight_rs = dist.grad_bytes[done[0]] // n if done else 0
-        bwd[t] = resident + _in_flight(gathered, u, prev) - shrink + in_flight_rs
+        # a finished unit's un-sharded gradients (what the profile holds) are gone; its gradient shard stays,
+        # and the latest one's reduce-scatter input is still alive (freed by the next reduce-scatter)
+        shrink = sum(dist.grad_bytes[v] - dist.sharded_grad_bytes[v] for v in done)
+        in_flight_rs = dist.reduce_bytes[done[0]] if done else 0
+        bwd[t] = resident + _in_flight(gathered, u, prev, n if cast else 0) - shrink + in_flight_rs
     return MemoryOffset(fwd_bytes=fwd, bwd_bytes=bwd,
                         param_bytes=profile.param_bytes - dist.param_bytes + sum(dist.shard_bytes.values()))
 
 
-def _in_flight(gathered: dict[str, int], unit: str, neighbour: str | None) -> int:
+def _in_flight(gathered: dict[str, int], unit: str, neighbour: str | None, cast_shards: int = 0) -> int:
     """All-gathered parameter bytes while a node of ``unit`` runs: the root's (never resharded
     before backward), the unit's, and the larger of the unit's all-gather buffer (before copy-out)
-    and the neighbour unit being prefetched."""
+    and the neighbour unit being prefetched, with, under mixed precision, the neighbour's local shard
+    cast for its all-gather (1/``cast_shards`` of it; 0: no cast)."""
     own = gathered[unit] if unit != ROOT else 0
-    return gathered[ROOT] + own + max(own, gathered[neighbour] if neighbour else 0)
+    coming = gathered[neighbour] if neighbour else 0
+    return gathered[ROOT] + own + max(own, coming + (coming // cast_shards if cast_shards else 0))
 
 
 def split_at_units(memory: MemoryModel, solution: Solution, budget_bytes: int, dist: Distributed,
@@ -201,7 +243,7 @@ def split_at_units(memory: MemoryModel, solution: Solution, budget_bytes: int, d
     """
     if not dist.units or not solution.plan:
         return solution
-    unit_nodes = [u != ROOT for u in unit_of_nodes(profile, dist.units)]
+    unit_nodes = unit_of_nodes(profile, dist.units)
     target, tried = budget_bytes, []
     for _ in range(attempts):
         predicted = simulate(memory, _cut(memory, solution.plan, unit_nodes))
@@ -229,15 +271,16 @@ def split_at_units(memory: MemoryModel, solution: Solution, budget_bytes: int, d
     raise InfeasibleBudget(budget_bytes, best.peak_bytes, best.breakdown)
 
 
-def _cut(memory: MemoryModel, plan: ChunkPlan, unit_nodes: Sequence[bool]) -> ChunkPlan:
+def _cut(memory: MemoryModel, plan: ChunkPlan, unit_nodes: Sequence[str]) -> ChunkPlan:
     """Each segment cut after every chunk holding a unit that another unit follows in the segment
-    (ops between two units go with the second; ops after the last unit stay with it)."""
-    has_unit = [any(unit_nodes[slice(*memory.regions.bounds(k))]) for k in range(memory.n_chunks)]
+    (ops between two units go with the second; ops after the last unit stay with it). Chunks of one
+    unit (a segment inside a decoder layer) are never cut apart."""
+    units = [{u for u in unit_nodes[slice(*memory.regions.bounds(k))] if u != ROOT} for k in range(memory.n_chunks)]
     out = []
     for first, stop in plan:
         start = first
         for k in range(first, stop - 1):
-            if has_unit[k] and any(has_unit[k + 1:stop]):
+            if units[k] and any(units[j] - units[k] for j in range(k + 1, stop)):
                 out.append((start, k + 1))
                 start = k + 1
         out.append((start, stop))

@@ -9,6 +9,8 @@ executor (``planner.rewrite.executor``) asks for these; torch-free, on the profi
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from planner.capture.calls import CallIndex, ModuleCall
 from planner.memory.rules import Span
 from planner.profiling.record import Profile
@@ -31,6 +33,20 @@ def find_chains(calls: CallIndex, end: int) -> list[Span]:
                 found.setdefault((first.first, call.last + 1),
                                  Span(lo=first.first, hi=call.last + 1, members=tuple(c.path for c in members)))
     return sorted(found.values(), key=lambda c: (c.lo, -c.hi))
+
+
+def one_unit(span: Span, units: Sequence[str]) -> bool:
+    """Whether a plan run by hooks may checkpoint ``span`` under FSDP2 with these ``units``: its re-run
+    touches at most one unit, and a member that is (or holds) a unit is the chain's last, so no unit is
+    re-run before its own backward (which would gather it early and hold it gathered until then)."""
+    touched: set[str] = set()
+    for i, member in enumerate(span.members):
+        holds = {u for u in units if u == member or u.startswith(member + ".")}
+        inside = {u for u in units if member.startswith(u + ".")}
+        if holds and i < len(span.members) - 1:
+            return False
+        touched |= holds | inside
+    return len(touched) <= 1
 
 
 def _parent(call: ModuleCall) -> str:

@@ -36,6 +36,9 @@ class SegmentRules:
     """True: a segment runs the traced code of the module calls it cuts or holds, so their Python locals
     follow the plan (``planner.memory.excess``); False: every module runs its own forward, in re-runs too
     (``MemoryModel.rerun_excess``)."""
+    refinable: bool = True
+    """Whether finer chunkings can hold other plans (False when FSDP units captured as single calls fix
+    where segments can lie)."""
 
 
 ANY_RUN = SegmentRules()

@@ -25,7 +25,7 @@ from planner.capture.fsdp_units import resolve_units
 from planner.capture.inputs import as_inputs
 from planner.capture.method import CaptureMethod
 from planner.errors import PlanMismatch
-from planner.memory.chains import alone_in_module, find_chains
+from planner.memory.chains import alone_in_module, find_chains, one_unit
 from planner.memory.regions import checkpointable_end
 from planner.memory.rules import SegmentRules
 from planner.profiling.record import Profile
@@ -69,8 +69,9 @@ class Executor(abc.ABC):
         """How the model was captured (what ``apply`` captures a fresh instance with again)."""
 
     @abc.abstractmethod
-    def rules(self, captured: Captured, profile: Profile) -> SegmentRules:
-        """Where segments may lie, which nodes they can keep, which module code they run."""
+    def rules(self, captured: Captured, profile: Profile, *, units: Sequence[str] = ()) -> SegmentRules:
+        """Where segments may lie, which nodes they can keep, which module code they run; ``units``: the
+        FSDP units of a distributed plan (a segment re-runs at most one)."""
 
     @abc.abstractmethod
     def build(self, model: nn.Module, captured: Captured, segments: Sequence[Segment], *,
@@ -98,9 +99,11 @@ class GraphExecutor(Executor):
     kind = ExecutorKind.GRAPH
     compiles = True
 
-    def rules(self, captured: Captured, profile: Profile) -> SegmentRules:
-        """Any run of nodes; single ops can be kept; segments run the traced code of what they cut."""
-        return SegmentRules(spans=None, savable=_single_ops(captured, profile), opens_modules=True)
+    def rules(self, captured: Captured, profile: Profile, *, units: Sequence[str] = ()) -> SegmentRules:
+        """Any run of nodes; single ops can be kept; segments run the traced code of what they cut. FSDP
+        units captured as calls fix the chunking (segments are cut between them: ``split_at_units``)."""
+        return SegmentRules(spans=None, savable=_single_ops(captured, profile), opens_modules=True,
+                            refinable=self.method is not CaptureMethod.FX_UNITS)
 
     def build(self, model: nn.Module, captured: Captured, segments: Sequence[Segment], *,
               target: nn.Module | None = None, planned: PlannedShapes | None = None) -> Built:
@@ -132,11 +135,13 @@ class HookExecutor(Executor):
     kind = ExecutorKind.HOOKS
     compiles = False  # regions entered and left across graph breaks: torch's CheckpointError under compile
 
-    def rules(self, captured: Captured, profile: Profile) -> SegmentRules:
-        """Chains of module calls only; a module call of one op can be kept; every module runs its own code."""
+    def rules(self, captured: Captured, profile: Profile, *, units: Sequence[str] = ()) -> SegmentRules:
+        """Chains of module calls only (under FSDP, chains that re-run at most one unit, ``one_unit``); a
+        module call of one op can be kept; every module runs its own code."""
         end = checkpointable_end(profile)
         savable = _single_ops(captured, profile) & alone_in_module(profile, end)
-        return SegmentRules(spans=tuple(find_chains(profile.calls, end)), savable=savable, opens_modules=False)
+        spans = tuple(s for s in find_chains(profile.calls, end) if one_unit(s, units))
+        return SegmentRules(spans=spans, savable=savable, opens_modules=False)
 
     def build(self, model: nn.Module, captured: Captured, segments: Sequence[Segment], *,
               target: nn.Module | None = None, planned: PlannedShapes | None = None) -> Built:
