@@ -95,12 +95,15 @@ def widen(prepared: Prepared, budget_bytes: int, options: PlanOptions,
     except InfeasibleBudget as exc:
         first = exc
     memory = prepared.memory
-    below_fixed = budget_bytes < memory.param_bytes + prepared.profile.grad_bytes  # no plan frees either
+    dist = prepared.distributed
+    grads = prepared.profile.grad_bytes if dist is None or dist.parallel != "fsdp" else \
+        sum(dist.sharded_grad_bytes.values())  # what one rank keeps after backward
+    below_fixed = budget_bytes < memory.param_bytes + grads  # no plan frees either
     if first.reason or below_fixed or not prepared.regions.capped:
         raise first  # the overrides, or proven: no finer chunking can help
     if not prepared.rules.refinable:
         raise _unproven(first, prepared)  # FSDP units captured as calls fix the chunking: not widened
-    chunks = prepared.regions.n_chunks
+    chunks, first_prepared = prepared.regions.n_chunks, prepared
     while prepared.regions.capped and chunks < WIDEST_CHUNKS:
         searched = prepared
         if deadline.passed:
@@ -110,6 +113,8 @@ def widen(prepared: Prepared, budget_bytes: int, options: PlanOptions,
         try:
             if prepared.regions.capped and relaxed(prepared.memory, budget_bytes, deadline=deadline) is None:
                 continue  # not even the relaxation has a plan at this chunking; perhaps at a finer one
+            if capabilities(options.solver).reads_budget:
+                prepared = refine(prepared, budget_bytes, deadline)  # plans exist here: finer may re-run less
             return prepared, solve_budget(options.solver, prepared.memory, budget_bytes,
                                           prepared.baseline.peak_bytes, deadline, _save_options(prepared, options),
                                           explain=not prepared.regions.capped)  # else a finer chunking is next
@@ -117,6 +122,8 @@ def widen(prepared: Prepared, budget_bytes: int, options: PlanOptions,
             raise _unproven(first, searched, out_of_time=True) from None
         except _NoPlan:
             pass
+    if prepared is not first_prepared:  # the smallest peak at the finest chunking searched, not the first's
+        first = _smallest(prepared.memory, budget_bytes, deadline)
     raise _unproven(first, prepared)
 
 
@@ -165,13 +172,22 @@ def solve_budget(solver: str, memory: MemoryModel, budget_bytes: int, baseline_p
         raise _NoPlan()
     if overrides is not None:
         _infeasible_overrides(memory, budget_bytes, overrides, deadline)
-    best = simulate(memory, *min_peak_saves(memory, deadline=deadline))
-    if best.peak_bytes <= budget_bytes:  # a fixed or conservative strategy missed what cpsat can do
+    infeasible = _smallest(memory, budget_bytes, deadline)
+    if infeasible.min_peak_bytes is not None and infeasible.min_peak_bytes <= budget_bytes:
+        # a fixed or conservative strategy missed what cpsat can do
         peak = "no plan" if solution is None else f"a plan peaking at {simulate(memory, solution.plan).peak_bytes} B"
         raise PlannerError(f"solver {solver!r} finds {peak} for a budget of {budget_bytes} B, which plans down to "
-                           f"{best.peak_bytes} B fit; use the cpsat solver (solver='cpsat', ckplan --solver cpsat)")
+                           f"{infeasible.min_peak_bytes} B fit; use the cpsat solver (solver='cpsat', ckplan "
+                           "--solver cpsat)")
+    raise infeasible
+
+
+def _smallest(memory: MemoryModel, budget_bytes: int, deadline: Deadline) -> InfeasibleBudget:
+    """What to say when no plan fits: the smallest peak any plan reaches over these chunks, and what it is
+    made of (the chunk DP's, which runs to the end: about 1 s at 64 chunks on 2700 nodes)."""
+    best = simulate(memory, *min_peak_saves(memory, deadline=deadline))
     largest = tuple((name, nbytes) for name, nbytes, _ in best.largest_kept)
-    raise InfeasibleBudget(budget_bytes, best.peak_bytes, replace(best.breakdown, largest_kept=largest))
+    return InfeasibleBudget(budget_bytes, best.peak_bytes, replace(best.breakdown, largest_kept=largest))
 
 
 def _infeasible_overrides(memory: MemoryModel, budget_bytes: int, options: SaveOptions, deadline: Deadline) -> None:
