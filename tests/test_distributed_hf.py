@@ -138,3 +138,80 @@ def test_hugging_face_models_plan_for_fsdp_from_their_own_forward():
         for seg in plan.segments:
             touched = {u for u in layers for m in seg.chain if m == u or m.startswith(u + ".")}
             assert len(touched) <= 1 and all(m not in layers for m in seg.chain[:-1]), seg.chain
+
+
+def _tiny_llama_on_meta() -> tuple[torch.nn.Module, dict]:
+    import transformers
+
+    config = transformers.LlamaConfig(vocab_size=4096, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
+                                      num_attention_heads=8, num_key_value_heads=2, use_cache=False,
+                                      tie_word_embeddings=False)
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(config)
+        ids = torch.randint(0, 4096, (2, 512))
+    return model, {"input_ids": ids, "labels": ids}
+
+
+def test_a_meta_llama_for_eight_ranks_counts_shards_state_gathered_units_and_activations():
+    """FSDP2 over 8 ranks with bf16 mixed precision and AdamW, on meta: per unit, the bytes counted by hand
+    from the parameters' shapes; per node, one rank holds the profiled step's bytes plus its shards and
+    optimizer state and the units gathered then, less the un-sharded bf16 parameters the profile holds."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from planner import prepare
+    from planner.distributed.memory import memory_offset, unit_of_nodes
+
+    model, batch = _tiny_llama_on_meta()
+    n = 8
+    prepared = prepare(model, inputs=batch, device="h100", world_size=n, optimizer="adamw",
+                       mixed_precision=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+    dist_ = prepared.distributed
+    units = [f"model.layers.{i}" for i in range(4)]
+    assert dist_.units == tuple(units) and prepared.profile.capture_method.value == "export"
+    hand: dict[str, dict[str, int]] = {k: dict.fromkeys(["", *units], 0) for k in ("unit", "shard", "grad", "opt")}
+    for name, p in model.named_parameters():
+        unit = next((u for u in units if name.startswith(u + ".")), "")
+        padded = -(-p.shape[0] // n) * n * p.numel() // p.shape[0]  # dim 0 padded to a multiple of the ranks
+        hand["unit"][unit] += padded * 2          # gathered in bf16
+        hand["shard"][unit] += padded // n * 4    # fp32 shard
+        hand["grad"][unit] += p.numel() * 2       # un-sharded bf16 gradient, as the profile holds it
+        hand["opt"][unit] += 2 * padded // n * 4  # AdamW: two fp32 moments per shard element
+    assert dist_.unit_bytes == hand["unit"] and dist_.shard_bytes == hand["shard"] and dist_.grad_bytes == hand["grad"]
+    assert dist_.optimizer_bytes == sum(hand["opt"].values())
+    profiled = sum(p.numel() * 2 for p in model.parameters())  # the bf16 parameters the profile holds
+    buffers = sum(b.numel() * b.element_size() for b in model.buffers())  # rotary inv_freq, fp32
+    assert prepared.profile.param_bytes == profiled + buffers
+    resident = sum(hand["shard"].values()) + sum(hand["opt"].values()) - profiled
+    offset = memory_offset(prepared.profile, dist_)
+    owner = unit_of_nodes(prepared.profile, units)
+    root, first = hand["unit"][""], [hand["unit"][u] for u in units]
+    embed = owner.index("")  # the embedding, root code: layer 0's all-gather prefetched (and its cast shard)
+    assert offset.fwd_bytes[embed] == resident + root + first[0] + first[0] // n
+    inside = owner.index(units[0])  # layer 0 gathered, layer 1 prefetched
+    assert offset.fwd_bytes[inside] == resident + root + first[0] + max(first[0], first[1] + first[1] // n)
+    # the rank's predicted memory without checkpointing: the profiled step's (activations, bf16 parameters and
+    # gradients as one device holds them) plus these offsets, node by node
+    for t in (embed, inside):
+        assert prepared.baseline.fwd_bytes[t] == prepared.profile.nodes[t].fwd_peak_bytes + offset.fwd_bytes[t]
+
+
+@pytest.mark.slow
+def test_ckplan_plans_a_meta_hugging_face_model_for_eight_ranks(tmp_path):
+    """The command line: a model file that builds a Llama on meta, --world-size 8, a device spec, bf16."""
+    import subprocess
+    import sys
+
+    (tmp_path / "model.py").write_text(
+        "import torch, transformers\n"
+        "config = transformers.LlamaConfig(vocab_size=4096, hidden_size=256, intermediate_size=688, "
+        "num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2, use_cache=False)\n"
+        "with torch.device('meta'):\n    model = transformers.LlamaForCausalLM(config)\n"
+        "    _ids = torch.randint(0, 4096, (2, 512))\n"
+        "inputs = {'input_ids': _ids, 'labels': _ids}\n")
+    done = subprocess.run([sys.executable, "-m", "planner", str(tmp_path / "model.py"), "--budget", "70%",
+                           "--world-size", "8", "--device", "h100", "--mixed-precision", "bf16", "--optimizer",
+                           "adamw", "--json"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert report["capture_method"] == "export" and report["segments"] and report["device"] == "h100"
+    assert report["predicted_peak_bytes"] <= report["budget_bytes"]

@@ -20,17 +20,20 @@ import traceback
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import torch
 from rich.console import Console
 
 from planner.budget import ACCEPTED_FORMS, check_budget
 from planner.capture.inputs import as_inputs
+from planner.distributed.memory import OPTIMIZER_STATES
 from planner.errors import BudgetError, InfeasibleBudget, PlannerError
 from planner.options import PlanOptions
 from planner.pipeline import optimize
 from planner.plan import Plan
 from planner.profiling.api import Profile, profile
+from planner.profiling.devices import device_names
 from planner.profiling.measure import measure_peak, step_times_ms
 from planner.profiling.record import load_profile
 from planner.report import render as cli_report
@@ -39,7 +42,7 @@ from planner.solve.registry import SOLVERS
 
 EXIT_OK, EXIT_INTERNAL, EXIT_USAGE, EXIT_INFEASIBLE, EXIT_NOT_FOUND, EXIT_INTERRUPTED = 0, 1, 2, 3, 4, 130
 VERIFY_RUNS = 5
-DEVICE_FORMS = "cpu, cuda or cuda:N"
+DEVICE_FORMS = "cpu, cuda or cuda:N, or a device spec name (h100, a100-80gb...)"
 
 
 # -- the command line ------------------------------------------------------------------------------------------
@@ -60,12 +63,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--solver", choices=list(SOLVERS), default="cpsat", help="planning strategy (default: cpsat)")
     p.add_argument("--time-limit", type=_seconds, default=30.0, metavar="SECONDS",
                    help="solver time limit; past it the best plan found is used (default: 30)")
-    p.add_argument("--device", type=_device, help=f"{DEVICE_FORMS}: move the model and inputs there first "
-                                                  "(default: where the file puts them)")
+    p.add_argument("--device", type=_device,
+                   help=f"{DEVICE_FORMS}: move the model and inputs there first, or plan for the named device "
+                        "without it (memory from meta tensors, times from its datasheet; docs/profiles.md) "
+                        "(default: measure where the file puts them)")
     p.add_argument("--world-size", type=_ranks, default=1, metavar="N",
                    help="plan for one rank of a job on N ranks (docs/distributed.md; default: 1)")
     p.add_argument("--parallel", choices=["fsdp", "ddp"],
                    help="data-parallel engine the budget is per rank of (default: fsdp when --world-size > 1)")
+    p.add_argument("--optimizer", type=_optimizer, metavar="NAME",
+                   help=f"count this optimizer's state in the budget: {', '.join(OPTIMIZER_STATES)} (default: none)")
+    p.add_argument("--mixed-precision", choices=list(MIXED_PRECISION),
+                   help="FSDP2 mixed precision: parameters gathered and computed in this dtype, gradients reduced "
+                        "in float32 (MixedPrecisionPolicy; docs/distributed.md)")
     p.add_argument("--max-chunks", type=_chunks, default=64, metavar="N",
                    help="most cut positions for segments: more give finer plans, slower solves (default: 64)")
     p.add_argument("--drop-output", action="store_true",
@@ -145,8 +155,10 @@ def _seconds(text: str) -> float:
     return value
 
 
-def _device(text: str) -> torch.device:
-    """``cpu``, ``cuda`` or ``cuda:N``, present on this machine."""
+def _device(text: str) -> torch.device | str:
+    """``cpu``, ``cuda`` or ``cuda:N``, present on this machine; or the name of a bundled device spec."""
+    if text in device_names():
+        return text
     if not re.fullmatch(r"cpu|cuda(:\d+)?", text):
         raise argparse.ArgumentTypeError(f"{text!r} is not a device ckplan can plan on; use {DEVICE_FORMS}")
     device = torch.device(text)
@@ -170,6 +182,9 @@ def _plan(args: argparse.Namespace, err: Console) -> tuple[ModelFile, Plan, cli_
         _check_output(flag, target, args.model_file)
     if args.profile and args.save_profile:
         raise UserError("--profile and --save-profile together would only copy the profile; give one of them")
+    if args.verify and isinstance(args.device, str):
+        raise UserError(f"--verify measures a step on this machine, but --device {args.device} plans for a device "
+                        "that is not here: drop one of them")
     if args.verify and (args.world_size > 1 or args.parallel):
         raise UserError("--verify measures one process, but --world-size/--parallel plan one rank of a job: measure "
                         "inside the job with planner.distributed.rank_peak_bytes (docs/distributed.md)")
@@ -198,23 +213,44 @@ def _model_code(model_file: str):
                         "ckplan ran it; forward and loss_fn must return a value, not exit") from exc
 
 
+def _optimizer(text: str) -> str:
+    if text.lower() not in OPTIMIZER_STATES:
+        raise argparse.ArgumentTypeError(f"unknown optimizer {text!r}; use one of {', '.join(OPTIMIZER_STATES)}")
+    return text.lower()
+
+
+MIXED_PRECISION = {"bf16": "bfloat16", "fp16": "float16"}
+"""``--mixed-precision`` choices: the dtype FSDP2 gathers and computes in (gradients are reduced in float32)."""
+
+
+def _mixed_precision(name: str | None) -> Any:
+    """FSDP2's ``MixedPrecisionPolicy`` for ``--mixed-precision``, or None."""
+    if name is None:
+        return None
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return MixedPrecisionPolicy(param_dtype=getattr(torch, MIXED_PRECISION[name]), reduce_dtype=torch.float32)
+
+
 def _options(args: argparse.Namespace, found: ModelFile, stage: Callable[[str], None]) -> PlanOptions:
     """The plan options the command line and the model file give."""
     return PlanOptions(loss_fn=found.loss_fn, keep_output=not args.drop_output, solver=args.solver,
                        time_limit_s=args.time_limit, max_chunks=args.max_chunks, selective=not args.whole_segments,
                        must_save=tuple(args.must_save), must_recompute=tuple(args.must_recompute),
-                       world_size=args.world_size, parallel=args.parallel, progress=stage)
+                       world_size=args.world_size, parallel=args.parallel, optimizer=args.optimizer,
+                       mixed_precision=_mixed_precision(args.mixed_precision),
+                       device=args.device if isinstance(args.device, str) else None, progress=stage)
 
 
 def _load(args: argparse.Namespace, stage: Callable[[str], None]) -> ModelFile:
     """The model file's model, inputs and loss, on ``--device`` when given."""
     stage("load")
     found = load_model_file(args.model_file, model=args.model, inputs=args.inputs, loss=args.loss)
-    return found if args.device is None else to_device(found, args.device)
+    return found if not isinstance(args.device, torch.device) else to_device(found, args.device)
 
 
 _EAGER_ONLY = ("--save", "--emit", "--profile", "--save-profile", "--verify", "--explain", "--whole-segments",
-               "--must-save", "--must-recompute", "--world-size", "--parallel")
+               "--must-save", "--must-recompute", "--world-size", "--parallel", "--optimizer", "--mixed-precision")
 
 
 def _compiled(args: argparse.Namespace, out: Console, err: Console) -> int:
