@@ -78,15 +78,18 @@ class InfeasibleBudget(PlannerError):
         max_chunks: None when infeasibility is proven over every admissible cut position; else the
             most chunks that were tried: plans among finer chunks were not searched, and
             ``min_peak_bytes`` is the smallest peak found (an upper bound on the true one).
+        setting: what the plan was for when it is not one device measured here (one rank of an FSDP2 job,
+            a device spec, a step profiled in pieces), and what else can change; it closes the message.
     """
 
     def __init__(self, budget_bytes: int, min_peak_bytes: int | None, breakdown: PeakBreakdown | None = None,
-                 reason: str = "", max_chunks: int | None = None):
+                 reason: str = "", max_chunks: int | None = None, setting: str = ""):
         self.budget_bytes = budget_bytes
         self.min_peak_bytes = min_peak_bytes
         self.breakdown = breakdown
         self.reason = reason
         self.max_chunks = max_chunks
+        self.setting = setting
         budget = format_bytes(budget_bytes)
         if min_peak_bytes is None:
             message = (f"no checkpointing plan satisfies the constraints at any budget, so the smallest "
@@ -100,6 +103,8 @@ class InfeasibleBudget(PlannerError):
             message = (f"not proven: no plan within {max_chunks} chunks (cut positions) fits, but the model has "
                        f"more; plan with max_chunks={2 * max_chunks} (ckplan --max-chunks {2 * max_chunks}) to "
                        f"search finer plans. Among these chunks: {message}")
+        if setting:
+            message = f"{message} (planned for {setting})"
         super().__init__(f"{reason}: {message}" if reason else message)
 
     @property
@@ -108,7 +113,8 @@ class InfeasibleBudget(PlannerError):
         return self.max_chunks is None
 
     def __reduce__(self):  # pickles with its fields (a rank sends it to the others), not its message
-        return type(self), (self.budget_bytes, self.min_peak_bytes, self.breakdown, self.reason, self.max_chunks)
+        return type(self), (self.budget_bytes, self.min_peak_bytes, self.breakdown, self.reason, self.max_chunks,
+                            self.setting)
 
 
 _PLANNER_DIR = os.path.dirname(os.path.abspath(__file__))

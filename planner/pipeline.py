@@ -10,12 +10,12 @@ import torch
 from torch import nn
 from typing_extensions import Unpack
 
-from planner.budget import check_budget, parse_budget
+from planner.budget import check_budget, format_bytes, parse_budget
 from planner.capture.api import capture
 from planner.capture.cache import no_cache
 from planner.capture.inputs import as_inputs
 from planner.distributed.memory import setup, split_at_units
-from planner.errors import OptionError
+from planner.errors import InfeasibleBudget, OptionError
 from planner.memory.model import ChunkPlan, MemoryModel
 from planner.memory.regions import Regions
 from planner.memory.simulate import freed_bytes, segment_recompute_us, simulate
@@ -139,7 +139,14 @@ def plan_for(prepared: Prepared, budget: int | str, *, options: PlanOptions | No
     stage("solve")
     started = time.perf_counter()
     deadline = Deadline.after(opts.time_limit_s)  # one limit for every solve below, not one each
-    prepared, solution = solve_prepared(prepared, budget_bytes, opts, deadline)
+    try:
+        prepared, solution = solve_prepared(prepared, budget_bytes, opts, deadline)
+    except InfeasibleBudget as exc:
+        setting = _setting(prepared)
+        if not setting:
+            raise
+        raise InfeasibleBudget(exc.budget_bytes, exc.min_peak_bytes, exc.breakdown, exc.reason, exc.max_chunks,
+                               setting) from None
     memory, baseline = prepared.memory, prepared.baseline
     if prepared.distributed is not None and not solution.interrupted:  # FSDP: one unit per segment
         solution = split_at_units(memory, solution, budget_bytes, prepared.distributed, prepared.profile,
@@ -198,6 +205,24 @@ def plan_from_solution(prepared: Prepared, solution: Solution, budget_bytes: int
             baseline_backward_bytes=tuple(int(b) if ok else None for b, ok in zip(baseline.bwd_bytes, memory.has_bwd)),
         ),
     )
+
+
+def _setting(prepared: Prepared) -> str:
+    """What a plan that does not fit was for, beyond one device measured here, and what else can change."""
+    parts, dist, prof = [], prepared.distributed, prepared.profile
+    if dist is not None and dist.parallel == "fsdp":
+        dtype = f", computing in {str(dist.param_dtype).removeprefix('torch.')}" if dist.param_dtype else ""
+        parts.append(f"one rank of FSDP2 over {dist.world_size} ranks{dtype}: more ranks shard more")
+    elif dist is not None and dist.parallel == "ddp":
+        parts.append(f"one rank of DDP over {dist.world_size} ranks: FSDP (parallel='fsdp') shards parameters, "
+                     "gradients and optimizer state")
+    if dist is not None and dist.optimizer_bytes:
+        parts.append(f"{format_bytes(dist.optimizer_bytes)} of optimizer state counted")
+    if prof.estimated_for:
+        parts.append(f"memory from shapes and times estimated for {prof.estimated_for}")
+    elif prof.pieces > 1:
+        parts.append(f"profiled in {prof.pieces} pieces, the whole step does not fit on {prof.device}")
+    return "; ".join(parts)
 
 
 def _segments(prof: Profile, regions: Regions, memory: MemoryModel, plan: ChunkPlan,

@@ -312,7 +312,7 @@ IN_PROCESS_ERRORS = {
     "zero-budget": (LINEAR, ["--budget", "0"], "must be a positive number of bytes"),
     "unknown-solver": (LINEAR, ["--solver", "nope"], "argument --solver: invalid choice: 'nope'"),
     "bad-time-limit": (LINEAR, ["--time-limit", "0"], "'0' is not a positive number of seconds"),
-    "unknown-device": (LINEAR, ["--device", "h100"], "'h100' is not a device ckplan can plan on; use cpu, cuda"),
+    "unknown-device": (LINEAR, ["--device", "tpu9"], "'tpu9' is not a device ckplan can plan on; use cpu, cuda"),
     "absent-device": (LINEAR, ["--device", "cuda:99"], "argument --device: cuda:99: "),
     "model-name": (LINEAR, ["--model", "net"], "defines no `net`: check the name given to --model"),
     "inputs-name": (LINEAR, ["--inputs", "batch"], "defines no `batch`: check the name given to --inputs"),

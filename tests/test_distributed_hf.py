@@ -215,3 +215,16 @@ def test_ckplan_plans_a_meta_hugging_face_model_for_eight_ranks(tmp_path):
     report = json.loads(done.stdout)
     assert report["capture_method"] == "export" and report["segments"] and report["device"] == "h100"
     assert report["predicted_peak_bytes"] <= report["budget_bytes"]
+
+
+def test_a_budget_no_plan_fits_says_what_the_plan_was_for_and_what_can_change():
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from planner import InfeasibleBudget
+
+    model, batch = _tiny_llama_on_meta()
+    with pytest.raises(InfeasibleBudget, match=r"planned for one rank of FSDP2 over 8 ranks, computing in bfloat16: "
+                                               r"more ranks shard more; .* of optimizer state counted; memory from "
+                                               r"shapes and times estimated for h100"):
+        optimize(model, "1MB", inputs=batch, device="h100", world_size=8, optimizer="adamw",
+                 mixed_precision=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))

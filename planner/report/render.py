@@ -324,7 +324,8 @@ def print_infeasible(err: Console, exc: InfeasibleBudget) -> None:
             table.add_row(Text("total", style="bold"), Text(format_bytes(total), style="bold"), end_section=True)
     err.print(table)
     err.print(Text(f"raise the budget to at least {format_bytes(exc.min_peak_bytes)} "
-                   f"(--budget {exc.min_peak_bytes}) or shrink the batch"), soft_wrap=True, highlight=False)
+                   f"(--budget {exc.min_peak_bytes}) or shrink the batch"
+                   + (f"; planned for {exc.setting}" if exc.setting else "")), soft_wrap=True, highlight=False)
 
 
 def emitted_source(plan: Plan, *, model_file: str, model_class: str, budget: int | str,
