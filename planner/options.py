@@ -55,6 +55,10 @@ class PlanOptions:
     """FSDP2's ``MixedPrecisionPolicy`` the job trains with (``param_dtype``, ``reduce_dtype``,
     ``cast_forward_inputs``): the step is profiled in ``param_dtype`` and the budget counts fp32 shards and
     optimizer state, gathered units in ``param_dtype`` and gradients reduced in ``reduce_dtype``."""
+    follow_batch: bool = False
+    """Each training call runs the plan of its own shape's group (``planner.family``): no checkpoint where the
+    un-checkpointed step fits, lighter plans for smaller batches, groups planned when first seen. The plan
+    runs the model's own forward (module hooks)."""
     progress: Callable[[str], None] | None = None
     """Called with the name of each stage as it starts (``capture``, ``profile``, ``solve``, ``rewrite``)."""
 
@@ -95,6 +99,7 @@ class OptionArgs(TypedDict, total=False):
     units: Sequence[str] | None
     optimizer: str | int | None
     mixed_precision: Any
+    follow_batch: bool
     progress: Callable[[str], None] | None
 
 

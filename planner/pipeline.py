@@ -16,18 +16,14 @@ from planner.capture.cache import no_cache
 from planner.capture.inputs import as_inputs
 from planner.distributed.memory import setup, split_at_units
 from planner.errors import InfeasibleBudget, OptionError
-from planner.memory.model import ChunkPlan, MemoryModel
-from planner.memory.regions import Regions
-from planner.memory.simulate import freed_bytes, segment_recompute_us, simulate
+from planner.family import Family, GroupPlan, follow
+from planner.memory.simulate import simulate
 from planner.options import OptionArgs, PlanOptions, resolve
 from planner.plan import MemoryTimeline, Plan
-from planner.prepared import Prepared, chunked, cost_model
+from planner.prepared import Prepared, chunked, prepared_from
 from planner.profiling.api import capture_inputs, profile_for
-from planner.profiling.devices import is_device_spec, load_device, sac_op_cost
-from planner.profiling.record import Profile
-from planner.rewrite.executor import executor_for
 from planner.rewrite.modules import PlannedShapes, tensor_shapes
-from planner.rewrite.segment import Segment
+from planner.rewrite.segment import segments_of
 from planner.solve.deadline import Deadline
 from planner.solve.registry import get_solver
 from planner.solve.result import Solution
@@ -95,22 +91,15 @@ def prepare(model: nn.Module, *, inputs: UserInputs = None, options: PlanOptions
     with no_cache(model), parameters_in(model, dtype):  # use_cache=False in training calls, as Hugging Face's
         stage("capture")                                 # checkpointing does; the dtype FSDP2 computes in
         step_inputs = example.cast(dtype) if dist and dist.cast_forward_inputs else example
-        captured = capture(model, capture_inputs(model, step_inputs),   # graph + module calls (meta inputs
-                           units=dist.opaque if dist else frozenset(), modules=modules)  # for a meta model)
+        captured = capture(model, capture_inputs(model, step_inputs),   # graph + module calls (meta inputs for a
+                           units=dist.opaque if dist else frozenset(),  # meta model); a plan that follows the
+                           modules=modules or opts.follow_batch)        # batch runs the model's own forward
         stage("profile")
         measured = profile_for(captured, model, step_inputs, loss_fn=opts.loss_fn,  # one real step node by node,
                                device=opts.device, saved=opts.profile,              # or a saved or estimated
                                keep_output=opts.keep_output, budget=budget)         # profile; in pieces if it
     # does not fit where the model is
-    device = opts.device
-    sac = sac_op_cost(measured, load_device(device) if is_device_spec(device) else None)  # from the profile
-    # or the device spec, never from this machine
-    executor = executor_for(captured.method)  # how the plan will run, and so what it allows
-    rules = executor.rules(captured, measured, units=dist.units if dist else ())
-    return Prepared(model=model, example=example, options=opts, captured=captured, profile=measured,
-                    executor=executor, rules=rules, sac_cost=sac, distributed=dist,
-                    chunks=cost_model(measured, rules, max_chunks=opts.max_chunks, sac_op_us=sac.op_us,
-                                      distributed=dist))
+    return prepared_from(model, example, captured, measured, options=opts, distributed=dist)
 
 
 def plan_for(prepared: Prepared, budget: int | str, *, options: PlanOptions | None = None,
@@ -154,7 +143,23 @@ def plan_for(prepared: Prepared, budget: int | str, *, options: PlanOptions | No
                                   resolve=lambda b: solve_budget(opts.solver, memory, b, baseline.peak_bytes, deadline))
     solution = replace(solution, solve_time_s=time.perf_counter() - started)  # the whole stage, widening included
     stage("rewrite")
-    return plan_from_solution(prepared, solution, budget_bytes, target=target)
+    plan = plan_from_solution(prepared, solution, budget_bytes, target=target)
+    return _following(prepared, plan, opts) if opts.follow_batch else plan
+
+
+def _following(prepared: Prepared, plan: Plan, options: PlanOptions) -> Plan:
+    """``plan`` made to follow the batch: its module runs each training call's group plan, this plan for the
+    example's group (``planner.family``)."""
+    if prepared.rules.opens_modules:
+        raise OptionError("follow_batch runs the model's own forward: prepare the model with follow_batch=True")
+    family = Family.around(prepared, plan.budget_bytes, options)
+    key = family.grid.group(family.grid.anchors)
+    assert key is not None and plan.module is not None  # the grid is made around the example's shapes
+    family.groups[key] = GroupPlan(shapes=key, segments=plan.segments, predicted_peak_bytes=plan.predicted_peak_bytes,
+                                   baseline_peak_bytes=plan.baseline_peak_bytes, recompute_ms=plan.recompute_ms,
+                                   step_ms=plan.step_ms)
+    follow(plan.module, family, key)
+    return replace(plan, family=family)
 
 
 def plan_from_solution(prepared: Prepared, solution: Solution, budget_bytes: int, *,
@@ -165,7 +170,7 @@ def plan_from_solution(prepared: Prepared, solution: Solution, budget_bytes: int
     (``enable`` passes the model itself); default a clone of the model (``rewrite.modules.clone_tree``).
     """
     memory, baseline = prepared.memory, prepared.baseline
-    segments = _segments(prepared.profile, prepared.regions, memory, solution.plan, solution.saves)
+    segments = segments_of(prepared.profile, prepared.regions, memory, solution.plan, solution.saves)
     predicted = simulate(memory, solution.plan, solution.saves)
     shapes = tensor_shapes(prepared.model, prepared.example.args, prepared.example.kwargs)
     planned = PlannedShapes(shapes=shapes, predicted_peak_bytes=predicted.peak_bytes,
@@ -223,37 +228,3 @@ def _setting(prepared: Prepared) -> str:
     elif prof.pieces > 1:
         parts.append(f"profiled in {prof.pieces} pieces, the whole step does not fit on {prof.device}")
     return "; ".join(parts)
-
-
-def _segments(prof: Profile, regions: Regions, memory: MemoryModel, plan: ChunkPlan,
-              saves: frozenset = frozenset()) -> tuple[Segment, ...]:
-    out = []
-    for (first, stop), freed in zip(plan, freed_bytes(memory, plan)):
-        lo, hi = regions.starts[first], regions.bounds(stop - 1)[1]
-        nodes = prof.nodes[lo:hi]
-        mine = sorted(o for o in saves if lo <= o < hi)
-        out.append(Segment(
-            nodes=tuple(n.name for n in nodes),
-            module_paths=_covering_paths(prof, lo, hi),
-            recompute_ms=segment_recompute_us(memory, first, stop, mine) / 1000,
-            freed_bytes=freed,
-            restore_buffers=tuple(dict.fromkeys(b for n in nodes for b in n.mutated_buffers)),
-            saved_nodes=tuple(prof.nodes[o].name for o in mine),
-            chain=regions.chains[first, stop] if regions.chains is not None else (),
-            saved_modules=tuple(prof.nodes[o].module_path for o in mine) if regions.chains is not None else (),
-        ))
-    return tuple(out)
-
-
-def _covering_paths(prof: Profile, lo: int, hi: int) -> tuple[str, ...]:
-    """Outermost module calls wholly inside nodes ``lo:hi``, and ``path:op`` for ops outside them."""
-    calls = prof.calls
-    paths: dict[str, None] = {}
-    for i in range(lo, hi):
-        node = prof.nodes[i]
-        whole = next((c for c in calls.around[i] if lo <= calls.calls[c].first and calls.calls[c].last < hi), None)
-        if whole is not None:
-            paths.setdefault(calls.path(whole), None)
-        elif node.kind != "get_attr":
-            paths.setdefault(f"{node.module_path or '<root>'}:{node.target.rsplit('.', 1)[-1]}", None)
-    return tuple(paths)

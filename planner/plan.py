@@ -10,7 +10,7 @@ import enum
 import html
 import json
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +19,7 @@ from torch import nn
 from planner.budget import format_bytes
 from planner.capture.method import CaptureMethod
 from planner.errors import PlanFileError
+from planner.family import Family, follow
 from planner.memory.breakdown import PeakBreakdown
 from planner.profiling.devices import SacCostSource
 from planner.records import INT_LIMIT, UNIT_LIMITS, as_list, as_tuple, check_record, read_json, record_from_json
@@ -26,6 +27,7 @@ from planner.rewrite.executor import executor_for
 from planner.rewrite.modules import PlannedShapes
 from planner.rewrite.segment import Segment
 from planner.solve.result import SolverStatus
+from planner.step import LossFn
 
 __all__ = ["MemoryTimeline", "Plan", "Segment", "load_plan"]
 
@@ -100,6 +102,9 @@ class Plan:
     keep_output: bool = True
     """Whether the predicted peak assumes the loop keeps the model's output referenced through
     backward (``optimize(keep_output=...)``)."""
+    family: Any = field(default=None, repr=False, compare=False)
+    """When the plan follows the batch (``follow_batch``): the ``planner.family.Family`` of its groups' plans;
+    ``segments`` are the example batch's group's. None: one plan for every call."""
     profile_pieces: int = 1
     """How many pieces the profiled step ran in (1: whole; more when it did not fit where it was profiled)."""
     profile_peak_bytes: int | None = None
@@ -108,7 +113,8 @@ class Plan:
     """Shape of each tensor argument of the example call, by parameter name: a plan that runs the
     model's own forward warns once when a training call is larger (``planner.rewrite.modules``)."""
 
-    def apply(self, model: nn.Module, *, inputs: Any = None, units: Sequence[str] | None = None) -> nn.Module:
+    def apply(self, model: nn.Module, *, inputs: Any = None, units: Sequence[str] | None = None,
+              loss_fn: LossFn | None = None) -> nn.Module:
         """Returns ``model`` set up to run this plan (``model`` itself is not modified), by the executor
         of the plan's capture method (``planner.rewrite.executor``).
 
@@ -122,13 +128,19 @@ class Plan:
             inputs: example inputs for a model fx cannot trace without them (default
                 ``model.example_inputs``); unused by plans that run the model's own forward.
             units: the FSDP units a distributed plan was made with (default the repeated blocks).
+            loss_fn: for a plan that follows the batch, the loss its new shape groups are planned with (default
+                ``output.loss`` or the sum of the floating outputs).
 
         Raises:
             PlanMismatch (a ValueError): ``model`` does not trace to the graph the plan was made for.
             ChainError: a plan run by hooks names a module ``model`` does not have.
         """
-        return executor_for(self.capture_method).apply(model, self.segments, fingerprint=self.fingerprint,
-                                                       inputs=inputs, units=units, planned=self.planned_shapes())
+        module = executor_for(self.capture_method).apply(model, self.segments, fingerprint=self.fingerprint,
+                                                         inputs=inputs, units=units, planned=self.planned_shapes())
+        if self.family is not None:  # each training call runs its group's plan; new groups planned on model
+            family = self.family.bound(model, replace(self.family.options, loss_fn=loss_fn))
+            follow(module, family, family.grid.group(family.grid.anchors))
+        return module
 
     def planned_shapes(self) -> PlannedShapes | None:
         """What the shape warning of a plan run by hooks compares calls with; None without shapes."""
@@ -172,6 +184,7 @@ class Plan:
         data["largest_kept"] = [list(item) for item in self.largest_kept]
         data["timeline"] = None if self.timeline is None else {k: list(v) for k, v in asdict(self.timeline).items()}
         data["segments"] = [asdict(s) for s in self.segments]
+        data["family"] = None if self.family is None else self.family.to_dict()
         return data
 
     def save(self, path: str | Path) -> None:
@@ -254,6 +267,8 @@ def _plan_from_dict(data: dict[str, Any]) -> Plan:
     planned = {k: as_tuple(v) for k, v in planned.items()} if isinstance(planned, dict) else planned
     values = {**data, "module": None, "segments": segments, "largest_kept": largest, "timeline": timeline,
               "planned_inputs": planned}
+    family = data.get("family")
+    values["family"] = None if family is None else Family.from_dict(family)
     return record_from_json(Plan, values, "plan", convert={
         "solver_status": SolverStatus, "capture_method": CaptureMethod, "sac_cost_source": SacCostSource,
         "peak_breakdown": PeakBreakdown.from_dict})

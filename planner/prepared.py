@@ -15,9 +15,9 @@ from planner.memory.regions import Regions, find_regions
 from planner.memory.rules import SegmentRules
 from planner.memory.simulate import Timeline, simulate
 from planner.options import PlanOptions
-from planner.profiling.devices import SacCost
+from planner.profiling.devices import SacCost, is_device_spec, load_device, sac_op_cost
 from planner.profiling.record import Profile
-from planner.rewrite.executor import Executor
+from planner.rewrite.executor import Executor, executor_for
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -80,3 +80,17 @@ def chunked(prepared: Prepared, max_chunks: int) -> Prepared:
     return replace(prepared, chunks=cost_model(prepared.profile, prepared.rules, max_chunks=max_chunks,
                                                sac_op_us=prepared.sac_cost.op_us,
                                                distributed=prepared.distributed))
+
+
+def prepared_from(model: nn.Module, example: Inputs, captured: Captured, profile: Profile, *, options: PlanOptions,
+                  distributed: Distributed | None = None) -> Prepared:
+    """The ``Prepared`` of a model already captured and profiled: its executor and rules, its cost model."""
+    device = options.device
+    sac = sac_op_cost(profile, load_device(device) if is_device_spec(device) else None)  # from the profile
+    # or the device spec, never from this machine
+    executor = executor_for(captured.method)  # how the plan will run, and so what it allows
+    rules = executor.rules(captured, profile, units=distributed.units if distributed else ())
+    return Prepared(model=model, example=example, options=options, captured=captured, profile=profile,
+                    executor=executor, rules=rules, sac_cost=sac, distributed=distributed,
+                    chunks=cost_model(profile, rules, max_chunks=options.max_chunks, sac_op_us=sac.op_us,
+                                      distributed=distributed))

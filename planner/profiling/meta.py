@@ -69,10 +69,13 @@ class MetaReplay:
 
 
 def memory_on_meta(captured: Captured, model: nn.Module, inputs: Inputs, *, loss_fn: LossFn | None = None,
-                   keep_output: bool = True, op_ms: Callable[[Any, tuple, Any], float] | None = None) -> MetaReplay:
+                   keep_output: bool = True, op_ms: Callable[[Any, tuple, Any], float] | None = None,
+                   eager: bool = True) -> MetaReplay:
     """The memory pass of one training step of ``captured`` on meta tensors: nothing is allocated, and the
     model is left as it was (its parameters and buffers are swapped for meta copies during the pass).
-    ``op_ms``: a per-op time estimate to record as it goes (the roofline), if any.
+    ``op_ms``: a per-op time estimate to record as it goes (the roofline), if any. ``eager``: also run the
+    model's own forward on meta to measure what its Python locals keep (``MetaReplay.excess``); a forward
+    that reads values (a ``.item()``) cannot run there, so a caller that knows the excess otherwise skips it.
 
     Raises:
         ProfileError: a node failed on meta tensors (naming it), e.g. one that reads tensor values.
@@ -83,7 +86,7 @@ def memory_on_meta(captured: Captured, model: nn.Module, inputs: Inputs, *, loss
         example = Inputs(args=tree_map(to_meta, inputs.args), kwargs=tree_map(to_meta, inputs.kwargs))
         recorder = MemoryRecorder(captured.graph_module, model, META, op_ms=op_ms, keep_output=keep_output)
         recorder.step(example, loss_fn)
-        excess = eager_excess_of(recorder, captured, model, example)
+        excess = eager_excess_of(recorder, captured, model, example) if eager else None
     return MetaReplay(recorder=recorder, example=example, excess=excess)
 
 
@@ -129,13 +132,16 @@ def on_meta(*roots: nn.Module) -> Iterator[None]:
 
 class StrayTensorsToMeta(TorchDispatchMode):
     """Runs an op that mixes meta and real tensors (a loss's labels, a constant made on the CPU
-    inside ``forward``) on meta copies of the real ones, which are not counted as memory."""
+    inside ``forward``) on meta copies of the real ones, which are not counted as memory; an op that
+    moves a meta tensor to a real device (``x.to("cpu")`` in the model's code) moves it to meta."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         leaves = [a for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
-        if any(t.is_meta for t in leaves) and not all(t.is_meta for t in leaves):
-            args, kwargs = tree_map(lambda v: to_meta(v, keep_grad=False), (args, kwargs))
+        if any(t.is_meta for t in leaves):
+            if not all(t.is_meta for t in leaves):
+                args, kwargs = tree_map(lambda v: to_meta(v, keep_grad=False), (args, kwargs))
+            args, kwargs = tree_map(lambda v: META if isinstance(v, torch.device) else v, (args, kwargs))
         return func(*args, **kwargs)
 
 

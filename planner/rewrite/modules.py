@@ -52,7 +52,7 @@ def clone_tree(model: nn.Module) -> nn.Module:
     return clone(model)
 
 
-def _bind(module: nn.Module, args: tuple, kwargs: dict) -> dict[str, Any] | None:
+def bind(module: nn.Module, args: tuple, kwargs: dict) -> dict[str, Any] | None:
     """The call's arguments by parameter name (``**kwargs`` flattened in), or None if they do not bind."""
     try:
         bound = inspect.signature(module.forward).bind(*args, **kwargs)
@@ -70,7 +70,7 @@ def _bind(module: nn.Module, args: tuple, kwargs: dict) -> dict[str, Any] | None
 
 def tensor_shapes(module: nn.Module, args: tuple, kwargs: dict) -> dict[str, tuple[int, ...]]:
     """Shape of each tensor argument of a call of ``module``, by parameter name."""
-    return {name: tuple(value.shape) for name, value in (_bind(module, args, kwargs) or {}).items()
+    return {name: tuple(value.shape) for name, value in (bind(module, args, kwargs) or {}).items()
             if isinstance(value, torch.Tensor)}
 
 
@@ -97,7 +97,7 @@ class _ShapeWarning:
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if self.warned or not training_with_grad(module):
             return
-        bound = _bind(module, args, kwargs) or {}
+        bound = bind(module, args, kwargs) or {}
         ratio, what = 0.0, ""
         for name, shape in self.planned.shapes.items():
             value = bound.get(name)
@@ -117,7 +117,7 @@ class _ShapeWarning:
                       "optimize(model, budget, inputs=<that batch>)", stacklevel=2)
 
 
-_INSTALLED: weakref.WeakKeyDictionary[nn.Module, Installed] = weakref.WeakKeyDictionary()
+_INSTALLED: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()
 """Module trees with a plan installed, so that a plan can be replaced or removed (``remove_plan``)."""
 
 
@@ -133,6 +133,12 @@ def install_plan(root: nn.Module, chains: Sequence[Chain], *, planned: PlannedSh
     if planned is not None:
         installed.handles.append(root.register_forward_pre_hook(_ShapeWarning(planned), with_kwargs=True))
     return installed
+
+
+def register_plan(root: nn.Module, installed: Any) -> None:
+    """Records hooks put on ``root`` by other means (anything with a ``remove()``, a plan that follows the
+    batch), so that ``remove_plan`` and ``disable`` take them off too."""
+    _INSTALLED[root] = installed
 
 
 def remove_plan(root: nn.Module) -> bool:

@@ -1,9 +1,14 @@
-"""``Segment``: one checkpointed run of the graph, as the plan records it and the executors run it
-(torch-free)."""
+"""``Segment``: one checkpointed run of the graph, as the plan records it and the executors run it, and
+``segments_of``, which makes them from a solution (torch-free)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from planner.memory.model import ChunkPlan, MemoryModel
+from planner.memory.regions import Regions
+from planner.memory.simulate import freed_bytes, segment_recompute_us
+from planner.profiling.record import Profile
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -27,3 +32,39 @@ class Segment:
     order; empty for a rewritten graph."""
     saved_modules: tuple[str, ...] = ()
     """Plans run by module hooks: the modules (one op each) whose outputs are kept."""
+
+
+def segments_of(prof: Profile, regions: Regions, memory: MemoryModel, plan: ChunkPlan,
+                saves: frozenset = frozenset()) -> tuple[Segment, ...]:
+    """The ``Segment`` records of a chunk plan (with its op-level saves): nodes, module paths, recompute time,
+    bytes freed, buffers to restore, kept nodes, and for plans run by hooks their chain of module calls."""
+    out = []
+    for (first, stop), freed in zip(plan, freed_bytes(memory, plan)):
+        lo, hi = regions.starts[first], regions.bounds(stop - 1)[1]
+        nodes = prof.nodes[lo:hi]
+        mine = sorted(o for o in saves if lo <= o < hi)
+        out.append(Segment(
+            nodes=tuple(n.name for n in nodes),
+            module_paths=_covering_paths(prof, lo, hi),
+            recompute_ms=segment_recompute_us(memory, first, stop, mine) / 1000,
+            freed_bytes=freed,
+            restore_buffers=tuple(dict.fromkeys(b for n in nodes for b in n.mutated_buffers)),
+            saved_nodes=tuple(prof.nodes[o].name for o in mine),
+            chain=regions.chains[first, stop] if regions.chains is not None else (),
+            saved_modules=tuple(prof.nodes[o].module_path for o in mine) if regions.chains is not None else (),
+        ))
+    return tuple(out)
+
+
+def _covering_paths(prof: Profile, lo: int, hi: int) -> tuple[str, ...]:
+    """Outermost module calls wholly inside nodes ``lo:hi``, and ``path:op`` for ops outside them."""
+    calls = prof.calls
+    paths: dict[str, None] = {}
+    for i in range(lo, hi):
+        node = prof.nodes[i]
+        whole = next((c for c in calls.around[i] if lo <= calls.calls[c].first and calls.calls[c].last < hi), None)
+        if whole is not None:
+            paths.setdefault(calls.path(whole), None)
+        elif node.kind != "get_attr":
+            paths.setdefault(f"{node.module_path or '<root>'}:{node.target.rsplit('.', 1)[-1]}", None)
+    return tuple(paths)

@@ -1,0 +1,351 @@
+"""Plans that follow the batch: each training call runs the plan made for its own shape's group.
+
+Real batches change shape from step to step (dynamic padding, a short last batch, a long tail of lengths).
+A ``Family`` groups call shapes on a grid (``ShapeGrid``: each dim of each tensor argument rounded up to a
+multiple of a step, a sixteenth of the example's size), plans each group for the group's largest shape the
+first time a call of it is seen, keeps that plan, and on every training call switches the module's
+checkpoint hooks to its group's plan: a dictionary lookup, and a re-install of the chains' hooks when the
+group changes. A group whose un-checkpointed step fits the budget runs no checkpoint at all.
+
+Each group's memory comes from a meta-tensor replay at its shape (exact, nothing allocated); its times
+are the example batch's measured times scaled node by node by the ratio of roofline estimates at the two
+shapes (``scaled_profile``). Plans run on the model's own forward (the hook executor), which takes any
+shape. A group no plan fits raises ``InfeasibleBudget`` from the training call that needs it.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+import torch
+from torch import nn
+
+from planner.capture.api import capture
+from planner.capture.cache import install_no_cache, no_cache, training_with_grad
+from planner.capture.inputs import Inputs
+from planner.errors import OptionError
+from planner.memory.simulate import simulate
+from planner.options import PlanOptions
+from planner.prepared import Prepared, prepared_from
+from planner.profiling.devices import load_device
+from planner.profiling.estimate import Roofline
+from planner.profiling.memory_pass import StepTimes, assemble
+from planner.profiling.meta import memory_on_meta
+from planner.profiling.record import Profile, profile_from_dict, profile_to_dict
+from planner.records import as_list, check_record, record_from_json
+from planner.rewrite.chains import Chain, Installed, install
+from planner.rewrite.modules import bind, register_plan, remove_plan
+from planner.rewrite.segment import Segment, segments_of
+from planner.solve.deadline import Deadline
+from planner.solving import solve_prepared
+
+_SAVED_OPTIONS = ("keep_output", "solver", "time_limit_s", "max_chunks", "selective")
+"""What a saved family plans its new groups with (the loss function is the caller's: ``Plan.apply``)."""
+
+GROUPS_PER_DIM = 16
+"""How many groups the example's size of each dim is split into (the grid's step is its 1/16th)."""
+
+Shapes = tuple[tuple[str, tuple[int, ...]], ...]
+"""A call's tensor arguments by name (sorted), each with its shape: also a group's key (its upper shapes)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ShapeGrid:
+    """How call shapes are grouped: each dim of each tensor argument rounded up to the next grid line, the
+    lines ``step`` apart and passing through the example batch's size (so the example is its own group's
+    upper shape, and the plan made for it is that group's)."""
+
+    anchors: dict[str, tuple[int, ...]]
+    """Per tensor argument (by parameter name): the example's shape."""
+    steps: dict[str, tuple[int, ...]]
+    """Per tensor argument: the step of each of its dims."""
+
+    @classmethod
+    def around(cls, shapes: Mapping[str, tuple[int, ...]], groups: int = GROUPS_PER_DIM) -> ShapeGrid:
+        """The grid for calls like one whose tensor arguments have these shapes (the example batch)."""
+        return cls(anchors={name: tuple(shape) for name, shape in shapes.items()},
+                   steps={name: tuple(max(1, math.ceil(d / groups)) for d in shape) for name, shape in shapes.items()})
+
+    def group(self, shapes: Mapping[str, tuple[int, ...]]) -> Shapes | None:
+        """The group of a call with these tensor shapes (its upper shapes); None when its tensor arguments are
+        not the ones the grid was made for (other names or ranks)."""
+        if set(shapes) != set(self.steps) or any(len(shapes[k]) != len(s) for k, s in self.steps.items()):
+            return None
+        return tuple((name, tuple(a + math.ceil((d - a) / s) * s
+                                  for d, a, s in zip(shapes[name], self.anchors[name], self.steps[name])))
+                     for name in sorted(shapes))
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class GroupPlan:
+    """The plan of one group of call shapes."""
+
+    shapes: Shapes
+    """The group's upper shapes: what it was planned for."""
+    segments: tuple[Segment, ...]
+    """What it checkpoints (chains of module calls); empty when the un-checkpointed step fits."""
+    predicted_peak_bytes: int
+    baseline_peak_bytes: int
+    """Predicted peak of the group's un-checkpointed step."""
+    recompute_ms: float
+    """Forward time re-run in backward per step, ms (scaled from the example's measured times)."""
+    step_ms: float
+    """Time of one un-checkpointed step at this shape, ms (scaled likewise)."""
+
+
+class Family:
+    """The plans of every group of call shapes seen so far, and how to plan a new group."""
+
+    def __init__(self, *, model: nn.Module | None, options: PlanOptions, budget_bytes: int, grid: ShapeGrid,
+                 reference: Profile, reference_roofline: Mapping[str, tuple[float, float]],
+                 groups: dict[Shapes, GroupPlan] | None = None) -> None:
+        self.model = model
+        """The model groups are captured and replayed on; None for a family read from a file, until it is
+        applied to a model (``bound``)."""
+        self.options = replace(options, follow_batch=False, progress=None)
+        """What each group is planned with (it is planned once, so it follows nothing itself)."""
+        self.budget_bytes = budget_bytes
+        self.grid = grid
+        self.reference = reference
+        """The example batch's measured profile, whose times are scaled to each group's shape."""
+        self.reference_roofline = reference_roofline
+        """Per node of the reference: its roofline forward and backward ms at the example's shape."""
+        self.groups: dict[Shapes, GroupPlan] = dict(groups or {})
+
+    @classmethod
+    def around(cls, prepared: Prepared, budget_bytes: int, options: PlanOptions) -> Family:
+        """The family of a prepared model's example batch (its group's plan is the caller's to add)."""
+        shapes = example_shapes(prepared.model, prepared.example)
+        return cls(model=prepared.model, options=options, budget_bytes=budget_bytes, grid=ShapeGrid.around(shapes),
+                   reference=prepared.profile,
+                   reference_roofline=reference_roofline(prepared.captured, prepared.model, prepared.example,
+                                                         prepared.profile, options=options))
+
+    def bound(self, model: nn.Module, options: PlanOptions | None = None) -> Family:
+        """This family planning its new groups on ``model`` (a family read from a file), with ``options``."""
+        return Family(model=model, options=options or self.options, budget_bytes=self.budget_bytes, grid=self.grid,
+                      reference=self.reference, reference_roofline=self.reference_roofline, groups=self.groups)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The family as JSON (``Plan.save``): its grid, options, every group's plan, and the reference profile
+        and roofline new groups are scaled from."""
+        opts = self.options
+        return {"budget_bytes": self.budget_bytes,
+                "grid": {"anchors": {k: list(v) for k, v in self.grid.anchors.items()},
+                         "steps": {k: list(v) for k, v in self.grid.steps.items()}},
+                "options": {"keep_output": opts.keep_output, "solver": opts.solver, "time_limit_s": opts.time_limit_s,
+                            "max_chunks": opts.max_chunks, "selective": opts.selective},
+                "groups": [{"shapes": [[name, list(shape)] for name, shape in key], "segments":
+                            [asdict(s) for s in group.segments], "predicted_peak_bytes": group.predicted_peak_bytes,
+                            "baseline_peak_bytes": group.baseline_peak_bytes, "recompute_ms": group.recompute_ms,
+                            "step_ms": group.step_ms} for key, group in self.groups.items()],
+                "reference_profile": profile_to_dict(self.reference),
+                "reference_roofline": [[name, f, b] for name, (f, b) in self.reference_roofline.items()]}
+
+    @classmethod
+    def from_dict(cls, data: Any) -> Family:
+        """The family ``to_dict`` wrote (not bound to a model yet: ``bound``).
+
+        Raises:
+            TypeError, ValueError, KeyError: a malformed field (``load_plan`` names the file).
+        """
+        grid = ShapeGrid(anchors={k: tuple(v) for k, v in data["grid"]["anchors"].items()},
+                         steps={k: tuple(v) for k, v in data["grid"]["steps"].items()})
+        groups = {}
+        for i, raw in enumerate(as_list(data["groups"], "plan.family.groups")):
+            key = tuple((str(name), tuple(shape)) for name, shape in raw["shapes"])
+            segments = tuple(record_from_json(Segment, s, f"plan.family.groups[{i}].segments[{j}]")
+                             for j, s in enumerate(as_list(raw["segments"], "plan.family.groups.segments")))
+            group = record_from_json(GroupPlan, {**raw, "shapes": key, "segments": segments},
+                                     f"plan.family.groups[{i}]")
+            check_record(group, where=f"plan.family.groups[{i}]")
+            groups[key] = group
+        options = PlanOptions(**{k: v for k, v in data["options"].items() if k in _SAVED_OPTIONS})
+        roofline = {str(name): (float(f), float(b)) for name, f, b in data["reference_roofline"]}
+        return cls(model=None, options=options, budget_bytes=int(data["budget_bytes"]), grid=grid,
+                   reference=profile_from_dict(data["reference_profile"], source="plan.family.reference_profile"),
+                   reference_roofline=roofline, groups=groups)
+
+    def plan_of(self, key: Shapes, values: Mapping[str, Any]) -> GroupPlan:
+        """The group's plan, planned now (for its upper shapes, from this call's own values) if it is new."""
+        found = self.groups.get(key)
+        if found is None:
+            found = self.groups[key] = self._plan_group(key, values)
+        return found
+
+    def _plan_group(self, key: Shapes, values: Mapping[str, Any]) -> GroupPlan:
+        """Plans a new group for its upper shapes, as ``optimize`` plans: capture, memory from a meta replay,
+        the reference's times scaled (``scaled_profile``), the solve stage under the family's budget."""
+        if self.model is None:
+            raise OptionError("this plan was read from a file: apply it to a model (plan.apply(model)) first")
+        example = Inputs(args=(), kwargs={name: _grown(value, dict(key).get(name)) for name, value in values.items()})
+        with no_cache(self.model):
+            captured = capture(self.model, example, modules=True)
+            profile = scaled_profile(captured, self.model, example, self.reference, self.reference_roofline,
+                                     options=self.options)
+        prepared = prepared_from(self.model, example, captured, profile, options=self.options)
+        prepared, solution = solve_prepared(prepared, self.budget_bytes, self.options,
+                                            Deadline.after(self.options.time_limit_s))
+        timeline = simulate(prepared.memory, solution.plan, solution.saves)
+        return GroupPlan(shapes=key, segments=segments_of(prepared.profile, prepared.regions, prepared.memory,
+                                                          solution.plan, solution.saves),
+                         predicted_peak_bytes=timeline.peak_bytes, baseline_peak_bytes=prepared.baseline.peak_bytes,
+                         recompute_ms=solution.recompute_us / 1000, step_ms=profile.step_ms)
+
+
+def _grown(value: Any, shape: tuple[int, ...] | None) -> Any:
+    """``value`` grown to ``shape`` by repeating its last slice along each dim that is short (a group is
+    planned for its upper shapes, with the call's own values); anything else as it is."""
+    if not isinstance(value, torch.Tensor) or shape is None or tuple(value.shape) == shape:
+        return value
+    for dim, size in enumerate(shape):
+        short = size - value.shape[dim]
+        if short > 0:
+            edge = value.narrow(dim, value.shape[dim] - 1, 1)
+            value = torch.cat([value, edge.expand(*[short if d == dim else -1 for d in range(value.dim())])], dim)
+    return value
+
+
+def roofline_of(device: str) -> Roofline:
+    """The roofline whose ratios scale times on ``device``: a GPU's spec for CUDA, the generic CPU's else."""
+    return Roofline(load_device("h100" if device.startswith("cuda") else "generic-cpu"))
+
+
+def node_roofline(profile: Profile, replayed: Any) -> dict[str, tuple[float, float]]:
+    """Per node of ``profile``: the roofline forward and backward ms a meta replay recorded (``MemoryRecorder``)."""
+    return {profile.nodes[i].name: (replayed.est_fwd_ms[i], replayed.est_bwd_ms[i])
+            for i in range(len(profile.nodes))}
+
+
+def reference_roofline(captured: Any, model: nn.Module, example: Inputs, profile: Profile, *,
+                       options: PlanOptions) -> dict[str, tuple[float, float]]:
+    """The roofline times of the example batch's nodes, to scale its measured times from."""
+    with no_cache(model):  # as the example was profiled
+        replay = memory_on_meta(captured, model, example, loss_fn=options.loss_fn, keep_output=options.keep_output,
+                                op_ms=roofline_of(profile.device).op_ms, eager=False)
+    return node_roofline(profile, replay.recorder)
+
+
+def scaled_profile(captured: Any, model: nn.Module, example: Inputs, reference: Profile,
+                   roofline: Mapping[str, tuple[float, float]], *, options: PlanOptions) -> Profile:
+    """The profile at ``example``'s shape: memory from a meta replay (exact), times the reference's measured
+    ones scaled per node by the ratio of roofline estimates at the two shapes. A node the reference does not
+    have (another code path at this shape) takes its roofline time times the median measured-to-roofline
+    ratio of the reference's nodes."""
+    replay = memory_on_meta(captured, model, example, loss_fn=options.loss_fn, keep_output=options.keep_output,
+                            op_ms=roofline_of(reference.device).op_ms, eager=False)
+    recorder = replay.recorder
+    measured = {node.name: (node.fwd_ms, node.bwd_ms) for node in reference.nodes}
+    # what the model's own forward keeps beyond the graph (Python locals) grows with the tokens, like the
+    # activations it names; its forward cannot run on meta tensors (Hugging Face reads values there)
+    growth = _elements(example) / max(1, _elements_of_shapes(reference.input_shapes))
+    locals_ = {node.name: node.eager_excess_bytes for node in reference.nodes}
+    excess = [math.ceil(locals_.get(record["name"], 0) * growth) for record in recorder.records]
+    ratios = [measured[name][0] / est[0] for name, est in roofline.items() if name in measured and est[0] > 0]
+    usual = statistics.median(ratios) if ratios else 1.0
+    fwd: list[float] = []
+    bwd: list[float] = []
+    for i, record in enumerate(recorder.records):
+        now = (recorder.est_fwd_ms[i], recorder.est_bwd_ms[i])
+        then, times = roofline.get(record["name"]), measured.get(record["name"])
+        for k, out in ((0, fwd), (1, bwd)):
+            if then is not None and times is not None and then[k] > 0:
+                out.append(times[k] * now[k] / then[k])
+            else:
+                out.append(now[k] * usual)
+    scale = (sum(fwd) + sum(bwd)) / max(1e-9, sum(n.fwd_ms + n.bwd_ms for n in reference.nodes))
+    times_ms = StepTimes(fwd_ms=fwd, bwd_ms=bwd, step_fwd_ms=reference.step_fwd_ms * scale,
+                         step_bwd_ms=reference.step_bwd_ms * scale,
+                         checkpoint_overhead_ms=reference.checkpoint_overhead_ms, sac_op_us=reference.sac_op_us)
+    return assemble(recorder, captured, model, replay.example, times=times_ms, excess=excess,
+                    device=reference.device)
+
+
+def _elements(example: Inputs) -> int:
+    """Elements of the largest tensor of a call (its tokens, for a language model's batch)."""
+    return max((v.numel() for v in [*example.args, *example.kwargs.values()] if isinstance(v, torch.Tensor)),
+               default=1)
+
+
+def _elements_of_shapes(described: tuple[str, ...]) -> int:
+    """Elements of the largest tensor among a profile's ``input_shapes`` (``name: dtype[d0, d1]``)."""
+    sizes = [math.prod(int(d) for d in text.split("[", 1)[1].rstrip("]").split(",") if d.strip())
+             for text in described if "[" in text]
+    return max(sizes, default=1)
+
+
+class FollowBatch:
+    """The forward pre-hook that runs each training call's group plan on the planned module's hooks, with
+    ``use_cache`` off while training; ``remove()`` takes all of it off again (``disable``, a new plan)."""
+
+    def __init__(self, root: nn.Module, family: Family, first: Shapes | None) -> None:
+        self.root = root
+        self.family = family
+        self.current: Shapes | None = None
+        self.installed: Installed | None = None
+        self.planning = False  # a group is being captured from this very module (a plan made in place)
+        self.handles = [root.register_forward_pre_hook(self, with_kwargs=True, prepend=True)]
+        cache = install_no_cache(root, warn=True)
+        if cache is not None:
+            self.handles.append(cache)
+        if first is not None:
+            self._switch(first)
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if self.planning or not training_with_grad(module):
+            return
+        values = bind(module, args, kwargs) or {}
+        shapes = {name: tuple(v.shape) for name, v in values.items() if isinstance(v, torch.Tensor)}
+        key = self.family.grid.group(shapes)
+        if key is None:
+            raise OptionError(f"this call's tensor arguments {sorted(shapes)} are not those the plan follows "
+                              f"({sorted(self.family.grid.steps)}); plan with a batch like this call's")
+        if key != self.current:
+            if key not in self.family.groups:
+                self._uninstall()  # the group is captured from the model's own forward, without chains
+                self.planning = True
+                try:
+                    self.family.plan_of(key, {k: v for k, v in values.items() if isinstance(v, torch.Tensor)})
+                finally:
+                    self.planning = False
+            self._switch(key)
+
+    def _switch(self, key: Shapes) -> None:
+        self._uninstall()
+        chains = [Chain(members=s.chain, saved_modules=s.saved_modules, restore_buffers=s.restore_buffers)
+                  for s in self.family.groups[key].segments]
+        self.installed = install(self.root, chains)
+        self.current = key
+
+    def _uninstall(self) -> None:
+        if self.installed is not None:
+            self.installed.remove()
+        self.installed, self.current = None, None
+
+    def remove(self) -> None:
+        """Takes the hooks and the current group's chains off the module."""
+        self._uninstall()
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+
+
+def follow(root: nn.Module, family: Family, first: Shapes | None) -> FollowBatch:
+    """Makes ``root`` run each training call's group plan, replacing any plan installed on it before."""
+    remove_plan(root)
+    hooks = FollowBatch(root, family, first)
+    register_plan(root, hooks)
+    return hooks
+
+
+def example_shapes(module: nn.Module, example: Inputs) -> dict[str, tuple[int, ...]]:
+    """The example's tensor arguments by parameter name, with their shapes (what a grid is made around)."""
+    values = bind(module, example.args, example.kwargs) or {}
+    shapes = {k: tuple(v.shape) for k, v in values.items() if isinstance(v, torch.Tensor)}
+    if not shapes:
+        raise OptionError("follow_batch needs a tensor argument in the example inputs to follow")
+    return shapes

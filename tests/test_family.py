@@ -1,0 +1,119 @@
+"""Plans that follow the batch (``follow_batch=True``): each training call runs the plan of its own shape's
+group, planned when first seen; the same losses and gradients as the unplanned model at every shape, each
+shape's measured peak within the budget, no checkpoint where the plain step fits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, Qwen2Config, Qwen2ForCausalLM
+
+from planner import InfeasibleBudget, disable, enable, load_plan, optimize
+from planner.capture.inputs import as_inputs
+from planner.family import ShapeGrid
+from planner.profiling.measure import measure_peak
+
+VOCAB = 1000
+
+
+def make_model(kind: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    if kind == "qwen2":
+        return Qwen2ForCausalLM(Qwen2Config(vocab_size=VOCAB, hidden_size=128, intermediate_size=384,
+                                            num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2))
+    return GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=128, n_layer=3, n_head=4))
+
+
+def batch(rows: int, length: int) -> dict:
+    ids = torch.randint(0, VOCAB, (rows, length), generator=torch.Generator().manual_seed(rows * 1000 + length))
+    return {"input_ids": ids, "labels": ids}
+
+
+def grads_after_step(module: torch.nn.Module, inputs: dict) -> tuple[float, list[torch.Tensor]]:
+    for p in module.parameters():
+        p.grad = None
+    torch.manual_seed(1)
+    loss = module(**inputs).loss
+    loss.backward()
+    grads = [p.grad.clone() for p in module.parameters()]
+    for p in module.parameters():
+        p.grad = None
+    return loss.item(), grads
+
+
+@pytest.fixture(scope="module", params=["qwen2", "gpt2"])
+def followed(request):
+    model = make_model(request.param)
+    plan = optimize(model, "70%", inputs=batch(4, 128), follow_batch=True, keep_output=False, time_limit_s=10,
+                    selective=False)
+    return model, plan
+
+
+SHAPES = [(4, 128), (4, 64), (2, 16), (4, 96), (3, 128), (4, 100)]
+
+
+@pytest.mark.slow
+def test_every_shape_runs_its_own_plan_with_exact_gradients_within_the_budget(followed):
+    model, plan = followed
+    assert plan.family is not None and plan.segments
+    for rows, length in SHAPES:
+        inputs = batch(rows, length)
+        expected, reference = grads_after_step(model, inputs)
+        loss, grads = grads_after_step(plan.module, inputs)
+        assert loss == expected and all(torch.equal(a, b) for a, b in zip(grads, reference)), (rows, length)
+        peak = measure_peak(plan.module, as_inputs(plan.module, inputs), keep_output=False)
+        group = plan.family.groups[plan.family.grid.group({k: tuple(v.shape) for k, v in inputs.items()})]
+        assert peak <= plan.budget_bytes, (rows, length, peak)
+        assert group.predicted_peak_bytes >= peak * 0.99, (rows, length)  # the group's plan covers its shapes
+    small = plan.family.groups[plan.family.grid.group({"input_ids": (2, 16), "labels": (2, 16)})]
+    assert small.baseline_peak_bytes <= plan.budget_bytes and not small.segments  # fits: nothing checkpointed
+    assert len({g.segments for g in plan.family.groups.values()}) > 2  # lighter plans for lighter groups
+
+
+@pytest.mark.slow
+def test_a_shape_above_the_example_is_planned_within_the_budget_or_refused(followed):
+    model, plan = followed
+    inputs = batch(4, 144)
+    loss, grads = grads_after_step(plan.module, inputs)
+    expected, reference = grads_after_step(model, inputs)
+    assert loss == expected and all(torch.equal(a, b) for a, b in zip(grads, reference))
+    assert measure_peak(plan.module, as_inputs(plan.module, inputs), keep_output=False) <= plan.budget_bytes
+    with pytest.raises(InfeasibleBudget):  # far above: no plan fits the same budget
+        plan.module(**batch(16, 512)).loss.backward()
+
+
+@pytest.mark.slow
+def test_the_saved_family_keeps_every_group(followed, tmp_path):
+    model, plan = followed
+    plan.module(**batch(4, 64)).loss.backward()  # a second group, planned now
+    plan.save(tmp_path / "plan.json")
+    loaded = load_plan(tmp_path / "plan.json")
+    assert loaded.family is not None and loaded.family.groups == plan.family.groups
+    module = loaded.apply(model)
+    for rows, length in ((4, 128), (4, 64), (4, 32)):  # 4 x 32: planned by the loaded family
+        inputs = batch(rows, length)
+        loss, grads = grads_after_step(module, inputs)
+        expected, reference = grads_after_step(model, inputs)
+        assert loss == expected and all(torch.equal(a, b) for a, b in zip(grads, reference))
+
+
+def test_the_grid_groups_shapes_up_to_lines_through_the_example():
+    grid = ShapeGrid.around({"input_ids": (8, 512)})
+    assert grid.steps == {"input_ids": (1, 32)}
+    assert grid.group({"input_ids": (8, 512)}) == (("input_ids", (8, 512)),)
+    assert grid.group({"input_ids": (8, 481)}) == (("input_ids", (8, 512)),)
+    assert grid.group({"input_ids": (8, 480)}) == (("input_ids", (8, 480)),)
+    assert grid.group({"input_ids": (3, 513)}) == (("input_ids", (3, 544)),)
+    assert grid.group({"input_ids": (8,)}) is None and grid.group({"other": (8, 512)}) is None
+
+
+@pytest.mark.slow
+def test_enable_follows_the_batch_on_the_models_own_object_and_disable_takes_it_off():
+    model = make_model("qwen2")
+    expected, reference = grads_after_step(model, batch(4, 64))
+    plan = enable(model, "60%", inputs=batch(4, 128), follow_batch=True, keep_output=False, time_limit_s=10,
+                  selective=False)
+    assert plan.module is model
+    loss, grads = grads_after_step(model, batch(4, 64))
+    assert loss == expected and all(torch.equal(a, b) for a, b in zip(grads, reference))
+    assert disable(model) and not model._forward_pre_hooks
