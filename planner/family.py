@@ -299,7 +299,7 @@ class FollowBatch:
         if self.planning or not training_with_grad(module):
             return
         values = bind(module, args, kwargs) or {}
-        shapes = {name: tuple(v.shape) for name, v in values.items() if isinstance(v, torch.Tensor)}
+        shapes = _shaped(values)
         key = self.family.grid.group(shapes)
         if key is None:
             raise OptionError(f"this call's tensor arguments {sorted(shapes)} are not those the plan follows "
@@ -344,8 +344,13 @@ def follow(root: nn.Module, family: Family, first: Shapes | None) -> FollowBatch
 
 def example_shapes(module: nn.Module, example: Inputs) -> dict[str, tuple[int, ...]]:
     """The example's tensor arguments by parameter name, with their shapes (what a grid is made around)."""
-    values = bind(module, example.args, example.kwargs) or {}
-    shapes = {k: tuple(v.shape) for k, v in values.items() if isinstance(v, torch.Tensor)}
+    shapes = _shaped(bind(module, example.args, example.kwargs) or {})
     if not shapes:
         raise OptionError("follow_batch needs a tensor argument in the example inputs to follow")
     return shapes
+
+
+def _shaped(values: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
+    """The shapes of a call's tensor arguments that have dims (a 0-d one, such as Trainer's
+    ``num_items_in_batch``, has no size to follow)."""
+    return {name: tuple(v.shape) for name, v in values.items() if isinstance(v, torch.Tensor) and v.dim() > 0}

@@ -1,6 +1,7 @@
 """A training step in a process whose memory is capped (``RLIMIT_AS``), for ``test_fitting.py``.
 
-``python tests/capped.py WHAT GROWTH_BYTES BUDGET`` builds the model below, then caps the address space
+``python tests/capped.py WHAT GROWTH_BYTES BUDGET [MODEL]`` builds the model (``gpt``: the bundled example;
+``hf-gpt2``: Hugging Face GPT-2 on a padded batch, whose forward reads the mask's values), then caps the address space
 this process may still map at ``GROWTH_BYTES`` beyond what it maps already, then does WHAT:
 
 - ``plain``: one un-checkpointed training step;
@@ -27,12 +28,30 @@ CONFIG = gpt.Config(vocab=512, context=256, width=256, heads=4, layers=6, dropou
 ROWS = 24
 
 
-def build():
+def build(kind: str):
     torch.manual_seed(0)
+    if kind == "hf-gpt2":
+        import transformers
+
+        config = transformers.GPT2Config(vocab_size=CONFIG.vocab, n_embd=CONFIG.width, n_head=CONFIG.heads,
+                                         n_layer=CONFIG.layers, n_positions=CONFIG.context, use_cache=False)
+        model = transformers.GPT2LMHeadModel(config)
+        ids = torch.randint(0, CONFIG.vocab, (ROWS, CONFIG.context))
+        mask = (torch.arange(CONFIG.context) < torch.randint(CONFIG.context // 2, CONFIG.context + 1, (ROWS, 1)))
+        inputs = {"input_ids": ids, "attention_mask": mask.long(), "labels": ids.masked_fill(~mask, -100)}
+        return model, inputs, None
     model = gpt.GPT(CONFIG)
     tokens = torch.randint(0, CONFIG.vocab, (ROWS, CONFIG.context + 1))
     return model, (tokens[:, :-1],), lambda logits: torch.nn.functional.cross_entropy(
         logits.reshape(-1, CONFIG.vocab), tokens[:, 1:].reshape(-1))
+
+
+def step(model, inputs, loss_fn) -> None:
+    from planner.capture.inputs import as_inputs
+    from planner.step import default_loss
+
+    given = as_inputs(model, inputs)
+    (loss_fn or default_loss)(model(*given.args, **given.kwargs)).backward()
 
 
 def vm(key: str) -> int:
@@ -44,19 +63,20 @@ def vm(key: str) -> int:
 
 def main() -> None:
     what, growth, budget = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    kind = sys.argv[4] if len(sys.argv) > 4 else "gpt"
     torch.set_num_threads(1)
     from planner import optimize
     from planner.capture.inputs import as_inputs
     from planner.profiling.measure import measure_peak
 
-    model, inputs, loss_fn = build()
+    model, inputs, loss_fn = build(kind)
     base = vm("VmSize")
     if growth:
         resource.setrlimit(resource.RLIMIT_AS, (base + growth, resource.RLIM_INFINITY))
     out: dict = {"base": base}
     try:
         if what == "plain":
-            loss_fn(model(*inputs)).backward()
+            step(model, inputs, loss_fn)
         else:
             plan = optimize(model, int(budget), inputs=inputs, loss_fn=loss_fn, time_limit_s=20)
             out.update(predicted=plan.predicted_peak_bytes, budget=plan.budget_bytes, pieces=plan.profile_pieces,

@@ -117,3 +117,40 @@ def test_enable_follows_the_batch_on_the_models_own_object_and_disable_takes_it_
     loss, grads = grads_after_step(model, batch(4, 64))
     assert loss == expected and all(torch.equal(a, b) for a, b in zip(grads, reference))
     assert disable(model) and not model._forward_pre_hooks
+
+
+@pytest.mark.slow
+def test_trainer_with_dynamic_padding_trains_like_the_unplanned_model(tmp_path):
+    """transformers.Trainer with DataCollatorForLanguageModeling (each batch padded to its longest row), the
+    plan following the batch: the same losses as the unplanned model, several shape groups planned."""
+    import transformers
+    from tokenizers import Tokenizer, models
+
+    vocab = {"[PAD]": 0, "[UNK]": 1, **{f"t{i}": i for i in range(2, VOCAB)}}
+    tokenizer = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="[UNK]")), pad_token="[PAD]", unk_token="[UNK]")
+    generator = torch.Generator().manual_seed(0)
+    lengths = [128, 40, 96, 24, 64, 120, 32, 80]
+    rows = [{"input_ids": torch.randint(2, VOCAB, (n,), generator=generator).tolist()} for n in lengths]
+    collator = transformers.DataCollatorForLanguageModeling(tokenizer, mlm=False)
+
+    def train(make_module):
+        model = make_model("gpt2")
+        args = transformers.TrainingArguments(output_dir=str(tmp_path), max_steps=4, per_device_train_batch_size=2,
+                                              report_to=[], seed=1, data_seed=1, logging_steps=1, save_strategy="no",
+                                              use_cpu=True, dataloader_num_workers=0)
+        trainer = transformers.Trainer(model=make_module(model), args=args, train_dataset=rows, data_collator=collator)
+        trainer.train()
+        return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+
+    plain = train(lambda m: m)
+    plans = []
+
+    def planned(model):
+        plans.append(optimize(model, "70%", inputs=collator(rows[:2]), keep_output=False, follow_batch=True,
+                              time_limit_s=10, selective=False))
+        return plans[-1].module
+
+    ours = train(planned)
+    assert len(plain) == 4 and ours == plain
+    assert len(plans[0].family.groups) > 1

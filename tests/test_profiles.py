@@ -266,3 +266,19 @@ def test_sac_calibration_measures_and_survives_a_graph_checkpoint_rejects():
     bad = _ReRunMismatch()
     gm = torch.fx.symbolic_trace(bad)
     assert sac_op_overhead_us(gm, as_inputs(bad, (torch.randn(8, 4),)), default_loss, torch.device("cpu"), 5) is None
+
+
+def test_a_forward_that_reads_mask_values_replays_on_meta_along_the_path_it_took():
+    """GPT-2 with a padded attention mask reads the mask's values (``bool(mask.all())``) to pick its path:
+    the meta replay answers those reads with what the real forward read, and its memory is the measured one."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(vocab_size=1000, n_embd=64, n_layer=2, n_head=4, n_positions=64, use_cache=False)
+    model = transformers.GPT2LMHeadModel(config)
+    ids = torch.randint(0, 1000, (2, 48))
+    mask = torch.ones_like(ids)
+    mask[1, 30:] = 0
+    inputs = {"input_ids": ids, "attention_mask": mask, "labels": ids}
+    on_meta = planner.profile(model, inputs=inputs, device="generic-cpu")
+    measured = planner.profile(model, inputs=inputs)
+    assert on_meta.baseline_peak_bytes == measured.baseline_peak_bytes
+    assert [n.fwd_peak_bytes for n in on_meta.nodes] == [n.fwd_peak_bytes for n in measured.nodes]

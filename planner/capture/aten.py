@@ -18,6 +18,10 @@ not (a Hugging Face decoder layer receives ``position_ids`` it never reads). So 
 sees that, the call's first node is preceded by a ``keep_args`` node of the call's scope that reads
 them: a no-op whose only effect is to mark those values as read inside the call.
 
+Where the forward reads a tensor's value (``bool(mask.all())`` choosing a path, an ``.item()``), the graph
+has the read (``aten.item``) and the graph module's ``meta[SCALAR_READS_KEY]`` has the values it read, in
+order: a replay on meta tensors, which have no values, answers them from there (``profiling.meta``).
+
 Models on the meta device cannot run for real: they go through ``torch.export`` (``export.py``).
 """
 
@@ -35,6 +39,13 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from planner.capture.calls import SCOPE_KEY, entry, entry_path
 from planner.step import untouched
+
+SCALAR_READS_KEY = "ckplan_scalar_reads"
+"""``GraphModule.meta`` key: the values the forward's reads of tensor values returned, in graph order."""
+
+SCALAR_READS = (torch.ops.aten.item.default, torch.ops.aten._local_scalar_dense.default,
+                torch.ops.aten.is_nonzero.default)
+"""The ATen ops that read a tensor's value into Python (``bool(t)``, ``t.item()``)."""
 
 
 def _drop(tensor: torch.Tensor) -> None:
@@ -79,6 +90,7 @@ def aten_graph(model: nn.Module, args: tuple, kwargs: dict) -> fx.GraphModule:
     finally:
         for hook in hooks:
             hook.remove()
+    _note_scalar_reads(gm, model, leaves)
     names = [f"arg{i}" for i in range(len(args))] + list(kwargs)  # the call's own argument names
     gm.graph._codegen = _PyTreeCodeGen(_PyTreeInfo(orig_args=names, in_spec=in_spec, out_spec=out_specs[-1]))
     gm.recompile()
@@ -88,6 +100,41 @@ def aten_graph(model: nn.Module, args: tuple, kwargs: dict) -> fx.GraphModule:
     _add_keep_nodes(gm.graph, calls)
     gm.recompile()
     return gm
+
+
+class _ReadsOnly(fx.Interpreter):
+    """Runs only the nodes in ``needed`` (what the graph's value reads depend on); the others are None."""
+
+    def __init__(self, gm: fx.GraphModule, needed: set[fx.Node]) -> None:
+        super().__init__(gm)
+        self.needed = needed
+        self.values: dict[fx.Node, object] = {}
+
+    def run_node(self, n: fx.Node) -> object:
+        if n.op != "placeholder" and n not in self.needed:
+            return None
+        value = self.values[n] = super().run_node(n)
+        return value
+
+
+def _note_scalar_reads(gm: fx.GraphModule, model: nn.Module, leaves: list) -> None:
+    """Records in ``gm.meta`` the values the graph's value reads return on these inputs (``SCALAR_READS_KEY``):
+    make_fx keeps the read but not its value. Only the nodes the reads depend on run (a mask's reductions,
+    usually), without gradients, the model's buffers and the RNG put back after."""
+    reads = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in SCALAR_READS]
+    if not reads:
+        return
+    needed: set[fx.Node] = set()
+    stack = list(reads)
+    while stack:
+        node = stack.pop()
+        if node not in needed:
+            needed.add(node)
+            stack.extend(node.all_input_nodes)
+    runner = _ReadsOnly(gm, needed)
+    with untouched(model), torch.no_grad():
+        runner.run(*leaves)
+    gm.meta[SCALAR_READS_KEY] = [runner.values[n] for n in reads]
 
 
 def _note_call(calls: list, path: str, module: nn.Module, args: tuple, kwargs: dict) -> None:

@@ -23,10 +23,18 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from torch.utils._pytree import tree_leaves, tree_map
 
 from planner.capture.api import Captured
+from planner.capture.aten import SCALAR_READS_KEY
 from planner.capture.inputs import Inputs
 from planner.profiling.devices import DeviceSpec
 from planner.profiling.estimate import Roofline
-from planner.profiling.memory_pass import MemoryRecorder, StepTimes, assemble, check_trainable, eager_excess_of
+from planner.profiling.memory_pass import (
+    MemoryRecorder,
+    StepTimes,
+    assemble,
+    check_trainable,
+    device_of,
+    eager_excess_of,
+)
 from planner.profiling.record import Profile
 from planner.step import LossFn, default_loss, untouched
 
@@ -82,11 +90,18 @@ def memory_on_meta(captured: Captured, model: nn.Module, inputs: Inputs, *, loss
     """
     loss_fn = loss_fn or default_loss
     check_trainable(model)
-    with untouched(model), on_meta(captured.graph_module, model), FlashAttention(), StrayTensorsToMeta():
-        example = Inputs(args=tree_map(to_meta, inputs.args), kwargs=tree_map(to_meta, inputs.kwargs))
+    reads = captured.graph_module.meta.get(SCALAR_READS_KEY, [])
+    home = device_of(model, inputs)
+    with untouched(model), on_meta(captured.graph_module, model), FlashAttention(), MovesStayOnMeta(), \
+            StrayTensorsToMeta(home):
+        copies: dict[int, Any] = {}  # one copy per tensor: labels=input_ids is one tensor, counted once
+        args, kwargs = tree_map(lambda v: copies.setdefault(id(v), to_meta(v)), (inputs.args, inputs.kwargs))
+        example = Inputs(args=args, kwargs=kwargs)
         recorder = MemoryRecorder(captured.graph_module, model, META, op_ms=op_ms, keep_output=keep_output)
-        recorder.step(example, loss_fn)
-        excess = eager_excess_of(recorder, captured, model, example) if eager else None
+        with AnsweredReads(reads):
+            recorder.step(example, loss_fn)
+        with AnsweredReads(reads):
+            excess = eager_excess_of(recorder, captured, model, example) if eager else None
     return MetaReplay(recorder=recorder, example=example, excess=excess)
 
 
@@ -130,18 +145,69 @@ def on_meta(*roots: nn.Module) -> Iterator[None]:
             store[key] = value
 
 
+class AnsweredReads(TorchDispatchMode):
+    """Answers the reads of a meta tensor's value (``bool(mask.all())``, ``.item()``), which has none, with the
+    values the captured forward read at the same points (``capture.aten.SCALAR_READS_KEY``), in order: the
+    replay takes the paths the real forward took."""
+
+    def __init__(self, values: list) -> None:
+        super().__init__()
+        self.values = iter(values)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default and args[0].is_meta:
+            answer = next(self.values, None)
+            if answer is not None:
+                return answer
+        return func(*args, **(kwargs or {}))
+
+
 class StrayTensorsToMeta(TorchDispatchMode):
     """Runs an op that mixes meta and real tensors (a loss's labels, a constant made on the CPU
     inside ``forward``) on meta copies of the real ones, which are not counted as memory; an op that
-    moves a meta tensor to a real device (``x.to("cpu")`` in the model's code) moves it to meta."""
+    makes a tensor on the model's device (``home``: ``torch.arange(n, device=x.device)``) makes it on meta,
+    where it is counted as the real one would be."""
+
+    def __init__(self, home: torch.device) -> None:
+        super().__init__()
+        self.home = home
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         leaves = [a for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
-        if any(t.is_meta for t in leaves):
+        if not leaves and _same_device(kwargs.get("device"), self.home):
+            kwargs = {**kwargs, "device": META}
+        elif any(t.is_meta for t in leaves):
             if not all(t.is_meta for t in leaves):
                 args, kwargs = tree_map(lambda v: to_meta(v, keep_grad=False), (args, kwargs))
             args, kwargs = tree_map(lambda v: META if isinstance(v, torch.device) else v, (args, kwargs))
+        return func(*args, **kwargs)
+
+
+def _same_device(device: Any, home: torch.device) -> bool:
+    """Whether ``device`` (as a factory op's ``device=`` gives it) is ``home``; False for None."""
+    if device is None or home.type == "meta":
+        return False
+    device = torch.device(device)
+    return device.type == home.type and (device.index is None or home.index is None or device.index == home.index)
+
+
+class MovesStayOnMeta(TorchFunctionMode):
+    """A move of a meta tensor to a real device (``x.to(hidden.device)``, the graph's ``aten.to``) stays on
+    meta: a move that changes nothing returns the tensor itself, as it does on the real device, instead of a
+    meta copy that the real step never makes."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if args and isinstance(args[0], torch.Tensor) and args[0].is_meta:
+            if func is torch.Tensor.to:
+                device, dtype, non_blocking, memory_format = torch._C._nn._parse_to(*args[1:], **kwargs)
+                if device is not None and device.type != "meta":
+                    return args[0].to(device=META, dtype=dtype, non_blocking=non_blocking,
+                                      copy=bool(kwargs.get("copy", False)),
+                                      memory_format=memory_format or torch.preserve_format)
+            elif getattr(func, "overloadpacket", None) is torch.ops.aten.to:
+                args, kwargs = tree_map(lambda v: META if isinstance(v, torch.device) else v, (args, kwargs))
         return func(*args, **kwargs)
 
 
