@@ -1,11 +1,12 @@
 """Plans that follow the batch: each training call runs the plan made for its own shape's group.
 
 Real batches change shape from step to step (dynamic padding, a short last batch, a long tail of lengths).
-A ``Family`` groups call shapes on a grid (``ShapeGrid``: each dim of each tensor argument rounded up to a
-multiple of a step, a sixteenth of the example's size), plans each group for the group's largest shape the
-first time a call of it is seen, keeps that plan, and on every training call switches the module's
-checkpoint hooks to its group's plan: a dictionary lookup, and a re-install of the chains' hooks when the
-group changes. A group whose un-checkpointed step fits the budget runs no checkpoint at all.
+A ``Family`` groups call shapes on a grid (``planner.shapes.ShapeGrid``: each dim of each tensor argument
+rounded up to a multiple of a step, a sixteenth of the example's size), plans each group for the group's
+largest shape the first time a call of it is seen (or ahead, for the shapes a user names), and keeps that
+plan; ``planner.follow`` switches the module's checkpoint hooks to each training call's group plan: a
+dictionary lookup, and a re-install of the chains' hooks when the group changes. A group whose
+un-checkpointed step fits the budget runs no checkpoint at all.
 
 Each group's memory comes from a meta-tensor replay at its shape (exact, nothing allocated); its times
 are the example batch's measured times scaled node by node by the ratio of roofline estimates at the two
@@ -25,9 +26,9 @@ import torch
 from torch import nn
 
 from planner.capture.api import capture
-from planner.capture.cache import install_no_cache, no_cache, training_with_grad
+from planner.capture.cache import no_cache
 from planner.capture.inputs import Inputs
-from planner.errors import OptionError
+from planner.errors import InfeasibleBudget, OptionError
 from planner.memory.simulate import simulate
 from planner.options import PlanOptions
 from planner.prepared import Prepared, prepared_from
@@ -37,48 +38,14 @@ from planner.profiling.memory_pass import StepTimes, assemble
 from planner.profiling.meta import memory_on_meta
 from planner.profiling.record import Profile, profile_from_dict, profile_to_dict
 from planner.records import as_list, check_record, record_from_json
-from planner.rewrite.chains import Chain, Installed, install
-from planner.rewrite.modules import bind, register_plan, remove_plan
+from planner.rewrite.modules import bind
 from planner.rewrite.segment import Segment, segments_of
+from planner.shapes import ShapeGrid, Shapes, ShapeSpec, fitted, realize, shaped
 from planner.solve.deadline import Deadline
 from planner.solving import solve_prepared
 
 _SAVED_OPTIONS = ("keep_output", "solver", "time_limit_s", "max_chunks", "selective")
 """What a saved family plans its new groups with (the loss function is the caller's: ``Plan.apply``)."""
-
-GROUPS_PER_DIM = 16
-"""How many groups the example's size of each dim is split into (the grid's step is its 1/16th)."""
-
-Shapes = tuple[tuple[str, tuple[int, ...]], ...]
-"""A call's tensor arguments by name (sorted), each with its shape: also a group's key (its upper shapes)."""
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class ShapeGrid:
-    """How call shapes are grouped: each dim of each tensor argument rounded up to the next grid line, the
-    lines ``step`` apart and passing through the example batch's size (so the example is its own group's
-    upper shape, and the plan made for it is that group's)."""
-
-    anchors: dict[str, tuple[int, ...]]
-    """Per tensor argument (by parameter name): the example's shape."""
-    steps: dict[str, tuple[int, ...]]
-    """Per tensor argument: the step of each of its dims."""
-
-    @classmethod
-    def around(cls, shapes: Mapping[str, tuple[int, ...]], groups: int = GROUPS_PER_DIM) -> ShapeGrid:
-        """The grid for calls like one whose tensor arguments have these shapes (the example batch)."""
-        return cls(anchors={name: tuple(shape) for name, shape in shapes.items()},
-                   steps={name: tuple(max(1, math.ceil(d / groups)) for d in shape) for name, shape in shapes.items()})
-
-    def group(self, shapes: Mapping[str, tuple[int, ...]]) -> Shapes | None:
-        """The group of a call with these tensor shapes (its upper shapes); None when its tensor arguments are
-        not the ones the grid was made for (other names or ranks)."""
-        if set(shapes) != set(self.steps) or any(len(shapes[k]) != len(s) for k, s in self.steps.items()):
-            return None
-        return tuple((name, tuple(a + math.ceil((d - a) / s) * s
-                                  for d, a, s in zip(shapes[name], self.anchors[name], self.steps[name])))
-                     for name in sorted(shapes))
-
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class GroupPlan:
@@ -102,11 +69,14 @@ class Family:
 
     def __init__(self, *, model: nn.Module | None, options: PlanOptions, budget_bytes: int, grid: ShapeGrid,
                  reference: Profile, reference_roofline: Mapping[str, tuple[float, float]],
-                 groups: dict[Shapes, GroupPlan] | None = None) -> None:
+                 groups: dict[Shapes, GroupPlan] | None = None, example: Mapping[str, Any] | None = None) -> None:
         self.model = model
         """The model groups are captured and replayed on; None for a family read from a file, until it is
         applied to a model (``bound``)."""
-        self.options = replace(options, follow_batch=False, progress=None)
+        self.example = example
+        """The example call's arguments by name, which shapes planned ahead are made from (``plan_ahead``);
+        None for a family read from a file."""
+        self.options = replace(options, follow_batch=False, shapes=None, progress=None)
         """What each group is planned with (it is planned once, so it follows nothing itself)."""
         self.budget_bytes = budget_bytes
         self.grid = grid
@@ -119,16 +89,20 @@ class Family:
     @classmethod
     def around(cls, prepared: Prepared, budget_bytes: int, options: PlanOptions) -> Family:
         """The family of a prepared model's example batch (its group's plan is the caller's to add)."""
-        shapes = example_shapes(prepared.model, prepared.example)
+        values = bind(prepared.model, prepared.example.args, prepared.example.kwargs) or {}
+        shapes = shaped(values)
+        if not shapes:
+            raise OptionError("follow_batch needs a tensor argument in the example inputs to follow")
         return cls(model=prepared.model, options=options, budget_bytes=budget_bytes, grid=ShapeGrid.around(shapes),
-                   reference=prepared.profile,
+                   reference=prepared.profile, example=values,
                    reference_roofline=reference_roofline(prepared.captured, prepared.model, prepared.example,
                                                          prepared.profile, options=options))
 
     def bound(self, model: nn.Module, options: PlanOptions | None = None) -> Family:
         """This family planning its new groups on ``model`` (a family read from a file), with ``options``."""
         return Family(model=model, options=options or self.options, budget_bytes=self.budget_bytes, grid=self.grid,
-                      reference=self.reference, reference_roofline=self.reference_roofline, groups=self.groups)
+                      reference=self.reference, reference_roofline=self.reference_roofline, groups=self.groups,
+                      example=self.example)
 
     def to_dict(self) -> dict[str, Any]:
         """The family as JSON (``Plan.save``): its grid, options, every group's plan, and the reference profile
@@ -170,6 +144,30 @@ class Family:
                    reference=profile_from_dict(data["reference_profile"], source="plan.family.reference_profile"),
                    reference_roofline=roofline, groups=groups)
 
+    def plan_ahead(self, spec: ShapeSpec) -> GroupPlan:
+        """The plan of the group of calls shaped ``spec`` (``planner.shapes.realize``), planned now if it is new.
+
+        Raises:
+            OptionError: ``spec`` does not fit the example's arguments, or the family has no example (read
+                from a file: name the shapes when planning).
+            InfeasibleBudget: no plan of the group fits the budget.
+        """
+        if self.example is None:
+            raise OptionError("shapes can be planned ahead only where the plan is made (optimize(..., shapes=...))")
+        values = realize(spec, self.example)
+        key = self.grid.group(shaped(values))
+        assert key is not None  # realised from the example, the arguments are the grid's
+        return self.plan_of(key, {k: v for k, v in values.items() if isinstance(v, torch.Tensor)})
+
+    def table(self) -> list[dict[str, Any]]:
+        """One row per group planned so far, smallest first: its upper shapes, what it checkpoints, its
+        predicted peak against its un-checkpointed one, and its recompute as a share of its step."""
+        return [{"shapes": dict(group.shapes), "segments": len(group.segments),
+                 "predicted_peak_bytes": group.predicted_peak_bytes, "baseline_peak_bytes": group.baseline_peak_bytes,
+                 "recompute_ms": group.recompute_ms, "step_ms": group.step_ms,
+                 "overhead": group.recompute_ms / group.step_ms if group.step_ms else 0.0}
+                for group in sorted(self.groups.values(), key=lambda g: [math.prod(s) for _, s in g.shapes])]
+
     def plan_of(self, key: Shapes, values: Mapping[str, Any]) -> GroupPlan:
         """The group's plan, planned now (for its upper shapes, from this call's own values) if it is new."""
         found = self.groups.get(key)
@@ -182,32 +180,25 @@ class Family:
         the reference's times scaled (``scaled_profile``), the solve stage under the family's budget."""
         if self.model is None:
             raise OptionError("this plan was read from a file: apply it to a model (plan.apply(model)) first")
-        example = Inputs(args=(), kwargs={name: _grown(value, dict(key).get(name)) for name, value in values.items()})
+        example = Inputs(args=(), kwargs={name: fitted(value, dict(key).get(name)) for name, value in values.items()})
         with no_cache(self.model):
             captured = capture(self.model, example, modules=True)
             profile = scaled_profile(captured, self.model, example, self.reference, self.reference_roofline,
                                      options=self.options)
         prepared = prepared_from(self.model, example, captured, profile, options=self.options)
-        prepared, solution = solve_prepared(prepared, self.budget_bytes, self.options,
-                                            Deadline.after(self.options.time_limit_s))
+        try:
+            prepared, solution = solve_prepared(prepared, self.budget_bytes, self.options,
+                                                Deadline.after(self.options.time_limit_s))
+        except InfeasibleBudget as exc:
+            shapes = ", ".join(f"{name} {tuple(shape)}" for name, shape in key)
+            setting = f"calls shaped {shapes} (a group of the plan that follows the batch)"
+            raise InfeasibleBudget(exc.budget_bytes, exc.min_peak_bytes, exc.breakdown, exc.reason, exc.max_chunks,
+                                   "; ".join(s for s in (setting, exc.setting) if s)) from None
         timeline = simulate(prepared.memory, solution.plan, solution.saves)
         return GroupPlan(shapes=key, segments=segments_of(prepared.profile, prepared.regions, prepared.memory,
                                                           solution.plan, solution.saves),
                          predicted_peak_bytes=timeline.peak_bytes, baseline_peak_bytes=prepared.baseline.peak_bytes,
                          recompute_ms=solution.recompute_us / 1000, step_ms=profile.step_ms)
-
-
-def _grown(value: Any, shape: tuple[int, ...] | None) -> Any:
-    """``value`` grown to ``shape`` by repeating its last slice along each dim that is short (a group is
-    planned for its upper shapes, with the call's own values); anything else as it is."""
-    if not isinstance(value, torch.Tensor) or shape is None or tuple(value.shape) == shape:
-        return value
-    for dim, size in enumerate(shape):
-        short = size - value.shape[dim]
-        if short > 0:
-            edge = value.narrow(dim, value.shape[dim] - 1, 1)
-            value = torch.cat([value, edge.expand(*[short if d == dim else -1 for d in range(value.dim())])], dim)
-    return value
 
 
 def roofline_of(device: str) -> Roofline:
@@ -276,81 +267,3 @@ def _elements_of_shapes(described: tuple[str, ...]) -> int:
     sizes = [math.prod(int(d) for d in text.split("[", 1)[1].rstrip("]").split(",") if d.strip())
              for text in described if "[" in text]
     return max(sizes, default=1)
-
-
-class FollowBatch:
-    """The forward pre-hook that runs each training call's group plan on the planned module's hooks, with
-    ``use_cache`` off while training; ``remove()`` takes all of it off again (``disable``, a new plan)."""
-
-    def __init__(self, root: nn.Module, family: Family, first: Shapes | None) -> None:
-        self.root = root
-        self.family = family
-        self.current: Shapes | None = None
-        self.installed: Installed | None = None
-        self.planning = False  # a group is being captured from this very module (a plan made in place)
-        self.handles = [root.register_forward_pre_hook(self, with_kwargs=True, prepend=True)]
-        cache = install_no_cache(root, warn=True)
-        if cache is not None:
-            self.handles.append(cache)
-        if first is not None:
-            self._switch(first)
-
-    def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        if self.planning or not training_with_grad(module):
-            return
-        values = bind(module, args, kwargs) or {}
-        shapes = _shaped(values)
-        key = self.family.grid.group(shapes)
-        if key is None:
-            raise OptionError(f"this call's tensor arguments {sorted(shapes)} are not those the plan follows "
-                              f"({sorted(self.family.grid.steps)}); plan with a batch like this call's")
-        if key != self.current:
-            if key not in self.family.groups:
-                self._uninstall()  # the group is captured from the model's own forward, without chains
-                self.planning = True
-                try:
-                    self.family.plan_of(key, {k: v for k, v in values.items() if isinstance(v, torch.Tensor)})
-                finally:
-                    self.planning = False
-            self._switch(key)
-
-    def _switch(self, key: Shapes) -> None:
-        self._uninstall()
-        chains = [Chain(members=s.chain, saved_modules=s.saved_modules, restore_buffers=s.restore_buffers)
-                  for s in self.family.groups[key].segments]
-        self.installed = install(self.root, chains)
-        self.current = key
-
-    def _uninstall(self) -> None:
-        if self.installed is not None:
-            self.installed.remove()
-        self.installed, self.current = None, None
-
-    def remove(self) -> None:
-        """Takes the hooks and the current group's chains off the module."""
-        self._uninstall()
-        for handle in self.handles:
-            handle.remove()
-        self.handles = []
-
-
-def follow(root: nn.Module, family: Family, first: Shapes | None) -> FollowBatch:
-    """Makes ``root`` run each training call's group plan, replacing any plan installed on it before."""
-    remove_plan(root)
-    hooks = FollowBatch(root, family, first)
-    register_plan(root, hooks)
-    return hooks
-
-
-def example_shapes(module: nn.Module, example: Inputs) -> dict[str, tuple[int, ...]]:
-    """The example's tensor arguments by parameter name, with their shapes (what a grid is made around)."""
-    shapes = _shaped(bind(module, example.args, example.kwargs) or {})
-    if not shapes:
-        raise OptionError("follow_batch needs a tensor argument in the example inputs to follow")
-    return shapes
-
-
-def _shaped(values: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
-    """The shapes of a call's tensor arguments that have dims (a 0-d one, such as Trainer's
-    ``num_items_in_batch``, has no size to follow)."""
-    return {name: tuple(v.shape) for name, v in values.items() if isinstance(v, torch.Tensor) and v.dim() > 0}

@@ -13,6 +13,7 @@ from typing import Any, TypedDict
 
 from planner.errors import OptionError
 from planner.profiling.record import Profile
+from planner.shapes import check_spec
 from planner.step import LossFn
 
 
@@ -59,6 +60,10 @@ class PlanOptions:
     """Each training call runs the plan of its own shape's group (``planner.family``): no checkpoint where the
     un-checkpointed step fits, lighter plans for smaller batches, groups planned when first seen. The plan
     runs the model's own forward (module hooks)."""
+    shapes: tuple[Any, ...] | None = None
+    """Shapes of calls to plan ahead, when following the batch (implied): each a shape such as ``(4, 128)``,
+    given to every tensor argument shaped like the example's largest, or a ``{argument: shape}`` dict.
+    Each is made from the example batch's values (cut, or grown by repeating the last slice)."""
     progress: Callable[[str], None] | None = None
     """Called with the name of each stage as it starts (``capture``, ``profile``, ``solve``, ``rewrite``)."""
 
@@ -76,6 +81,15 @@ class PlanOptions:
                               "finer plans")
         if isinstance(self.world_size, bool) or not isinstance(self.world_size, int) or self.world_size < 1:
             raise OptionError(f"world_size must be an integer >= 1 (the number of ranks), got {self.world_size!r}")
+        if self.shapes is not None:
+            specs = [self.shapes] if isinstance(self.shapes, Mapping) else list(self.shapes)
+            if specs and all(isinstance(d, int) and not isinstance(d, bool) for d in specs):
+                specs = [tuple(specs)]  # one shape given bare: shapes=(4, 128)
+            object.__setattr__(self, "shapes", tuple(check_spec(spec) for spec in specs))
+            object.__setattr__(self, "follow_batch", True)
+        if self.follow_batch and (self.world_size > 1 or self.parallel is not None):
+            raise OptionError("follow_batch plans one process's step; it cannot follow the batch of a "
+                              f"{self.parallel or 'fsdp'} job (world_size={self.world_size}): drop one of them")
         limit = self.time_limit_s
         if isinstance(limit, bool) or not isinstance(limit, int | float) or not 0 <= limit < float("inf"):
             raise OptionError(f"time_limit_s must be a number of seconds >= 0 (got {limit!r}); e.g. time_limit_s=60")
@@ -100,6 +114,7 @@ class OptionArgs(TypedDict, total=False):
     optimizer: str | int | None
     mixed_precision: Any
     follow_batch: bool
+    shapes: Sequence[Any] | None
     progress: Callable[[str], None] | None
 
 

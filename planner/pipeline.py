@@ -16,14 +16,16 @@ from planner.capture.cache import no_cache
 from planner.capture.inputs import as_inputs
 from planner.distributed.memory import setup, split_at_units
 from planner.errors import InfeasibleBudget, OptionError
-from planner.family import Family, GroupPlan, follow
+from planner.family import Family, GroupPlan
+from planner.follow import follow
 from planner.memory.simulate import simulate
 from planner.options import OptionArgs, PlanOptions, resolve
 from planner.plan import MemoryTimeline, Plan
 from planner.prepared import Prepared, chunked, prepared_from
 from planner.profiling.api import capture_inputs, profile_for
-from planner.rewrite.modules import PlannedShapes, tensor_shapes
+from planner.rewrite.modules import PlannedShapes, bind, remove_plan, tensor_shapes
 from planner.rewrite.segment import segments_of
+from planner.shapes import realize
 from planner.solve.deadline import Deadline
 from planner.solve.registry import get_solver
 from planner.solve.result import Solution
@@ -87,6 +89,8 @@ def prepare(model: nn.Module, *, inputs: UserInputs = None, options: PlanOptions
     dist = setup(model, world_size=opts.world_size, parallel=opts.parallel, units=opts.units,
                  optimizer=opts.optimizer, mixed_precision=opts.mixed_precision)
     example = as_inputs(model, inputs)
+    for spec in opts.shapes or ():  # a shape the example cannot be made into is refused before any work
+        realize(spec, bind(model, example.args, example.kwargs) or {})
     dtype = dist.param_dtype if dist else None
     with no_cache(model), parameters_in(model, dtype):  # use_cache=False in training calls, as Hugging Face's
         stage("capture")                                 # checkpointing does; the dtype FSDP2 computes in
@@ -158,6 +162,9 @@ def _following(prepared: Prepared, plan: Plan, options: PlanOptions) -> Plan:
     family.groups[key] = GroupPlan(shapes=key, segments=plan.segments, predicted_peak_bytes=plan.predicted_peak_bytes,
                                    baseline_peak_bytes=plan.baseline_peak_bytes, recompute_ms=plan.recompute_ms,
                                    step_ms=plan.step_ms)
+    remove_plan(plan.module)  # shapes planned ahead are captured from the model's own forward, without chains
+    for spec in options.shapes or ():
+        family.plan_ahead(spec)
     follow(plan.module, family, key)
     return replace(plan, family=family)
 

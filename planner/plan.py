@@ -9,7 +9,7 @@ from __future__ import annotations
 import enum
 import html
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -19,7 +19,8 @@ from torch import nn
 from planner.budget import format_bytes
 from planner.capture.method import CaptureMethod
 from planner.errors import PlanFileError
-from planner.family import Family, follow
+from planner.family import Family
+from planner.follow import follow
 from planner.memory.breakdown import PeakBreakdown
 from planner.profiling.devices import SacCostSource
 from planner.records import INT_LIMIT, UNIT_LIMITS, as_list, as_tuple, check_record, read_json, record_from_json
@@ -169,6 +170,9 @@ class Plan:
                              f"{seg.recompute_ms:>7.2f} ms")
         else:
             lines.append("  nothing checkpointed: the model already fits the budget")
+        if self.family is not None:
+            lines.append(f"  follows the batch: {len(self.family.groups)} shape group(s) planned")
+            lines += [f"    {'  '.join(cells)}" for cells in group_cells(self)]
         return "\n".join(lines)
 
     def to_dict(self) -> dict[str, Any]:
@@ -209,6 +213,9 @@ class Plan:
             parts.append(html_table(["#", "modules", "nodes", "frees", "recompute"], segments))
         else:
             parts.append("<p>nothing checkpointed: the model already fits the budget</p>")
+        if self.family is not None:
+            parts.append(f"<p>follows the batch: {len(self.family.groups)} shape group(s) planned</p>")
+            parts.append(html_table(GROUP_COLUMNS, group_cells(self)))
         return "".join(parts) + "</div>"
 
     def __repr__(self) -> str:
@@ -272,6 +279,32 @@ def _plan_from_dict(data: dict[str, Any]) -> Plan:
     return record_from_json(Plan, values, "plan", convert={
         "solver_status": SolverStatus, "capture_method": CaptureMethod, "sac_cost_source": SacCostSource,
         "peak_breakdown": PeakBreakdown.from_dict})
+
+
+GROUP_COLUMNS = ("shapes (up to)", "segments", "peak", "recompute")
+"""The columns of a plan's shape groups (``group_cells``)."""
+
+
+def group_cells(plan: Plan) -> list[list[str]]:
+    """One row of text per shape group of a plan that follows the batch, smallest first: its upper shapes,
+    its checkpointed segments, its un-checkpointed → predicted peak, its recompute share of its step."""
+    if plan.family is None:
+        return []
+    rows = []
+    for row in plan.family.table():
+        shapes = shapes_text(row["shapes"])
+        peak = (f"{format_bytes(row['baseline_peak_bytes'])} (fits)" if not row["segments"] else
+                f"{format_bytes(row['baseline_peak_bytes'])} → {format_bytes(row['predicted_peak_bytes'])}")
+        rows.append([shapes, str(row["segments"]), peak, f"+{100 * row['overhead']:.1f}%"])
+    return rows
+
+
+def shapes_text(shapes: Mapping[str, Sequence[int]]) -> str:
+    """``4x128`` when every argument has that shape, else ``input_ids 4x128, pixel_values 4x3x32x32``."""
+    texts = {name: "x".join(map(str, shape)) for name, shape in shapes.items()}
+    if len(set(texts.values())) == 1:
+        return next(iter(texts.values()))
+    return ", ".join(f"{name} {text}" for name, text in texts.items())
 
 
 def html_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:

@@ -10,8 +10,8 @@ from transformers import GPT2Config, GPT2LMHeadModel, Qwen2Config, Qwen2ForCausa
 
 from planner import InfeasibleBudget, disable, enable, load_plan, optimize
 from planner.capture.inputs import as_inputs
-from planner.family import ShapeGrid
 from planner.profiling.measure import measure_peak
+from planner.shapes import ShapeGrid
 
 VOCAB = 1000
 
@@ -35,7 +35,7 @@ def grads_after_step(module: torch.nn.Module, inputs: dict) -> tuple[float, list
     torch.manual_seed(1)
     loss = module(**inputs).loss
     loss.backward()
-    grads = [p.grad.clone() for p in module.parameters()]
+    grads = [p.grad.clone() for p in module.parameters() if p.requires_grad]
     for p in module.parameters():
         p.grad = None
     return loss.item(), grads
@@ -154,3 +154,64 @@ def test_trainer_with_dynamic_padding_trains_like_the_unplanned_model(tmp_path):
     ours = train(planned)
     assert len(plain) == 4 and ours == plain
     assert len(plans[0].family.groups) > 1
+
+
+@pytest.mark.slow
+def test_shapes_named_ahead_are_planned_before_training_and_run_without_planning():
+    model = make_model("qwen2")
+    plan = optimize(model, "70%", inputs=batch(4, 128), shapes=[(2, 16), {"input_ids": (4, 64), "labels": (4, 64)}],
+                    keep_output=False, time_limit_s=10, selective=False)
+    assert plan.family is not None and len(plan.family.groups) == 3
+    rows = plan.family.table()
+    assert [r["shapes"]["input_ids"] for r in rows] == [(2, 16), (4, 64), (4, 128)]
+    assert rows[0]["segments"] == 0 and rows[0]["baseline_peak_bytes"] <= plan.budget_bytes  # fits: none
+    assert all(r["predicted_peak_bytes"] <= plan.budget_bytes for r in rows)
+    assert rows[2]["overhead"] >= rows[1]["overhead"] >= rows[0]["overhead"] == 0
+    for rows_, length in ((2, 16), (4, 64)):
+        inputs = batch(rows_, length)
+        expected, reference = grads_after_step(model, inputs)
+        loss, grads = grads_after_step(plan.module, inputs)
+        assert loss == expected and all(torch.equal(a, b) for a, b in zip(grads, reference))
+    assert len(plan.family.groups) == 3  # nothing planned while training
+
+
+@pytest.mark.parametrize("shapes, message", [
+    ([(4, 0)], "positive ints"),
+    (["4x128"], "must be a shape"),
+    ([{"input_ids": (4,)}], "give it 2 dims"),
+    ([{"pixel_values": (4, 3)}], "not a tensor argument"),
+])
+def test_a_bad_shape_to_plan_ahead_is_one_line_naming_it(shapes, message):
+    from planner import OptionError
+    from planner.shapes import check_spec, realize
+
+    example = batch(4, 128)
+    with pytest.raises(OptionError, match=message) as err:
+        for spec in shapes:
+            realize(check_spec(spec), example)
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.slow
+def test_lora_follows_the_batch_and_generate_runs_no_checkpoint():
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(make_model("qwen2"), peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    model.train()
+    plan = optimize(model, "70%", inputs=batch(4, 128), follow_batch=True, keep_output=False, time_limit_s=10,
+                    selective=False)
+    for rows, length in ((4, 128), (2, 32)):
+        inputs = batch(rows, length)
+        expected, reference = grads_after_step(model, inputs)
+        loss, grads = grads_after_step(plan.module, inputs)
+        assert loss == expected and all(torch.equal(a, b) for a, b in zip(grads, reference))
+    assert {n for n, p in plan.module.named_parameters() if p.requires_grad} == \
+        {n for n, p in model.named_parameters() if p.requires_grad}
+    groups = len(plan.family.groups)
+    prompt = {"input_ids": batch(2, 8)["input_ids"]}
+    model.eval(), plan.module.eval()
+    try:
+        ours = plan.module.generate(**prompt, max_new_tokens=4, do_sample=False)
+        theirs = model.generate(**prompt, max_new_tokens=4, do_sample=False)
+    finally:
+        model.train(), plan.module.train()
+    assert torch.equal(ours, theirs) and len(plan.family.groups) == groups  # generating plans nothing

@@ -83,6 +83,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "does (default: a plain loop that keeps it; docs/huggingface.md)")
     p.add_argument("--whole-segments", action="store_true",
                    help="re-run whole segments (no op-level saves inside them; docs/selective.md)")
+    p.add_argument("--follow-batch", action="store_true",
+                   help="each training call runs the plan of its own shape's group: none where the step fits")
+    p.add_argument("--shapes", type=_shapes, metavar="SHAPE,...",
+                   help="shapes to plan ahead when following the batch (implies --follow-batch), e.g. 4x64,4x128: "
+                        "each given to the inputs shaped like the largest one")
     p.add_argument("--must-save", action="append", default=[], metavar="PATTERN",
                    help="module path or op name (glob) never re-run in backward; repeatable")
     p.add_argument("--must-recompute", action="append", default=[], metavar="PATTERN",
@@ -133,6 +138,15 @@ def _fractions(text: str) -> tuple[float, ...]:
     return values
 
 
+def _shapes(text: str) -> tuple[tuple[int, ...], ...]:
+    """``4x64,4x128``: shapes as tuples of positive ints."""
+    parts = [part.strip() for part in text.split(",")]
+    if not all(re.fullmatch(r"[1-9][0-9]*(x[1-9][0-9]*)*", part) for part in parts):
+        raise argparse.ArgumentTypeError(f"--shapes takes shapes such as 4x64,4x128 (positive sizes joined by x, "
+                                         f"separated by commas), got {text!r}")
+    return tuple(tuple(int(d) for d in part.split("x")) for part in parts)
+
+
 def _ranks(text: str) -> int:
     if not re.fullmatch(r"\s*\d+\s*", text) or int(text) < 1:
         raise argparse.ArgumentTypeError(f"--world-size must be an integer >= 1 (the number of ranks), got {text!r}")
@@ -180,6 +194,9 @@ def _plan(args: argparse.Namespace, err: Console) -> tuple[ModelFile, Plan, cli_
         raise UserError("--fractions applies to --compiled only (the activation_memory_budget fractions it probes)")
     for flag, target in (("--save", args.save), ("--emit", args.emit), ("--save-profile", args.save_profile)):
         _check_output(flag, target, args.model_file)
+    if args.emit and (args.follow_batch or args.shapes):
+        raise UserError("--emit writes one plan's source, and a plan that follows the batch has one per shape "
+                        "group: save it with --save and apply it with planner.load_plan(...).apply(model)")
     if args.profile and args.save_profile:
         raise UserError("--profile and --save-profile together would only copy the profile; give one of them")
     if args.verify and isinstance(args.device, str):
@@ -239,6 +256,7 @@ def _options(args: argparse.Namespace, found: ModelFile, stage: Callable[[str], 
                        must_save=tuple(args.must_save), must_recompute=tuple(args.must_recompute),
                        world_size=args.world_size, parallel=args.parallel, optimizer=args.optimizer,
                        mixed_precision=_mixed_precision(args.mixed_precision),
+                       follow_batch=args.follow_batch or args.shapes is not None, shapes=args.shapes,
                        device=args.device if isinstance(args.device, str) else None, progress=stage)
 
 
@@ -250,7 +268,8 @@ def _load(args: argparse.Namespace, stage: Callable[[str], None]) -> ModelFile:
 
 
 _EAGER_ONLY = ("--save", "--emit", "--profile", "--save-profile", "--verify", "--explain", "--whole-segments",
-               "--must-save", "--must-recompute", "--world-size", "--parallel", "--optimizer", "--mixed-precision")
+               "--must-save", "--must-recompute", "--world-size", "--parallel", "--optimizer", "--mixed-precision",
+               "--follow-batch", "--shapes")
 
 
 def _compiled(args: argparse.Namespace, out: Console, err: Console) -> int:

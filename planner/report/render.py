@@ -20,7 +20,7 @@ from rich.text import Text
 
 from planner.budget import format_bytes
 from planner.errors import InfeasibleBudget
-from planner.plan import Plan, Segment
+from planner.plan import GROUP_COLUMNS, Plan, Segment, group_cells, shapes_text
 from planner.solve.result import SolverStatus
 
 MAX_PATHS = 3
@@ -95,6 +95,8 @@ def print_report(console: Console, plan: Plan, *, model_file: str, solver: str, 
     elif not quiet:
         _section(console, segments_table(plan) if plan.segments else
                  Text("nothing checkpointed: the model already fits the budget", style="green"))
+    if plan.family is not None and not quiet:
+        _section(console, shape_groups_table(plan))
     if verification is not None:
         _section(console, verification_table(plan, verification))
     written = [f"{what} {path}" for what, path in (("plan saved to", saved), ("module source written to", emitted))
@@ -169,6 +171,18 @@ def segments_table(plan: Plan) -> Table:
         row: list[str | Text] = [str(i), Text(short_paths(seg.module_paths)), str(len(seg.nodes)),
                                  format_bytes(seg.freed_bytes), f"{seg.recompute_ms:.2f} ms"]
         table.add_row(*row, *([f"{len(seg.saved_nodes)} ops"] if selective else []))
+    return table
+
+
+def shape_groups_table(plan: Plan) -> Table:
+    """A plan that follows the batch: one row per shape group planned so far (``plan.group_cells``)."""
+    assert plan.family is not None
+    steps = shapes_text(dict(sorted(plan.family.grid.steps.items())))
+    table = _table(f"follows the batch: shape groups so far (grid step {steps}; others planned when first seen)")
+    for column in GROUP_COLUMNS:
+        table.add_column(column, justify="left" if column.startswith("shapes") else "right")
+    for cells in group_cells(plan):
+        table.add_row(*cells)
     return table
 
 
@@ -255,7 +269,8 @@ def plan_json(plan: Plan, *, model_file: str, solver: str, verification: Verific
               saved: str | None, emitted: str | None) -> dict[str, Any]:
     """The ``--json`` object: the plan's numbers and segments (not its source), and the verification."""
     data: dict[str, Any] = {"model_file": model_file, "solver": solver}
-    data.update({k: v for k, v in plan.to_dict().items() if k not in ("format", "version", "source")})
+    data.update({k: v for k, v in plan.to_dict().items() if k not in ("format", "version", "source", "family")})
+    data["shape_groups"] = None if plan.family is None else plan.family.table()
     data["largest_kept"] = [{"node": n, "bytes": b, "reason": r} for n, b, r in plan.largest_kept]
     if verification is not None:
         data["verify"] = {
