@@ -228,14 +228,9 @@ def scaled_profile(captured: Any, model: nn.Module, example: Inputs, reference: 
     have (another code path at this shape) takes its roofline time times the median measured-to-roofline
     ratio of the reference's nodes."""
     replay = memory_on_meta(captured, model, example, loss_fn=options.loss_fn, keep_output=options.keep_output,
-                            op_ms=roofline_of(reference.device).op_ms, eager=False)
+                            op_ms=roofline_of(reference.device).op_ms)  # with the model's own forward's locals
     recorder = replay.recorder
     measured = {node.name: (node.fwd_ms, node.bwd_ms) for node in reference.nodes}
-    # what the model's own forward keeps beyond the graph (Python locals) grows with the tokens, like the
-    # activations it names; its forward cannot run on meta tensors (Hugging Face reads values there)
-    growth = _elements(example) / max(1, _elements_of_shapes(reference.input_shapes))
-    locals_ = {node.name: node.eager_excess_bytes for node in reference.nodes}
-    excess = [math.ceil(locals_.get(record["name"], 0) * growth) for record in recorder.records]
     ratios = [measured[name][0] / est[0] for name, est in roofline.items() if name in measured and est[0] > 0]
     usual = statistics.median(ratios) if ratios else 1.0
     fwd: list[float] = []
@@ -252,18 +247,5 @@ def scaled_profile(captured: Any, model: nn.Module, example: Inputs, reference: 
     times_ms = StepTimes(fwd_ms=fwd, bwd_ms=bwd, step_fwd_ms=reference.step_fwd_ms * scale,
                          step_bwd_ms=reference.step_bwd_ms * scale,
                          checkpoint_overhead_ms=reference.checkpoint_overhead_ms, sac_op_us=reference.sac_op_us)
-    return assemble(recorder, captured, model, replay.example, times=times_ms, excess=excess,
+    return assemble(recorder, captured, model, replay.example, times=times_ms, excess=replay.excess,
                     device=reference.device)
-
-
-def _elements(example: Inputs) -> int:
-    """Elements of the largest tensor of a call (its tokens, for a language model's batch)."""
-    return max((v.numel() for v in [*example.args, *example.kwargs.values()] if isinstance(v, torch.Tensor)),
-               default=1)
-
-
-def _elements_of_shapes(described: tuple[str, ...]) -> int:
-    """Elements of the largest tensor among a profile's ``input_shapes`` (``name: dtype[d0, d1]``)."""
-    sizes = [math.prod(int(d) for d in text.split("[", 1)[1].rstrip("]").split(",") if d.strip())
-             for text in described if "[" in text]
-    return max(sizes, default=1)

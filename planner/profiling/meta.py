@@ -10,6 +10,7 @@ step is ever allocated.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -221,7 +222,9 @@ class FlashAttention(TorchFunctionMode):
     On meta tensors SDPA would take its math path, which materialises and saves the whole attention
     matrix; CPUs and GPUs run a fused kernel that keeps only the output and the log-sum-exp for
     backward. Without dropout (the fused CPU kernel's condition) it is replaced by that kernel,
-    ``aten._scaled_dot_product_flash_attention_for_cpu``, which has meta and backward kernels.
+    ``aten._scaled_dot_product_flash_attention_for_cpu``, which has meta and backward kernels. A boolean
+    mask (a padded batch's) is first made an additive mask of the query's dtype, as SDPA does on every
+    device: a copy per call, which the kernel keeps for backward.
     """
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -230,7 +233,10 @@ class FlashAttention(TorchFunctionMode):
             bound = dict(zip(_SDPA_ARGS, args)) | kwargs
             query = bound["query"]
             if isinstance(query, torch.Tensor) and query.is_meta and not bound.get("dropout_p"):
+                mask = bound.get("attn_mask")
+                if isinstance(mask, torch.Tensor) and mask.dtype == torch.bool:  # as SDPA does first, on any
+                    mask = torch.zeros_like(mask, dtype=query.dtype).masked_fill_(~mask, -math.inf)  # device
                 return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
                     query, bound["key"], bound["value"], 0.0, bool(bound.get("is_causal", False)),
-                    attn_mask=bound.get("attn_mask"), scale=bound.get("scale"))[0]
+                    attn_mask=mask, scale=bound.get("scale"))[0]
         return func(*args, **kwargs)
