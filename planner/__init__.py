@@ -26,7 +26,7 @@ _PUBLIC = {
     "load_profile": "planner.profiling.record",
     "device_names": "planner.profiling.devices",
     "sweep": "planner.report.explore", "Tradeoff": "planner.report.explore",
-    "plot_timeline": "planner.report.plotting",
+    "plot_timeline": "planner.report.plotting", "plot_shapes": "planner.report.plotting",
     "optimize_compiled": "planner.compiled.api", "CompiledPlan": "planner.compiled.api",
 }
 __all__ = list(_PUBLIC)

@@ -241,3 +241,21 @@ def test_padded_batches_are_predicted_exactly_at_their_groups_shapes(kind):
         peak = measure_peak(plan.module, as_inputs(plan.module, inputs), keep_output=False)
         group = plan.family.groups[plan.family.grid.group({k: tuple(v.shape) for k, v in inputs.items()})]
         assert peak <= plan.budget_bytes and peak <= group.predicted_peak_bytes <= 1.01 * peak, (rows, length)
+
+
+def test_plot_shapes_draws_each_group_of_a_plan_that_follows_the_batch():
+    pytest.importorskip("matplotlib")
+    from planner import plot_shapes
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 256),
+                                torch.nn.GELU(), torch.nn.Linear(256, 64))
+    plan = optimize(model, "90%", inputs=(torch.randn(512, 64),), shapes=[(32, 64), (256, 64)], time_limit_s=10)
+    fig = plot_shapes(plan)
+    overhead, peaks = fig.axes
+    rows = plan.family.table()
+    assert list(overhead.lines[0].get_xdata()) == [32 * 64, 256 * 64, 512 * 64]
+    assert list(overhead.lines[0].get_ydata()) == [100 * r["overhead"] for r in rows]
+    assert list(peaks.lines[1].get_ydata()) == [r["predicted_peak_bytes"] / 2**20 for r in rows]
+    with pytest.raises(ValueError, match="does not follow the batch"):
+        plot_shapes(optimize(model, "90%", inputs=(torch.randn(512, 64),), time_limit_s=10))

@@ -194,3 +194,36 @@ def plot_timeline(plan: Plan, ax: Axes | None = None) -> Figure | SubFigure:
     ax.legend(fontsize=8, loc="upper left")
     ax.grid(True, alpha=0.3)
     return ax.figure
+
+
+def plot_shapes(plan: Plan) -> Figure:
+    """A plan that follows the batch, one point per shape group planned so far, against the group's size
+    (elements of its largest argument: tokens, for an LM): predicted overhead (%) on the left, and the
+    un-checkpointed and predicted peaks (MiB) with the budget on the right.
+
+    Raises:
+        ValueError: the plan does not follow the batch.
+        OptionError: matplotlib is not installed.
+    """
+    if plan.family is None:
+        raise ValueError("this plan does not follow the batch: plan with follow_batch=True (or shapes=[...])")
+    rows = plan.family.table()
+    sizes = [max(int(np.prod(shape)) for shape in row["shapes"].values()) for row in rows]
+    fig = _figure_class()(figsize=(10, 4), layout="constrained")
+    left, right = fig.subplots(1, 2)
+    left.plot(sizes, [100 * row["overhead"] for row in rows], marker="o", color=_PLAN)
+    left.set_xlabel("group size (elements of its largest input)")
+    left.set_ylabel("predicted recompute (% of its step)")
+    left.set_ylim(bottom=0)
+    right.plot(sizes, [row["baseline_peak_bytes"] / MIB for row in rows], marker="s", color=_BASE,
+               label="un-checkpointed")
+    right.plot(sizes, [row["predicted_peak_bytes"] / MIB for row in rows], marker="o", color=_PLAN,
+               label="with the group's plan")
+    right.axhline(plan.budget_bytes / MIB, color=_KNEE, linestyle="--", linewidth=1,
+                  label=f"budget {format_bytes(plan.budget_bytes)}")
+    right.set_xlabel("group size (elements of its largest input)")
+    right.set_ylabel("predicted peak (MiB)")
+    right.legend(fontsize=8, loc="upper left")
+    for ax in (left, right):
+        ax.grid(True, alpha=0.3)
+    return fig
