@@ -40,7 +40,7 @@ from planner.profiling.record import Profile, profile_from_dict, profile_to_dict
 from planner.records import as_list, check_record, record_from_json
 from planner.rewrite.modules import bind
 from planner.rewrite.segment import Segment, segments_of
-from planner.shapes import ShapeGrid, Shapes, ShapeSpec, fitted, realize, shaped
+from planner.shapes import ShapeGrid, Shapes, ShapeSpec, fitted, realize, shaped, spread
 from planner.solve.deadline import Deadline
 from planner.solving import solve_prepared
 
@@ -144,20 +144,24 @@ class Family:
                    reference=profile_from_dict(data["reference_profile"], source="plan.family.reference_profile"),
                    reference_roofline=roofline, groups=groups)
 
-    def plan_ahead(self, spec: ShapeSpec) -> GroupPlan:
-        """The plan of the group of calls shaped ``spec`` (``planner.shapes.realize``), planned now if it is new.
+    def plan_ahead(self, spec: ShapeSpec) -> list[GroupPlan]:
+        """The plans of the groups of calls shaped ``spec`` (``planner.shapes.realize``; a range: every group
+        that covers it), each planned now if it is new.
 
         Raises:
             OptionError: ``spec`` does not fit the example's arguments, or the family has no example (read
                 from a file: name the shapes when planning).
-            InfeasibleBudget: no plan of the group fits the budget.
+            InfeasibleBudget: no plan of a group fits the budget.
         """
         if self.example is None:
             raise OptionError("shapes can be planned ahead only where the plan is made (optimize(..., shapes=...))")
-        values = realize(spec, self.example)
-        key = self.grid.group(shaped(values))
-        assert key is not None  # realised from the example, the arguments are the grid's
-        return self.plan_of(key, {k: v for k, v in values.items() if isinstance(v, torch.Tensor)})
+        plans = []
+        for shape in spread(spec, self.grid, self.example):
+            values = realize(shape, self.example)
+            key = self.grid.group(shaped(values))
+            assert key is not None  # realised from the example, the arguments are the grid's
+            plans.append(self.plan_of(key, {k: v for k, v in values.items() if isinstance(v, torch.Tensor)}))
+        return plans
 
     def table(self) -> list[dict[str, Any]]:
         """One row per group planned so far, smallest first: its upper shapes, what it checkpoints, its

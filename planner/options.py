@@ -13,7 +13,7 @@ from typing import Any, TypedDict
 
 from planner.errors import OptionError
 from planner.profiling.record import Profile
-from planner.shapes import check_spec
+from planner.shapes import ShapeRange, check_spec
 from planner.step import LossFn
 
 
@@ -63,7 +63,8 @@ class PlanOptions:
     shapes: tuple[Any, ...] | None = None
     """Shapes of calls to plan ahead, when following the batch (implied): each a shape such as ``(4, 128)``,
     given to every tensor argument shaped like the example's largest, or a ``{argument: shape}`` dict.
-    Each is made from the example batch's values (cut, or grown by repeating the last slice)."""
+    Each is made from the example batch's values (cut, or grown by repeating the last slice). A
+    ``ShapeRange((4, 64), (4, 512))`` plans every group between the two."""
     progress: Callable[[str], None] | None = None
     """Called with the name of each stage as it starts (``capture``, ``profile``, ``solve``, ``rewrite``)."""
 
@@ -82,7 +83,7 @@ class PlanOptions:
         if isinstance(self.world_size, bool) or not isinstance(self.world_size, int) or self.world_size < 1:
             raise OptionError(f"world_size must be an integer >= 1 (the number of ranks), got {self.world_size!r}")
         if self.shapes is not None:
-            specs = [self.shapes] if isinstance(self.shapes, Mapping) else list(self.shapes)
+            specs = [self.shapes] if isinstance(self.shapes, Mapping | ShapeRange) else list(self.shapes)
             if specs and all(isinstance(d, int) and not isinstance(d, bool) for d in specs):
                 specs = [tuple(specs)]  # one shape given bare: shapes=(4, 128)
             object.__setattr__(self, "shapes", tuple(check_spec(spec) for spec in specs))

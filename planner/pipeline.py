@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping
 from dataclasses import replace
+from typing import Any
 
 import torch
 from torch import nn
@@ -25,7 +26,7 @@ from planner.prepared import Prepared, chunked, prepared_from
 from planner.profiling.api import capture_inputs, profile_for
 from planner.rewrite.modules import PlannedShapes, bind, remove_plan, tensor_shapes
 from planner.rewrite.segment import segments_of
-from planner.shapes import realize
+from planner.shapes import ShapeGrid, realize, shaped, spread
 from planner.solve.deadline import Deadline
 from planner.solve.registry import get_solver
 from planner.solve.result import Solution
@@ -76,6 +77,21 @@ def optimize(model: nn.Module, budget: int | str, *, inputs: UserInputs = None, 
     return plan_for(prepared, budget, options=opts)
 
 
+def check_shapes(options: PlanOptions, values: Mapping[str, Any]) -> None:
+    """Refuses, before any work, a shape to plan ahead that the example call (``values``, its arguments by
+    name) cannot be made into, or a range that covers too many groups.
+
+    Raises:
+        OptionError: naming the shape.
+    """
+    if not options.shapes:
+        return
+    grid = ShapeGrid.around(shaped(values))
+    for spec in options.shapes:
+        for shape in spread(spec, grid, values):
+            realize(shape, values)
+
+
 def prepare(model: nn.Module, *, inputs: UserInputs = None, options: PlanOptions | None = None,
             budget: int | str | None = None, modules: bool = False, **overrides: Unpack[OptionArgs]) -> Prepared:
     """Captures and profiles ``model`` once (arguments as for ``optimize``).
@@ -89,8 +105,7 @@ def prepare(model: nn.Module, *, inputs: UserInputs = None, options: PlanOptions
     dist = setup(model, world_size=opts.world_size, parallel=opts.parallel, units=opts.units,
                  optimizer=opts.optimizer, mixed_precision=opts.mixed_precision)
     example = as_inputs(model, inputs)
-    for spec in opts.shapes or ():  # a shape the example cannot be made into is refused before any work
-        realize(spec, bind(model, example.args, example.kwargs) or {})
+    check_shapes(opts, bind(model, example.args, example.kwargs) or {})
     dtype = dist.param_dtype if dist else None
     with no_cache(model), parameters_in(model, dtype):  # use_cache=False in training calls, as Hugging Face's
         stage("capture")                                 # checkpointing does; the dtype FSDP2 computes in

@@ -5,11 +5,13 @@ A call's shapes are its tensor arguments by parameter name, each with its shape 
 the example batch's size apart and pass through the example's size: calls in one cell form a group, planned
 once for the cell's upper shapes. A shape to plan ahead (``ShapeSpec``) is a tuple given to every tensor
 argument shaped like the example's largest (an LM's ``input_ids``, ``attention_mask`` and ``labels``), or a
-``{argument: shape}`` dict; it is realised from the example batch's own values (``realize``).
+``{argument: shape}`` dict; it is realised from the example batch's own values (``realize``). A
+``ShapeRange`` plans ahead every group between two such shapes (``ShapeGrid.covering``).
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -25,8 +27,41 @@ GROUPS_PER_DIM = 16
 Shapes = tuple[tuple[str, tuple[int, ...]], ...]
 """A call's tensor arguments by name (sorted), each with its shape: also a group's key (its upper shapes)."""
 
-ShapeSpec = tuple[int, ...] | Mapping[str, tuple[int, ...]]
-"""A shape to plan ahead: one shape for the arguments shaped like the example's largest, or one per argument."""
+MAX_RANGE_GROUPS = 64
+"""The most groups a ``ShapeRange`` may cover: past it a typo such as ``1x8..64x4096`` would plan for hours."""
+
+
+@dataclass(frozen=True, slots=True)
+class ShapeRange:
+    """Every shape from ``low`` to ``high``, dim by dim, for the arguments shaped like the example's largest:
+    planned ahead as the groups that cover it (``optimize(..., shapes=[ShapeRange((4, 64), (4, 512))])``,
+    ``ckplan --shapes 4x64..4x512``)."""
+
+    low: tuple[int, ...]
+    high: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        """Checks that both ends are shapes of one rank with ``low <= high`` in every dim.
+
+        Raises:
+            OptionError: they are not.
+        """
+        low, high = (_dims(end, f"ShapeRange's {which}") for end, which in ((self.low, "low"), (self.high, "high")))
+        if len(low) != len(high) or any(a > b for a, b in zip(low, high)):
+            raise OptionError(f"ShapeRange{(low, high)} must run from a smaller shape to a larger one of as many "
+                              f"dims, e.g. ShapeRange((4, 64), (4, 512))")
+        object.__setattr__(self, "low", low)
+        object.__setattr__(self, "high", high)
+
+    def __str__(self) -> str:
+        return f"{'x'.join(map(str, self.low))}..{'x'.join(map(str, self.high))}"
+
+
+OneShape = tuple[int, ...] | Mapping[str, tuple[int, ...]]
+"""One shape to plan ahead: for the arguments shaped like the example's largest, or one per argument."""
+
+ShapeSpec = OneShape | ShapeRange
+"""Shapes to plan ahead: one, or a range of shapes for the arguments shaped like the example's largest."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -55,6 +90,26 @@ class ShapeGrid:
                                   for d, a, s in zip(shapes[name], self.anchors[name], self.steps[name])))
                      for name in sorted(shapes))
 
+    def covering(self, name: str, span: ShapeRange) -> list[tuple[int, ...]]:
+        """The upper shapes, for argument ``name``, of the groups that cover every shape in ``span``: in each
+        dim, the grid lines from the one ``span.low`` rounds up to, to the one ``span.high`` rounds up to.
+
+        Raises:
+            OptionError: ``span`` has another rank than the argument, or covers more than ``MAX_RANGE_GROUPS``.
+        """
+        anchors, steps = self.anchors[name], self.steps[name]
+        if len(span.low) != len(anchors):
+            raise OptionError(f"shapes range {span} has {len(span.low)} dims, but the example's {name} has "
+                              f"{len(anchors)} {anchors}; give it {len(anchors)} dims")
+        lines = [range(a + math.ceil((lo - a) / s) * s, a + math.ceil((hi - a) / s) * s + 1, s)
+                 for lo, hi, a, s in zip(span.low, span.high, anchors, steps)]
+        count = math.prod(len(line) for line in lines)
+        if count > MAX_RANGE_GROUPS:
+            raise OptionError(f"shapes range {span} covers {count} shape groups ("
+                              f"{' x '.join(str(len(line)) for line in lines)}); plan at most {MAX_RANGE_GROUPS} "
+                              "ahead: narrow the range or list the shapes (the rest are planned when first seen)")
+        return [tuple(shape) for shape in itertools.product(*lines)]
+
 
 def shaped(values: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
     """The shapes of a call's tensor arguments that have dims (a 0-d one, such as Trainer's
@@ -62,25 +117,48 @@ def shaped(values: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
     return {name: tuple(v.shape) for name, v in values.items() if isinstance(v, torch.Tensor) and v.dim() > 0}
 
 
+def _dims(value: Any, where: str) -> tuple[int, ...]:
+    """``value`` as a shape (a tuple of positive ints).
+
+    Raises:
+        OptionError: it is not one.
+    """
+    if isinstance(value, str | bytes) or not hasattr(value, "__iter__"):
+        raise OptionError(f"{where} must be a shape such as (4, 128), got {value!r}")
+    shape = tuple(value)
+    if not shape or any(isinstance(d, bool) or not isinstance(d, int) or d < 1 for d in shape):
+        raise OptionError(f"{where} must be a shape of positive ints such as (4, 128), got {value!r}")
+    return shape
+
+
 def check_spec(spec: Any) -> ShapeSpec:
-    """``spec`` as a ``ShapeSpec`` (tuples of ints).
+    """``spec`` as a ``ShapeSpec`` (tuples of ints, or a ``ShapeRange``, which checked itself).
 
     Raises:
         OptionError: not a sequence of positive ints, nor a dict of them by argument name.
     """
-    def dims(value: Any, where: str) -> tuple[int, ...]:
-        if isinstance(value, str | bytes) or not hasattr(value, "__iter__"):
-            raise OptionError(f"{where} must be a shape such as (4, 128), got {value!r}")
-        shape = tuple(value)
-        if not shape or any(isinstance(d, bool) or not isinstance(d, int) or d < 1 for d in shape):
-            raise OptionError(f"{where} must be a shape of positive ints such as (4, 128), got {value!r}")
-        return shape
+    if isinstance(spec, ShapeRange):
+        return spec
     if isinstance(spec, Mapping):
-        return {str(name): dims(value, f"shapes[...][{name!r}]") for name, value in spec.items()}
-    return dims(spec, "each of shapes=")
+        return {str(name): _dims(value, f"shapes[...][{name!r}]") for name, value in spec.items()}
+    return _dims(spec, "each of shapes=")
 
 
-def realize(spec: ShapeSpec, example: Mapping[str, Any]) -> dict[str, Any]:
+def spread(spec: ShapeSpec, grid: ShapeGrid, example: Mapping[str, Any]) -> list[OneShape]:
+    """``spec`` as the shapes to plan: a range as the upper shape of each group covering it (``covering``, on the
+    grid of the example's largest argument), any other shape as itself.
+
+    Raises:
+        OptionError: as ``ShapeGrid.covering``.
+    """
+    if not isinstance(spec, ShapeRange):
+        return [spec]
+    tensors = shaped(example)
+    largest = max(tensors.values(), key=math.prod)
+    return list(grid.covering(next(name for name, shape in tensors.items() if shape == largest), spec))
+
+
+def realize(spec: OneShape, example: Mapping[str, Any]) -> dict[str, Any]:
     """The example call's values (tensor arguments by name) cut or grown to ``spec``: each dim that is
     longer cut to its first rows, each that is shorter grown by repeating its last slice.
 

@@ -456,20 +456,22 @@ def test_python_m_planner_behaves_like_the_ckplan_script(tmp_path):
 
 
 def test_shapes_plans_each_shape_group_ahead_and_saves_them_all(work):
-    result = ckplan("mlp.py", "--budget", "90%", "--shapes", "32x64,256x64", "--json", "--save", "follow.json",
+    result = ckplan("mlp.py", "--budget", "90%", "--shapes", "32x64,224x64..256x64", "--json", "--save", "follow.json",
                     "--time-limit", "10", cwd=work)
     assert result.returncode == 0, result.stderr
     data = json.loads(result.stdout)
     groups = data["shape_groups"]
-    assert [g["shapes"]["input"] for g in groups] == [[32, 64], [256, 64], [512, 64]]
+    assert [g["shapes"]["input"] for g in groups] == [[32, 64], [224, 64], [256, 64], [512, 64]]  # range: 2
     assert groups[0]["segments"] == 0 and groups[-1]["segments"] == len(data["segments"]) > 0
     assert all(g["predicted_peak_bytes"] <= data["budget_bytes"] for g in groups)
-    assert len(load_plan(work / "follow.json").family.groups) == 3
+    assert len(load_plan(work / "follow.json").family.groups) == 4
 
 
 @pytest.mark.parametrize("flags, message", [
     (("--shapes", "32x0"), "--shapes takes shapes such as 4x64,4x128"),
     (("--shapes", "32x64x2"), "give it 2 dims"),
+    (("--shapes", "64x64..32x64"), "must run from a smaller shape to a larger one"),
+    (("--shapes", "1x1..512x64"), "covers 256 shape groups (16 x 16); plan at most 64 ahead"),
     (("--follow-batch", "--emit", "out.py"), "--emit writes one plan's source"),
     (("--follow-batch", "--world-size", "2"), "cannot follow the batch of a fsdp job"),
 ])

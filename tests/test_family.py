@@ -8,10 +8,10 @@ import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, Qwen2Config, Qwen2ForCausalLM
 
-from planner import InfeasibleBudget, disable, enable, load_plan, optimize
+from planner import InfeasibleBudget, PlanOptions, disable, enable, load_plan, optimize
 from planner.capture.inputs import as_inputs
 from planner.profiling.measure import measure_peak
-from planner.shapes import ShapeGrid
+from planner.shapes import ShapeGrid, ShapeRange
 
 VOCAB = 1000
 
@@ -113,6 +113,23 @@ def test_the_grid_groups_shapes_up_to_lines_through_the_example():
     assert grid.group({"input_ids": (8, 480)}) == (("input_ids", (8, 480)),)
     assert grid.group({"input_ids": (3, 513)}) == (("input_ids", (3, 544)),)
     assert grid.group({"input_ids": (8,)}) is None and grid.group({"other": (8, 512)}) is None
+
+
+def test_a_range_is_planned_as_every_group_that_covers_it():
+    from planner import OptionError
+
+    grid = ShapeGrid.around({"input_ids": (8, 512)})
+    assert grid.covering("input_ids", ShapeRange((8, 64), (8, 160))) == [(8, 64), (8, 96), (8, 128), (8, 160)]
+    covered = grid.covering("input_ids", ShapeRange((7, 70), (8, 100)))  # 70 and 100 fall in the 96 and 128 groups
+    assert covered == [(7, 96), (7, 128), (8, 96), (8, 128)]
+    assert {grid.group({"input_ids": (rows, n)}) for rows in (7, 8) for n in range(70, 101)} == \
+        {(("input_ids", shape),) for shape in covered}
+    with pytest.raises(OptionError, match=r"covers 512 shape groups \(32 x 16\); plan at most 64 ahead"):
+        grid.covering("input_ids", ShapeRange((1, 1), (32, 512)))
+    with pytest.raises(OptionError, match="must run from a smaller shape to a larger one"):
+        ShapeRange((8, 128), (4, 512))
+    span = ShapeRange((4, 64), (4, 128))
+    assert PlanOptions(shapes=span).shapes == (span,) and PlanOptions(shapes=span).follow_batch
 
 
 @pytest.mark.slow

@@ -28,7 +28,7 @@ from rich.console import Console
 from planner.budget import ACCEPTED_FORMS, check_budget
 from planner.capture.inputs import as_inputs
 from planner.distributed.memory import OPTIMIZER_STATES
-from planner.errors import BudgetError, InfeasibleBudget, PlannerError
+from planner.errors import BudgetError, InfeasibleBudget, OptionError, PlannerError
 from planner.options import PlanOptions
 from planner.pipeline import optimize
 from planner.plan import Plan
@@ -38,6 +38,7 @@ from planner.profiling.measure import measure_peak, step_times_ms
 from planner.profiling.record import load_profile
 from planner.report import render as cli_report
 from planner.report.model_file import ModelFile, UserError, load_model_file, located, to_device
+from planner.shapes import ShapeRange
 from planner.solve.registry import SOLVERS
 
 EXIT_OK, EXIT_INTERNAL, EXIT_USAGE, EXIT_INFEASIBLE, EXIT_NOT_FOUND, EXIT_INTERRUPTED = 0, 1, 2, 3, 4, 130
@@ -86,8 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--follow-batch", action="store_true",
                    help="each training call runs the plan of its own shape's group: none where the step fits")
     p.add_argument("--shapes", type=_shapes, metavar="SHAPE,...",
-                   help="shapes to plan ahead when following the batch (implies --follow-batch), e.g. 4x64,4x128: "
-                        "each given to the inputs shaped like the largest one")
+                   help="shapes to plan ahead when following the batch (implies --follow-batch), e.g. 4x64,4x128, "
+                        "or every group of a range, 4x64..4x512: each given to the inputs shaped like the largest")
     p.add_argument("--must-save", action="append", default=[], metavar="PATTERN",
                    help="module path or op name (glob) never re-run in backward; repeatable")
     p.add_argument("--must-recompute", action="append", default=[], metavar="PATTERN",
@@ -138,13 +139,21 @@ def _fractions(text: str) -> tuple[float, ...]:
     return values
 
 
-def _shapes(text: str) -> tuple[tuple[int, ...], ...]:
-    """``4x64,4x128``: shapes as tuples of positive ints."""
+def _shapes(text: str) -> tuple[tuple[int, ...] | ShapeRange, ...]:
+    """``4x64,4x128`` or ``4x64..4x512``: shapes as tuples of positive ints, ranges as ``ShapeRange``."""
+    shape = r"[1-9][0-9]*(?:x[1-9][0-9]*)*"
     parts = [part.strip() for part in text.split(",")]
-    if not all(re.fullmatch(r"[1-9][0-9]*(x[1-9][0-9]*)*", part) for part in parts):
+    if not all(re.fullmatch(rf"{shape}(?:\.\.{shape})?", part) for part in parts):
         raise argparse.ArgumentTypeError(f"--shapes takes shapes such as 4x64,4x128 (positive sizes joined by x, "
-                                         f"separated by commas), got {text!r}")
-    return tuple(tuple(int(d) for d in part.split("x")) for part in parts)
+                                         f"separated by commas) or a range such as 4x64..4x512, got {text!r}")
+    specs: list[tuple[int, ...] | ShapeRange] = []
+    for part in parts:
+        ends = [tuple(int(d) for d in end.split("x")) for end in part.split("..")]
+        try:
+            specs.append(ShapeRange(*ends) if len(ends) == 2 else ends[0])
+        except OptionError as exc:
+            raise argparse.ArgumentTypeError(f"--shapes {part}: {exc}") from None
+    return tuple(specs)
 
 
 def _ranks(text: str) -> int:
