@@ -5,7 +5,9 @@
 this process may still map at ``GROWTH_BYTES`` beyond what it maps already, then does WHAT:
 
 - ``plain``: one un-checkpointed training step;
-- ``plan``: ``optimize(model, BUDGET)`` and one step of the planned module, measured.
+- ``plan``: ``optimize(model, BUDGET)`` and one step of the planned module, measured;
+- ``follow``: the same with ``follow_batch=True``, then one measured step at each of ``SMALLER`` shapes (rows x
+  tokens cut from the example batch; the first call of a new group plans it), each with its group's plan.
 
 It prints one JSON line: ``{"ok": ...}`` and what it measured, or the error. ``GROWTH_BYTES`` 0: no cap,
 and ``VmPeak`` growth reported (how much address space the step needs).
@@ -26,6 +28,7 @@ import gpt  # noqa: E402
 
 CONFIG = gpt.Config(vocab=512, context=256, width=256, heads=4, layers=6, dropout=0.1)
 ROWS = 24
+SMALLER = ((24, 128), (8, 64), (24, 200))
 
 
 def build(kind: str):
@@ -54,6 +57,22 @@ def step(model, inputs, loss_fn) -> None:
     (loss_fn or default_loss)(model(*given.args, **given.kwargs)).backward()
 
 
+def followed(plan, inputs: dict, rows: int, tokens: int) -> dict:
+    """One measured step of a plan that follows the batch, at the example batch cut to ``rows`` x ``tokens``:
+    the call's shape, its group's upper shape, segments and predicted peak, and the measured peak."""
+    from planner.capture.inputs import as_inputs
+    from planner.profiling.measure import measure_peak
+
+    call = {name: value[:rows, :tokens] for name, value in inputs.items()}
+    for p in plan.module.parameters():
+        p.grad = None
+    measured = measure_peak(plan.module, as_inputs(plan.module, call))  # a new group: planned during the call
+    key = plan.family.grid.group({name: tuple(value.shape) for name, value in call.items()})
+    group = plan.family.groups[key]
+    return {"shape": [rows, tokens], "group": list(dict(key)["input_ids"]), "segments": len(group.segments),
+            "predicted": group.predicted_peak_bytes, "baseline": group.baseline_peak_bytes, "measured": measured}
+
+
 def vm(key: str) -> int:
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith(key + ":"):
@@ -78,13 +97,16 @@ def main() -> None:
         if what == "plain":
             step(model, inputs, loss_fn)
         else:
-            plan = optimize(model, int(budget), inputs=inputs, loss_fn=loss_fn, time_limit_s=20)
+            plan = optimize(model, int(budget), inputs=inputs, loss_fn=loss_fn, time_limit_s=20,
+                            follow_batch=what == "follow")
             out.update(predicted=plan.predicted_peak_bytes, budget=plan.budget_bytes, pieces=plan.profile_pieces,
                        profile_peak=plan.profile_peak_bytes, baseline=plan.baseline_peak_bytes,
                        segments=len(plan.segments))
             for p in model.parameters():
                 p.grad = None
             out["measured"] = measure_peak(plan.module, as_inputs(model, inputs), loss_fn)
+            if what == "follow":
+                out["shapes"] = [followed(plan, inputs, rows, tokens) for rows, tokens in SMALLER]
         out.update(ok=True, growth=vm("VmPeak") - base)
     except Exception as exc:
         out.update(ok=False, error=f"{type(exc).__name__}: {exc}"[:400], trace=traceback.format_exc()[-800:])

@@ -46,18 +46,27 @@ def test_a_model_whose_plain_step_does_not_fit_is_planned_and_trained_where_it_r
     """RLIMIT_AS between the planned step's need and the plain step's: the plain step fails, optimize returns
     a plan (profiled in pieces, never holding more than the budget), the planned step runs, and its peak is
     predicted within 1%, never under. ``hf-gpt2``: a Hugging Face model on a padded batch, whose forward reads
-    the mask's values (the meta replay takes the path the real forward took)."""
+    the mask's values (the meta replay takes the path the real forward took), planned to follow the batch: each
+    smaller shape's first call plans its group in the capped process, and every step stays in the budget."""
     plain = capped("plain", 0, 0, model)
     assert plain["ok"], plain
     cap, budget = plain["growth"] * 2 // 3, plain["growth"] // 4
     failed = capped("plain", cap, 0, model)
     assert not failed["ok"] and "can't allocate memory" in failed["error"], failed
-    planned = capped("plan", cap, budget, model)
+    planned = capped("follow" if model == "hf-gpt2" else "plan", cap, budget, model)
     assert planned["ok"], planned
     assert planned["pieces"] > 1 and planned["profile_peak"] <= planned["budget"] == budget, planned
     assert planned["measured"] <= planned["budget"], planned
     assert planned["measured"] <= planned["predicted"] <= 1.01 * planned["measured"], planned
     assert planned["growth"] < cap < plain["growth"], planned
+    if model == "hf-gpt2":
+        steps = planned["shapes"]
+        for step in steps:
+            assert step["measured"] <= step["predicted"] <= planned["budget"], step
+            if step["shape"] == step["group"]:  # the group's upper shape: the shape its plan was made for
+                assert step["predicted"] <= 1.01 * step["measured"], step
+            assert (step["segments"] == 0) == (step["baseline"] <= planned["budget"]), step
+        assert steps[1]["segments"] == 0 < steps[2]["segments"], steps  # 8 x 64 fits whole; 24 x 200 does not
 
 
 @pytest.mark.parametrize("name", ["gpt", "resnet"])

@@ -57,10 +57,13 @@ class LiveStorages(TorchDispatchMode):
         op can allocate more): the profiler's guard on a device too small for the whole step."""
 
     def track(self, tensor: torch.Tensor) -> bool:
-        """Start counting the storage behind ``tensor``; False if already counted."""
+        """Start counting the storage behind ``tensor``; False if already counted, or if it is not on the
+        device (a fake tensor says it is, but its storage is on meta: a plan made during a call traces one)."""
         if tensor.device.type != self.device.type or (tensor.is_meta and self.device.type != "meta"):
             return False
         storage = tensor.untyped_storage()
+        if storage.device.type != self.device.type:
+            return False
         key = storage._cdata
         if key in self._sizes:
             return False
