@@ -28,6 +28,7 @@ from torch import nn
 from planner.capture.api import capture
 from planner.capture.cache import no_cache
 from planner.capture.inputs import Inputs
+from planner.distributed.memory import setup
 from planner.errors import InfeasibleBudget, OptionError
 from planner.memory.simulate import simulate
 from planner.options import PlanOptions
@@ -44,7 +45,8 @@ from planner.shapes import ShapeGrid, Shapes, ShapeSpec, fitted, realize, shaped
 from planner.solve.deadline import Deadline
 from planner.solving import solve_prepared
 
-_SAVED_OPTIONS = ("keep_output", "solver", "time_limit_s", "max_chunks", "selective")
+_SAVED_OPTIONS = ("keep_output", "solver", "time_limit_s", "max_chunks", "selective", "must_save", "must_recompute",
+                  "optimizer")
 """What a saved family plans its new groups with (the loss function is the caller's: ``Plan.apply``)."""
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -78,6 +80,8 @@ class Family:
         None for a family read from a file."""
         self.options = replace(options, follow_batch=False, shapes=None, progress=None)
         """What each group is planned with (it is planned once, so it follows nothing itself)."""
+        self.distributed = None if model is None else setup(model, optimizer=self.options.optimizer)
+        """The optimizer state every group's step holds besides its own (``optimizer=``), None without it."""
         self.budget_bytes = budget_bytes
         self.grid = grid
         self.reference = reference
@@ -99,10 +103,12 @@ class Family:
                                                          prepared.profile, options=options))
 
     def bound(self, model: nn.Module, options: PlanOptions | None = None) -> Family:
-        """This family planning its new groups on ``model`` (a family read from a file), with ``options``."""
-        return Family(model=model, options=options or self.options, budget_bytes=self.budget_bytes, grid=self.grid,
-                      reference=self.reference, reference_roofline=self.reference_roofline, groups=self.groups,
-                      example=self.example)
+        """This family planning its new groups on ``model`` (a family read from a file), with ``options``. The
+        groups are shared: one planned on ``model`` shows in this family's ``table()`` and is saved with it."""
+        family = Family(model=model, options=options or self.options, budget_bytes=self.budget_bytes, grid=self.grid,
+                        reference=self.reference, reference_roofline=self.reference_roofline, example=self.example)
+        family.groups = self.groups
+        return family
 
     def to_dict(self) -> dict[str, Any]:
         """The family as JSON (``Plan.save``): its grid, options, every group's plan, and the reference profile
@@ -111,8 +117,8 @@ class Family:
         return {"budget_bytes": self.budget_bytes,
                 "grid": {"anchors": {k: list(v) for k, v in self.grid.anchors.items()},
                          "steps": {k: list(v) for k, v in self.grid.steps.items()}},
-                "options": {"keep_output": opts.keep_output, "solver": opts.solver, "time_limit_s": opts.time_limit_s,
-                            "max_chunks": opts.max_chunks, "selective": opts.selective},
+                "options": {name: list(value) if isinstance(value, tuple) else value
+                            for name in _SAVED_OPTIONS for value in [getattr(opts, name)]},
                 "groups": [{"shapes": [[name, list(shape)] for name, shape in key], "segments":
                             [asdict(s) for s in group.segments], "predicted_peak_bytes": group.predicted_peak_bytes,
                             "baseline_peak_bytes": group.baseline_peak_bytes, "recompute_ms": group.recompute_ms,
@@ -189,7 +195,8 @@ class Family:
             captured = capture(self.model, example, modules=True)
             profile = scaled_profile(captured, self.model, example, self.reference, self.reference_roofline,
                                      options=self.options)
-        prepared = prepared_from(self.model, example, captured, profile, options=self.options)
+        prepared = prepared_from(self.model, example, captured, profile, options=self.options,
+                                 distributed=self.distributed)
         try:
             prepared, solution = solve_prepared(prepared, self.budget_bytes, self.options,
                                                 Deadline.after(self.options.time_limit_s))
