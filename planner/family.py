@@ -46,7 +46,7 @@ from planner.solve.deadline import Deadline
 from planner.solving import solve_prepared
 
 _SAVED_OPTIONS = ("keep_output", "solver", "time_limit_s", "max_chunks", "selective", "must_save", "must_recompute",
-                  "optimizer")
+                  "optimizer", "world_size", "parallel")
 """What a saved family plans its new groups with (the loss function is the caller's: ``Plan.apply``)."""
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -80,8 +80,11 @@ class Family:
         None for a family read from a file."""
         self.options = replace(options, follow_batch=False, shapes=None, progress=None)
         """What each group is planned with (it is planned once, so it follows nothing itself)."""
-        self.distributed = None if model is None else setup(model, optimizer=self.options.optimizer)
-        """The optimizer state every group's step holds besides its own (``optimizer=``), None without it."""
+        self.distributed = None if model is None else setup(model, world_size=self.options.world_size,
+                                                            parallel=self.options.parallel,
+                                                            optimizer=self.options.optimizer)
+        """What every group's step holds besides its own: the optimizer state (``optimizer=``) and DDP's
+        gradient buckets (``parallel="ddp"``); None for neither."""
         self.budget_bytes = budget_bytes
         self.grid = grid
         self.reference = reference
@@ -109,6 +112,10 @@ class Family:
                         reference=self.reference, reference_roofline=self.reference_roofline, example=self.example)
         family.groups = self.groups
         return family
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickled as its saved form (``plan_on_rank0`` sends it to the other ranks), without the model."""
+        return Family.from_dict, (self.to_dict(),)
 
     def to_dict(self) -> dict[str, Any]:
         """The family as JSON (``Plan.save``): its grid, options, every group's plan, and the reference profile

@@ -59,7 +59,8 @@ class PlanOptions:
     follow_batch: bool = False
     """Each training call runs the plan of its own shape's group (``planner.family``): no checkpoint where the
     un-checkpointed step fits, lighter plans for smaller batches, groups planned when first seen. The plan
-    runs the model's own forward (module hooks)."""
+    runs the model's own forward (module hooks). On a DDP rank (``parallel="ddp"``) each rank runs the plan
+    of its own batch's group; not on FSDP ranks."""
     shapes: tuple[Any, ...] | None = None
     """Shapes of calls to plan ahead, when following the batch (implied): each a shape such as ``(4, 128)``,
     given to every tensor argument shaped like the example's largest, or a ``{argument: shape}`` dict.
@@ -88,9 +89,9 @@ class PlanOptions:
                 specs = [tuple(specs)]  # one shape given bare: shapes=(4, 128)
             object.__setattr__(self, "shapes", tuple(check_spec(spec) for spec in specs))
             object.__setattr__(self, "follow_batch", True)
-        if self.follow_batch and (self.world_size > 1 or self.parallel is not None):
-            raise OptionError("follow_batch plans one process's step; it cannot follow the batch of a "
-                              f"{self.parallel or 'fsdp'} job (world_size={self.world_size}): drop one of them")
+        if self.follow_batch and (self.parallel == "fsdp" or (self.parallel is None and self.world_size > 1)):
+            raise OptionError(f"follow_batch cannot follow the batch on the ranks of an FSDP job (world_size="
+                              f"{self.world_size}): plan for one shape, or follow the batch with parallel='ddp'")
         limit = self.time_limit_s
         if isinstance(limit, bool) or not isinstance(limit, int | float) or not 0 <= limit < float("inf"):
             raise OptionError(f"time_limit_s must be a number of seconds >= 0 (got {limit!r}); e.g. time_limit_s=60")

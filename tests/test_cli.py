@@ -473,7 +473,7 @@ def test_shapes_plans_each_shape_group_ahead_and_saves_them_all(work):
     (("--shapes", "64x64..32x64"), "must run from a smaller shape to a larger one"),
     (("--shapes", "1x1..512x64"), "covers 256 shape groups (16 x 16); plan at most 64 ahead"),
     (("--follow-batch", "--emit", "out.py"), "--emit writes one plan's source"),
-    (("--follow-batch", "--world-size", "2"), "cannot follow the batch of a fsdp job"),
+    (("--follow-batch", "--world-size", "2"), "cannot follow the batch on the ranks of an FSDP job"),
 ])
 def test_bad_follow_batch_flags_are_one_line_and_exit_2(work, flags, message):
     result = ckplan("mlp.py", *flags, cwd=work)
