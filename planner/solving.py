@@ -140,13 +140,15 @@ class _NoPlan(Exception):
 
 
 def _save_options(prepared: Prepared, options: PlanOptions) -> SaveOptions:
-    """The save candidates and overrides at the prepared chunking (FSDP plans cut whole units: no saves)."""
+    """The save candidates and overrides at the prepared chunking (FSDP plans cut whole units: no saves; an
+    optimizer's state or DDP's buckets change nothing inside a segment: saves as on one device)."""
     can_save = capabilities(options.solver).saves
+    fsdp = prepared.distributed is not None and prepared.distributed.parallel == "fsdp"
     if (options.must_save or options.must_recompute) and not can_save:
         raise OptionError(f"must_save/must_recompute need the cpsat solver, not {options.solver!r}")
     return save_options(prepared.profile, prepared.memory, savable=prepared.rules.savable,
                         must_save=options.must_save, must_recompute=options.must_recompute,
-                        selective=options.selective and can_save and prepared.distributed is None)
+                        selective=options.selective and can_save and not fsdp)
 
 
 def solve_budget(solver: str, memory: MemoryModel, budget_bytes: int, baseline_peak: int,

@@ -284,6 +284,10 @@ def ddp_worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
     result = {"unplanned": _train((model := make_model()), DDP(model), x, buckets)}
     plan = plan_on_rank0(make_model(), "60%", inputs=(x,), loss_fn=loss_fn, parallel="ddp", optimizer="adamw")
     result.update(_plan_record(plan), planned=_train(plan.module, DDP(plan.module), x, buckets))
+    saving = plan_on_rank0(make_model(), "80%", inputs=(x,), loss_fn=loss_fn, parallel="ddp", optimizer="adamw",
+                           must_save=["*gelu*"])  # op-level saves inside the segments (SAC under DDP)
+    result["saving"] = {"saves": sum(len(s.saved_nodes) for s in saving.segments), "budget": saving.budget_bytes,
+                        **_train(saving.module, DDP(saving.module), x, buckets)}
     try:
         plan_on_rank0(make_model(), "1KB", inputs=(x,), loss_fn=loss_fn, parallel="ddp")
     except InfeasibleBudget as exc:  # raised on every rank, not only where it was planned
@@ -319,3 +323,6 @@ def test_ddp_planned_module_trains_like_the_unplanned_one(tmp_path):
     results = run_ranks(ddp_worker, tmp_path)
     _check_ranks(results)
     assert results[0]["infeasible"] == results[1]["infeasible"] > 1000
+    for r in results:  # a plan with op-level saves: the same training, within its budget
+        assert r["saving"]["saves"] > 0 and r["saving"]["peak"] <= r["saving"]["budget"], r["saving"]
+        torch.testing.assert_close(r["saving"]["losses"], r["unplanned"]["losses"], rtol=1e-5, atol=1e-7)
