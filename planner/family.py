@@ -29,7 +29,7 @@ from planner.capture.api import capture
 from planner.capture.cache import no_cache
 from planner.capture.inputs import Inputs
 from planner.distributed.memory import setup
-from planner.errors import InfeasibleBudget, OptionError
+from planner.errors import CaptureError, InfeasibleBudget, OptionError, ProfileError
 from planner.memory.simulate import simulate
 from planner.options import PlanOptions
 from planner.prepared import Prepared, prepared_from
@@ -198,18 +198,23 @@ class Family:
         if self.model is None:
             raise OptionError("this plan was read from a file: apply it to a model (plan.apply(model)) first")
         example = Inputs(args=(), kwargs={name: fitted(value, dict(key).get(name)) for name, value in values.items()})
-        with no_cache(self.model):
-            captured = capture(self.model, example, modules=True)
-            profile = scaled_profile(captured, self.model, example, self.reference, self.reference_roofline,
-                                     options=self.options)
+        setting = f"calls shaped {', '.join(f'{name} {tuple(shape)}' for name, shape in key)} (a group of the plan " \
+                  "that follows the batch)"
+        try:
+            with no_cache(self.model):
+                captured = capture(self.model, example, modules=True)
+                profile = scaled_profile(captured, self.model, example, self.reference, self.reference_roofline,
+                                         options=self.options)
+        except (CaptureError, ProfileError) as exc:  # e.g. a loss_fn bound to the example batch's targets
+            raise type(exc)(f"planning {setting}: {exc}; a plan that follows the batch runs the model and loss_fn at "
+                             "each group's shape, so a loss_fn holding the example batch's targets cannot follow it "
+                             "(a loss computed in forward, as Hugging Face models compute it, can)") from exc
         prepared = prepared_from(self.model, example, captured, profile, options=self.options,
                                  distributed=self.distributed)
         try:
             prepared, solution = solve_prepared(prepared, self.budget_bytes, self.options,
                                                 Deadline.after(self.options.time_limit_s))
         except InfeasibleBudget as exc:
-            shapes = ", ".join(f"{name} {tuple(shape)}" for name, shape in key)
-            setting = f"calls shaped {shapes} (a group of the plan that follows the batch)"
             raise InfeasibleBudget(exc.budget_bytes, exc.min_peak_bytes, exc.breakdown, exc.reason, exc.max_chunks,
                                    "; ".join(s for s in (setting, exc.setting) if s)) from None
         timeline = simulate(prepared.memory, solution.plan, solution.saves)

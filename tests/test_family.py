@@ -224,6 +224,19 @@ def test_every_group_counts_the_optimizer_state_also_when_planned_from_a_saved_p
     assert direct.baseline_peak_bytes <= group.baseline_peak_bytes <= 1.001 * direct.baseline_peak_bytes
 
 
+def test_a_loss_bound_to_the_example_targets_names_the_group_it_cannot_follow():
+    from planner import ProfileError
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4))
+    x, targets = torch.randn(64, 16), torch.randint(0, 4, (64,))
+    with pytest.raises(ProfileError, match=r"planning calls shaped input \(32, 16\) .*loss_fn holding the example "
+                                           r"batch's targets cannot follow it") as err:
+        optimize(model, "100%", inputs=(x,), loss_fn=lambda out: torch.nn.functional.cross_entropy(out, targets),
+                 shapes=[(32, 16)], time_limit_s=5)
+    assert "\n" not in str(err.value)
+
+
 @pytest.mark.parametrize("shapes, message", [
     ([(4, 0)], "positive ints"),
     (["4x128"], "must be a shape"),
