@@ -107,6 +107,11 @@ class InfeasibleBudget(PlannerError):
             message = f"{message} (planned for {setting})"
         super().__init__(f"{reason}: {message}" if reason else message)
 
+    def planned_for(self, setting: str) -> InfeasibleBudget:
+        """This error with ``setting`` (what the plan was for) put before the setting it has."""
+        return InfeasibleBudget(self.budget_bytes, self.min_peak_bytes, self.breakdown, self.reason, self.max_chunks,
+                                "; ".join(s for s in (setting, self.setting) if s))
+
     @property
     def proven(self) -> bool:
         """Whether no plan over every admissible cut position fits (else only those tried were searched)."""

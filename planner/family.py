@@ -105,6 +105,13 @@ class Family:
                    reference_roofline=reference_roofline(prepared.captured, prepared.model, prepared.example,
                                                          prepared.profile, options=options))
 
+    @property
+    def example_group(self) -> Shapes:
+        """The example batch's group: its upper shapes are the example's own (the grid's lines pass through it)."""
+        key = self.grid.group(self.grid.anchors)
+        assert key is not None  # the grid is made around the example's shapes
+        return key
+
     def bound(self, model: nn.Module, options: PlanOptions | None = None) -> Family:
         """This family planning its new groups on ``model`` (a family read from a file), with ``options``. The
         groups are shared: one planned on ``model`` shows in this family's ``table()`` and is saved with it."""
@@ -215,8 +222,7 @@ class Family:
             prepared, solution = solve_prepared(prepared, self.budget_bytes, self.options,
                                                 Deadline.after(self.options.time_limit_s))
         except InfeasibleBudget as exc:
-            raise InfeasibleBudget(exc.budget_bytes, exc.min_peak_bytes, exc.breakdown, exc.reason, exc.max_chunks,
-                                   "; ".join(s for s in (setting, exc.setting) if s)) from None
+            raise exc.planned_for(setting) from None
         timeline = simulate(prepared.memory, solution.plan, solution.saves)
         return GroupPlan(shapes=key, segments=segments_of(prepared.profile, prepared.regions, prepared.memory,
                                                           solution.plan, solution.saves),

@@ -153,8 +153,7 @@ def plan_for(prepared: Prepared, budget: int | str, *, options: PlanOptions | No
         setting = _setting(prepared)
         if not setting:
             raise
-        raise InfeasibleBudget(exc.budget_bytes, exc.min_peak_bytes, exc.breakdown, exc.reason, exc.max_chunks,
-                               setting) from None
+        raise exc.planned_for(setting) from None
     memory, baseline = prepared.memory, prepared.baseline
     if prepared.distributed is not None and not solution.interrupted:  # FSDP: one unit per segment
         solution = split_at_units(memory, solution, budget_bytes, prepared.distributed, prepared.profile,
@@ -172,8 +171,8 @@ def _following(prepared: Prepared, plan: Plan, options: PlanOptions) -> Plan:
     if prepared.rules.opens_modules:
         raise OptionError("follow_batch runs the model's own forward: prepare the model with follow_batch=True")
     family = Family.around(prepared, plan.budget_bytes, options)
-    key = family.grid.group(family.grid.anchors)
-    assert key is not None and plan.module is not None  # the grid is made around the example's shapes
+    key = family.example_group
+    assert plan.module is not None
     family.groups[key] = GroupPlan(shapes=key, segments=plan.segments, predicted_peak_bytes=plan.predicted_peak_bytes,
                                    baseline_peak_bytes=plan.baseline_peak_bytes, recompute_ms=plan.recompute_ms,
                                    step_ms=plan.step_ms)

@@ -140,7 +140,7 @@ class Plan:
                                                          inputs=inputs, units=units, planned=self.planned_shapes())
         if self.family is not None:  # each training call runs its group's plan; new groups planned on model
             family = self.family.bound(model, replace(self.family.options, loss_fn=loss_fn))
-            follow(module, family, family.grid.group(family.grid.anchors))
+            follow(module, family, family.example_group)
         return module
 
     def planned_shapes(self) -> PlannedShapes | None:

@@ -90,10 +90,8 @@ def parameters_in(model: nn.Module, dtype: torch.dtype | None) -> Iterator[None]
     swapped and put back afterwards. Nothing happens for ``dtype`` None."""
     swapped: list[tuple[nn.Parameter, torch.Tensor]] = []
     if dtype is not None:
-        seen: set[int] = set()
-        for p in model.parameters():
-            if id(p) not in seen and p.is_floating_point() and p.dtype != dtype:
-                seen.add(id(p))
+        for p in model.parameters():  # each shared parameter once
+            if p.is_floating_point() and p.dtype != dtype:
                 swapped.append((p, p.data))
                 p.data = p.data.to(dtype)
     try:

@@ -142,7 +142,7 @@ def _size(p: nn.Parameter, dtype: torch.dtype | None) -> int:
     """Bytes per element of ``p`` in ``dtype`` (its own when None or when ``p`` is not floating)."""
     if dtype is None or not p.is_floating_point():
         return p.element_size()
-    return torch.empty((), dtype=dtype).element_size()
+    return dtype.itemsize
 
 
 def _padded(p: nn.Parameter, n: int) -> int:
