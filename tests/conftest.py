@@ -39,6 +39,17 @@ def training_step(module: torch.nn.Module, model: torch.nn.Module, inputs, loss_
     return output, grads, buffers
 
 
+def greedy_generations(planned: torch.nn.Module, model: torch.nn.Module, prompt: dict) -> tuple:
+    """``generate()`` of the planned module and of the model, greedy, 4 new tokens, both in eval mode for it
+    and back in training mode after."""
+    model.eval(), planned.eval()
+    try:
+        return (planned.generate(**prompt, max_new_tokens=4, do_sample=False),
+                model.generate(**prompt, max_new_tokens=4, do_sample=False))
+    finally:
+        model.train(), planned.train()
+
+
 def assert_plan_is_exact(model, plan, inputs, loss_fn, restore) -> None:
     """The planned module matches the model (outputs, every gradient, buffers after a step), its
     measured peak fits the budget, and the prediction is within 10% of the measurement."""

@@ -11,8 +11,10 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -233,15 +235,18 @@ def _init(rank: int, world_size: int, port: int) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
 
 
-def _train(module: nn.Module, wrapped: nn.Module, x: torch.Tensor, extra_resident: int = 0) -> dict:
-    """3 AdamW steps: losses, collectives per step, and the peak of step 2 (optimizer state exists)."""
-    opt = torch.optim.AdamW(wrapped.parameters(), lr=1e-2)
-    losses, gathers, peak = [], [], None
+def _train(module: nn.Module, wrapped: nn.Module, x: Any, extra_resident: int = 0, *,
+           loss_of: Callable[[nn.Module, Any], torch.Tensor] = lambda m, x: loss_fn(m(x)), lr: float = 1e-2) -> dict:
+    """3 AdamW steps of ``loss_of(wrapped, x)``: losses, all-gathers per step, the gradient norms of step 1 and
+    the peak of step 2, when optimizer state exists (``extra_resident``: bytes alive before the step that
+    ``resident_bytes`` does not see)."""
+    opt = torch.optim.AdamW(wrapped.parameters(), lr=lr)
+    losses, gathers, peak, grads = [], [], None, []
     for step in range(3):
         out: list[torch.Tensor] = []
 
         def one_step(out: list = out) -> None:
-            out.append(loss_fn(wrapped(x)))
+            out.append(loss_of(wrapped, x))
             out[-1].backward()
 
         with count_collectives() as counts:
@@ -249,11 +254,14 @@ def _train(module: nn.Module, wrapped: nn.Module, x: torch.Tensor, extra_residen
                 peak = rank_peak_bytes(one_step, resident_bytes(module, opt, x) + extra_resident)
             else:
                 one_step()
+        if step == 0:
+            grads = [float(getattr(p.grad, "full_tensor", lambda g=p.grad: g)().double().norm())
+                     for p in wrapped.parameters()]
         opt.step()
         opt.zero_grad()
         losses.append(out[-1].item())
         gathers.append(counts["all_gather_single"])
-    return {"losses": losses, "all_gathers": gathers, "peak": peak}
+    return {"losses": losses, "all_gathers": gathers, "peak": peak, "grads": grads}
 
 
 def _plan_record(plan) -> dict:

@@ -11,15 +11,13 @@ import pytest
 import torch
 import torch.distributed as dist
 from test_distributed import _init, run_ranks
+from test_distributed import _train as train
 from transformers import GPT2Config, GPT2LMHeadModel, Qwen2Config, Qwen2ForCausalLM
 
 from planner import optimize
 from planner.distributed.rank import (
-    count_collectives,
     fully_shard_units,
     plan_on_rank0,
-    rank_peak_bytes,
-    resident_bytes,
     same_on_all_ranks,
 )
 
@@ -48,30 +46,8 @@ def policy(mixed: bool):
 
 
 def _train(module: torch.nn.Module, wrapped: torch.nn.Module, batch: dict, extra_resident: int = 0) -> dict:
-    """3 AdamW steps: losses, all-gathers per step, the gradients of step 1 and the peak of step 2
-    (``extra_resident``: bytes alive before the step that ``resident_bytes`` does not see)."""
-    opt = torch.optim.AdamW(wrapped.parameters(), lr=1e-3)
-    losses, gathers, peak, grads = [], [], None, []
-    for step in range(3):
-        out: list[torch.Tensor] = []
-
-        def one_step(out: list = out) -> None:
-            out.append(wrapped(**batch).loss)
-            out[-1].backward()
-
-        with count_collectives() as counts:
-            if step == 1:
-                peak = rank_peak_bytes(one_step, resident_bytes(module, opt, batch) + extra_resident)
-            else:
-                one_step()
-        if step == 0:
-            grads = [float(getattr(p.grad, "full_tensor", lambda g=p.grad: g)().double().norm())
-                     for p in wrapped.parameters()]
-        opt.step()
-        opt.zero_grad()
-        losses.append(out[-1].item())
-        gathers.append(counts["all_gather_single"])
-    return {"losses": losses, "all_gathers": gathers, "peak": peak, "grads": grads}
+    """``test_distributed._train`` on a batch whose model computes its own loss."""
+    return train(module, wrapped, batch, extra_resident, loss_of=lambda m, b: m(**b).loss, lr=1e-3)
 
 
 def hf_worker(rank: int, world_size: int, port: int, out_dir: str, kind: str, parallel: str, mixed: bool) -> None:

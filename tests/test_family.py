@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import greedy_generations
 from transformers import GPT2Config, GPT2LMHeadModel, Qwen2Config, Qwen2ForCausalLM
 
 from planner import InfeasibleBudget, PlanOptions, disable, enable, load_plan, optimize
@@ -270,12 +271,7 @@ def test_lora_follows_the_batch_and_generate_runs_no_checkpoint():
         {n for n, p in model.named_parameters() if p.requires_grad}
     groups = len(plan.family.groups)
     prompt = {"input_ids": batch(2, 8)["input_ids"]}
-    model.eval(), plan.module.eval()
-    try:
-        ours = plan.module.generate(**prompt, max_new_tokens=4, do_sample=False)
-        theirs = model.generate(**prompt, max_new_tokens=4, do_sample=False)
-    finally:
-        model.train(), plan.module.train()
+    ours, theirs = greedy_generations(plan.module, model, prompt)
     assert torch.equal(ours, theirs) and len(plan.family.groups) == groups  # generating plans nothing
 
 

@@ -7,7 +7,7 @@ import warnings
 
 import pytest
 import torch
-from conftest import training_step
+from conftest import greedy_generations, training_step
 
 from planner import InfeasibleBudget, disable, enable, optimize
 from planner.capture.inputs import as_inputs
@@ -112,12 +112,7 @@ def test_generate_and_save_pretrained(planned, tmp_path):
     if family == "bert":
         pytest.skip("a masked LM does not generate")
     prompt = lm_batch(rows=2, length=8, labels=False)
-    model.eval(), plan.module.eval()
-    try:
-        ours = plan.module.generate(**prompt, max_new_tokens=4, do_sample=False)
-        theirs = model.generate(**prompt, max_new_tokens=4, do_sample=False)
-    finally:
-        model.train(), plan.module.train()
+    ours, theirs = greedy_generations(plan.module, model, prompt)
     assert torch.equal(ours, theirs)
     plan.module.save_pretrained(tmp_path)
     loaded = type(model).from_pretrained(tmp_path)
