@@ -2,7 +2,7 @@
 
 Real batches change shape from step to step (dynamic padding, a short last batch, a long tail of lengths).
 A ``Family`` groups call shapes on a grid (``planner.shapes.ShapeGrid``: each dim of each tensor argument
-rounded up to a multiple of a step, a sixteenth of the example's size), plans each group for the group's
+rounded up to the next grid line; lines a sixteenth of the example's size apart), plans each group for the group's
 largest shape the first time a call of it is seen (or ahead, for the shapes a user names), and keeps that
 plan; ``planner.follow`` switches the module's checkpoint hooks to each training call's group plan: a
 dictionary lookup, and a re-install of the chains' hooks when the group changes. A group whose
