@@ -107,7 +107,7 @@ def worker(name: str, mode: str, fraction: int, runs: int) -> dict:
 def measure_step(module, model, inputs, loss_fn, runs: int) -> dict:
     """Peak RSS growth during one step of ``module`` (sharing ``model``'s parameters; median of 3, each
     after ``malloc_trim``) and its median step time over ``runs``, after two warm-up steps (compiling)."""
-    from planner.step import backward
+    from planner.capture.step import backward
 
     def step() -> None:
         backward(loss_fn(module(*inputs)))

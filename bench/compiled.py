@@ -41,10 +41,10 @@ def worker(config: dict) -> dict:
     import torch
 
     from planner.capture.inputs import as_inputs
+    from planner.capture.step import backward, default_loss, untouched
     from planner.compiled.search import probe
     from planner.plan import load_plan
     from planner.profiling.measure import measure_allocated_peak, step_samples_ms
-    from planner.step import backward, default_loss, untouched
 
     torch.set_num_threads(1)
     model, inputs, loss_fn = load(config["example"])

@@ -41,7 +41,7 @@ def main() -> None:
 
     from planner.capture.inputs import as_inputs
     from planner.pipeline import plan_for, prepare
-    from planner.prepared import chunked
+    from planner.planning.prepared import chunked
     from planner.profiling.measure import measure_peak, step_samples_ms
     from planner.solve.rotor import relaxed
 

@@ -22,7 +22,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from test_distributed import _init, run_ranks  # noqa: E402
 
-from planner.budget import format_bytes  # noqa: E402
+from planner.common.budget import format_bytes  # noqa: E402
 from planner.distributed import count_collectives, fully_shard_units, plan_on_rank0, rank_peak_bytes, resident_bytes  # noqa: E402
 
 STEPS = 3

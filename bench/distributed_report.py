@@ -18,7 +18,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 from test_distributed import ddp_worker, fsdp_worker, run_ranks  # noqa: E402
 
-from planner.budget import format_bytes  # noqa: E402
+from planner.common.budget import format_bytes  # noqa: E402
 
 
 def rows(engine: str, results: list[dict]) -> list[str]:

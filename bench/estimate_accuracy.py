@@ -19,8 +19,8 @@ import numpy as np
 import torch
 
 import planner
-from planner.budget import format_bytes
 from planner.capture.inputs import as_inputs
+from planner.common.budget import format_bytes
 from planner.profiling.measure import measure_peak
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 
 from planner import InfeasibleBudget, optimize
-from planner.budget import format_bytes
 from planner.capture.inputs import as_inputs
+from planner.common.budget import format_bytes
 from planner.profiling.measure import measure_peak, step_times_ms
 
 ROOT = Path(__file__).resolve().parent.parent

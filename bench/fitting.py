@@ -24,8 +24,8 @@ from pathlib import Path
 import torch
 
 from planner import InfeasibleBudget
-from planner.budget import format_bytes
 from planner.capture.inputs import as_inputs
+from planner.common.budget import format_bytes
 from planner.pipeline import plan_for, prepare
 from planner.profiling import api
 from planner.profiling.measure import measure_peak, step_times_ms

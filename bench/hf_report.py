@@ -19,8 +19,8 @@ import torch
 import transformers
 
 from planner import optimize
-from planner.budget import format_bytes
 from planner.capture.inputs import as_inputs
+from planner.common.budget import format_bytes
 from planner.profiling.measure import measure_peak, step_times_ms
 
 VOCAB = 8000

@@ -59,7 +59,7 @@ def one_shape(name: str, time_limit_s: float) -> dict:
     import planner
     from planner.errors import InfeasibleBudget
     from planner.pipeline import plan_from_solution
-    from planner.prepared import chunked
+    from planner.planning.prepared import chunked
     from planner.solve.baselines import every_block
 
     shape = SHAPES[name]

@@ -23,7 +23,7 @@ import torch
 import transformers
 
 import planner
-from planner.budget import format_bytes
+from planner.common.budget import format_bytes
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -30,10 +30,10 @@ from torch.utils._pytree import tree_leaves
 
 from planner.capture.api import capture
 from planner.capture.inputs import as_inputs
+from planner.capture.step import untouched
 from planner.profiling.memtrack import LiveStorages
 from planner.profiling.pieces import PieceTimer, even_pieces, node_count
 from planner.profiling.timing import Timer
-from planner.step import untouched
 
 ROOT = Path(__file__).resolve().parent.parent
 HEAVY_MS = 0.1

@@ -1,4 +1,4 @@
-"""Refinement to finer chunks (``planner.solving.refine``): the plan at the prepared 64 chunks against
+"""Refinement to finer chunks (``planner.planning.chunkings.refine``): the plan at the prepared 64 chunks against
 the plan ``plan_for`` returns, same budget, same profile, measured side by side.
 
     OMP_NUM_THREADS=1 python bench/refine.py --examples gpt mixer gpt_large --runs 9   # bench/results/refine.md
@@ -31,9 +31,9 @@ def rows_for(name: str, fractions: list[int], runs: int, time_limit_s: float) ->
     from planner.errors import InfeasibleBudget
     from planner.options import PlanOptions
     from planner.pipeline import plan_for, plan_from_solution, prepare
+    from planner.planning.chunkings import widen
     from planner.profiling.measure import measure_peak, step_samples_ms
     from planner.solve.deadline import Deadline
-    from planner.solving import widen
 
     model, inputs, loss_fn = load(name)
     prepared = prepare(model, inputs=inputs, loss_fn=loss_fn)

@@ -17,7 +17,7 @@ _PUBLIC = {
     "optimize": "planner.pipeline", "prepare": "planner.pipeline", "plan_for": "planner.pipeline",
     "Prepared": "planner.pipeline", "enable": "planner.inplace", "disable": "planner.inplace",
     "Plan": "planner.plan", "Segment": "planner.plan", "load_plan": "planner.plan",
-    "parse_budget": "planner.budget", "PlanOptions": "planner.options", "ShapeRange": "planner.shapes",
+    "parse_budget": "planner.common.budget", "PlanOptions": "planner.options", "ShapeRange": "planner.follow.shapes",
     "PlannerError": "planner.errors", "CaptureError": "planner.errors", "InfeasibleBudget": "planner.errors",
     "OptionError": "planner.errors",
     "OutOfTime": "planner.errors",

@@ -11,7 +11,7 @@ import os
 import traceback
 from typing import TYPE_CHECKING
 
-from planner.units import format_bytes
+from planner.common.units import format_bytes
 
 if TYPE_CHECKING:
     from planner.memory.breakdown import PeakBreakdown

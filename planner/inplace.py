@@ -12,7 +12,7 @@ from __future__ import annotations
 from torch import nn
 from typing_extensions import Unpack
 
-from planner.budget import check_budget
+from planner.common.budget import check_budget
 from planner.errors import OptionError
 from planner.options import OptionArgs, PlanOptions, resolve
 from planner.pipeline import UserInputs, plan_for, prepare

@@ -11,10 +11,10 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields, replace
 from typing import Any, TypedDict
 
+from planner.capture.step import LossFn
 from planner.errors import OptionError
+from planner.follow.shapes import ShapeRange, check_spec
 from planner.profiling.record import Profile
-from planner.shapes import ShapeRange, check_spec
-from planner.step import LossFn
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -36,9 +36,9 @@ class PlanOptions:
     selective: bool = True
     """Let checkpointed segments keep chosen op outputs (torch's selective checkpointing)."""
     must_save: tuple[str, ...] = ()
-    """Module paths or op names (``planner.patterns`` globs) never re-run in backward."""
+    """Module paths or op names (``planner.common.patterns`` globs) never re-run in backward."""
     must_recompute: tuple[str, ...] = ()
-    """Module paths or op names (``planner.patterns`` globs) re-run in backward, never kept."""
+    """Module paths or op names (``planner.common.patterns`` globs) re-run in backward, never kept."""
     profile: Profile | None = None
     """A saved profile to plan from instead of profiling."""
     device: str | None = None
@@ -57,7 +57,7 @@ class PlanOptions:
     ``cast_forward_inputs``): the step is profiled in ``param_dtype`` and the budget counts fp32 shards and
     optimizer state, gathered units in ``param_dtype`` and gradients reduced in ``reduce_dtype``."""
     follow_batch: bool = False
-    """Each training call runs the plan of its own shape's group (``planner.family``): no checkpoint where the
+    """Each training call runs the plan of its own shape's group (``planner.follow.family``): no checkpoint where the
     un-checkpointed step fits, lighter plans for smaller batches, groups planned when first seen. The plan
     runs the model's own forward (module hooks). On a DDP rank (``parallel="ddp"``) each rank runs the plan
     of its own batch's group; not on FSDP ranks."""

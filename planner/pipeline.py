@@ -11,27 +11,27 @@ import torch
 from torch import nn
 from typing_extensions import Unpack
 
-from planner.budget import check_budget, format_bytes, parse_budget
 from planner.capture.api import capture
 from planner.capture.cache import no_cache
 from planner.capture.inputs import as_inputs
+from planner.capture.step import parameters_in
+from planner.common.budget import check_budget, format_bytes, parse_budget
 from planner.distributed.memory import setup, split_at_units
 from planner.errors import InfeasibleBudget, OptionError
-from planner.family import Family, GroupPlan
-from planner.follow import follow
+from planner.follow.family import Family, GroupPlan
+from planner.follow.shapes import ShapeGrid, realize, shaped, spread
+from planner.follow.switch import follow
 from planner.memory.simulate import simulate
 from planner.options import OptionArgs, PlanOptions, resolve
 from planner.plan import MemoryTimeline, Plan
-from planner.prepared import Prepared, chunked, prepared_from
+from planner.planning.chunkings import solve_budget, solve_prepared
+from planner.planning.prepared import Prepared, chunked, prepared_from
 from planner.profiling.api import capture_inputs, profile_for
 from planner.rewrite.modules import PlannedShapes, bind, remove_plan, tensor_shapes
 from planner.rewrite.segment import segments_of
-from planner.shapes import ShapeGrid, realize, shaped, spread
 from planner.solve.deadline import Deadline
 from planner.solve.registry import get_solver
 from planner.solve.result import Solution
-from planner.solving import solve_budget, solve_prepared
-from planner.step import parameters_in
 
 UserInputs = tuple | Mapping | torch.Tensor | None
 """What ``inputs=`` takes: positional arguments (a tuple), keyword arguments (a dict) or one tensor."""
@@ -167,7 +167,7 @@ def plan_for(prepared: Prepared, budget: int | str, *, options: PlanOptions | No
 
 def _following(prepared: Prepared, plan: Plan, options: PlanOptions) -> Plan:
     """``plan`` made to follow the batch: its module runs each training call's group plan, this plan for the
-    example's group (``planner.family``)."""
+    example's group (``planner.follow.family``)."""
     if prepared.rules.opens_modules:
         raise OptionError("follow_batch runs the model's own forward: prepare the model with follow_batch=True")
     family = Family.around(prepared, plan.budget_bytes, options)

@@ -16,19 +16,27 @@ from typing import Any
 
 from torch import nn
 
-from planner.budget import format_bytes
 from planner.capture.method import CaptureMethod
+from planner.capture.step import LossFn
+from planner.common.budget import format_bytes
+from planner.common.checked_json import (
+    INT_LIMIT,
+    UNIT_LIMITS,
+    as_list,
+    as_tuple,
+    check_record,
+    read_json,
+    record_from_json,
+)
 from planner.errors import PlanFileError
-from planner.family import Family
-from planner.follow import follow
+from planner.follow.family import Family
+from planner.follow.switch import follow
 from planner.memory.breakdown import PeakBreakdown
 from planner.profiling.devices import SacCostSource
-from planner.records import INT_LIMIT, UNIT_LIMITS, as_list, as_tuple, check_record, read_json, record_from_json
 from planner.rewrite.executor import executor_for
 from planner.rewrite.modules import PlannedShapes
 from planner.rewrite.segment import Segment
 from planner.solve.result import SolverStatus
-from planner.step import LossFn
 
 __all__ = ["MemoryTimeline", "Plan", "Segment", "load_plan"]
 
@@ -104,7 +112,7 @@ class Plan:
     """Whether the predicted peak assumes the loop keeps the model's output referenced through
     backward (``optimize(keep_output=...)``)."""
     family: Any = field(default=None, repr=False, compare=False)
-    """When the plan follows the batch (``follow_batch``): the ``planner.family.Family`` of its groups' plans;
+    """When the plan follows the batch (``follow_batch``): the ``planner.follow.family.Family`` of its groups' plans;
     ``segments`` are the example batch's group's. None: one plan for every call."""
     profile_pieces: int = 1
     """How many pieces the profiled step ran in (1: whole; more when it did not fit where it was profiled)."""

@@ -51,7 +51,7 @@ def build(kind: str):
 
 def step(model, inputs, loss_fn) -> None:
     from planner.capture.inputs import as_inputs
-    from planner.step import default_loss
+    from planner.capture.step import default_loss
 
     given = as_inputs(model, inputs)
     (loss_fn or default_loss)(model(*given.args, **given.kwargs)).backward()

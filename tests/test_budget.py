@@ -2,7 +2,7 @@
 
 import pytest
 
-from planner.budget import format_bytes, parse_budget
+from planner.common.budget import format_bytes, parse_budget
 
 
 @pytest.mark.parametrize(

@@ -12,8 +12,8 @@ from models import tower, tower_inputs
 
 from planner.capture.calls import CallIndex, is_inside, repeated_blocks
 from planner.capture.method import CaptureMethod
+from planner.common.patterns import matches
 from planner.memory.excess import opened, opened_paths
-from planner.patterns import matches
 from planner.pipeline import prepare
 from planner.rewrite.executor import ExecutorKind, executor_for
 from planner.solve.deadline import Deadline

@@ -11,8 +11,8 @@ from transformers import GPT2Config, GPT2LMHeadModel, Qwen2Config, Qwen2ForCausa
 
 from planner import InfeasibleBudget, PlanOptions, disable, enable, load_plan, optimize
 from planner.capture.inputs import as_inputs
+from planner.follow.shapes import ShapeGrid, ShapeRange
 from planner.profiling.measure import measure_peak
-from planner.shapes import ShapeGrid, ShapeRange
 
 VOCAB = 1000
 
@@ -246,7 +246,7 @@ def test_a_loss_bound_to_the_example_targets_names_the_group_it_cannot_follow():
 ])
 def test_a_bad_shape_to_plan_ahead_is_one_line_naming_it(shapes, message):
     from planner import OptionError
-    from planner.shapes import check_spec, realize
+    from planner.follow.shapes import check_spec, realize
 
     example = batch(4, 128)
     with pytest.raises(OptionError, match=message) as err:

@@ -18,12 +18,12 @@ from models import tower, tower_inputs
 
 from planner import ProfileError, optimize, prepare
 from planner.capture.inputs import as_inputs
+from planner.capture.step import default_loss
 from planner.memory.simulate import simulate
 from planner.profiling import api
 from planner.profiling.fitting import PieceSizes, choose_pieces, pieces_peak_bytes
 from planner.profiling.measure import measure_peak
 from planner.solve.baselines import every_block
-from planner.step import default_loss
 
 CAPPED = Path(__file__).resolve().parent / "capped.py"
 ENV = {**os.environ, "OMP_NUM_THREADS": "1",

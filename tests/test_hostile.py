@@ -22,7 +22,7 @@ from models import Tower, tower, tower_inputs
 
 import planner
 from planner import PlannerError, load_plan, load_profile, optimize
-from planner.budget import _UNITS, ACCEPTED_FORMS, check_budget, parse_budget
+from planner.common.budget import _UNITS, ACCEPTED_FORMS, check_budget, parse_budget
 from planner.errors import BudgetError, PlanFileError, PlanMismatch, ProfileFileError, ProfileMismatch
 from planner.plan import MemoryTimeline, Plan, Segment
 from planner.profiling.record import NodeCost, Profile, StorageCost

@@ -12,11 +12,11 @@ from torch.utils._pytree import tree_leaves
 from planner.capture.api import Captured, capture
 from planner.capture.inputs import Inputs, as_inputs
 from planner.capture.method import CaptureMethod
+from planner.capture.step import default_loss, untouched
 from planner.errors import ProfileError
 from planner.profiling.memtrack import LiveStorages
 from planner.profiling.pieces import check_pieces, even_pieces, node_count, time_in_pieces
 from planner.profiling.timing import Timer
-from planner.step import default_loss, untouched
 
 
 class Gated(nn.Module):

@@ -20,10 +20,10 @@ from torch import nn
 import planner
 from planner import ProfileFileError, ProfileMismatch, load_profile, optimize, sweep
 from planner.capture.inputs import as_inputs
+from planner.capture.step import default_loss
 from planner.profiling.devices import device_names, load_device
 from planner.profiling.estimate import Roofline
 from planner.profiling.measure import measure_peak
-from planner.step import default_loss
 
 
 @pytest.fixture(scope="module")

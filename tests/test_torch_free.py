@@ -1,8 +1,8 @@
 """The memory model and the solver run without torch (docs/architecture.md: planning from a saved
 profile needs no torch, and the solver never imports it).
 
-A fresh interpreter blocks every ``torch`` import, imports every module of ``planner.memory`` and
-``planner.solve``, and plans a small synthetic graph with the registry's two planners (``cpsat``,
+A fresh interpreter blocks every ``torch`` import, imports every module of ``planner.common``,
+``planner.memory`` and ``planner.solve``, and plans a small synthetic graph with the registry's two planners (``cpsat``,
 ``rotor``) and with CP-SAT alone. A module that reaches torch, directly or through another planner
 module, fails here.
 """
@@ -38,11 +38,12 @@ SCRIPT = textwrap.dedent('''
     else:
         raise AssertionError("the torch blocker does not work")
 
+    import planner.common
     import planner.memory
     import planner.solve
 
     imported = []
-    for package in (planner.memory, planner.solve):
+    for package in (planner.common, planner.memory, planner.solve):
         for info in pkgutil.iter_modules(package.__path__, package.__name__ + "."):
             importlib.import_module(info.name)
             imported.append(info.name)

@@ -8,13 +8,13 @@ import torch
 from conftest import assert_plan_is_exact
 from torch import nn
 
-import planner.solving as solving
+import planner.planning.chunkings as solving
 from planner import InfeasibleBudget, optimize
+from planner.capture.step import default_loss
 from planner.options import PlanOptions
 from planner.pipeline import plan_for, plan_from_solution, prepare
 from planner.report.render import infeasible_json
 from planner.solve.deadline import Deadline
-from planner.step import default_loss
 
 pytestmark = pytest.mark.slow  # several profiles and solves: ~30 s
 

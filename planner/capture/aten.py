@@ -38,7 +38,7 @@ from torch.fx.graph import _PyTreeCodeGen, _PyTreeInfo
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from planner.capture.calls import SCOPE_KEY, entry, entry_path
-from planner.step import untouched
+from planner.capture.step import untouched
 
 SCALAR_READS_KEY = "ckplan_scalar_reads"
 """``GraphModule.meta`` key: the values the forward's reads of tensor values returned, in graph order."""

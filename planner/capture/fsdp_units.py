@@ -7,12 +7,12 @@ from collections.abc import Sequence
 from torch import nn
 
 from planner.capture.calls import repeated_blocks
+from planner.common.patterns import matches
 from planner.errors import OptionError
-from planner.patterns import matches
 
 
 def resolve_units(model: nn.Module, units: Sequence[str] | None) -> tuple[str, ...]:
-    """FSDP units as module paths in model order: ``units`` (module paths or ``planner.patterns`` globs such
+    """FSDP units as module paths in model order: ``units`` (module paths or ``planner.common.patterns`` globs such
     as ``layers.*``), default the model's repeated blocks (``calls.repeated_blocks``).
 
     Raises:

@@ -8,15 +8,15 @@ from dataclasses import dataclass, replace
 from torch import nn
 from typing_extensions import Unpack
 
-from planner.budget import check_budget, parse_budget
 from planner.capture.inputs import Inputs, as_inputs
+from planner.common.budget import check_budget, parse_budget
+from planner.common.units import format_bytes
 from planner.compiled.backend import CompiledModule
 from planner.compiled.search import FRACTIONS, Probe, Source, probe, probe_all, timed
 from planner.errors import InfeasibleBudget, OptionError, OutOfTime
 from planner.options import OptionArgs, PlanOptions, resolve
 from planner.pipeline import UserInputs, plan_for, prepare
 from planner.plan import Plan
-from planner.units import format_bytes
 
 
 @dataclass(frozen=True, kw_only=True)

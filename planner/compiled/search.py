@@ -20,9 +20,9 @@ import torch._dynamo.config as dynamo_config
 from torch import nn
 
 from planner.capture.inputs import Inputs
+from planner.capture.step import backward, default_loss, untouched
 from planner.compiled.backend import CompiledModule
 from planner.profiling.measure import measure_allocated_peak, step_samples_ms
-from planner.step import backward, default_loss, untouched
 
 FRACTIONS = (1.0, 0.8, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1, 0.0)
 """The ``activation_memory_budget`` fractions probed by default: 1.0 (compile's own partition, the

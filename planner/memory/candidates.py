@@ -4,7 +4,7 @@ Selective checkpointing at planning time, torch-free: the executor says which no
 (``SegmentRules.savable``: one fresh-output, non-random op per node, never one that writes buffers);
 a candidate must also be exact in the memory model (``planner.memory.saves.cacheable``: every output
 saved for backward). To keep CP-SAT small, each block keeps its ``per_block`` candidates with the most
-forward time per cached byte. ``must_save``/``must_recompute`` patterns (``planner.patterns``) become
+forward time per cached byte. ``must_save``/``must_recompute`` patterns (``planner.common.patterns``) become
 node indices here.
 """
 
@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from planner.common.patterns import matches
 from planner.errors import OptionError
 from planner.memory.model import MemoryModel
 from planner.memory.saves import SaveOptions, cacheable, cached
-from planner.patterns import matches
 from planner.profiling.record import Profile
 
 
@@ -75,7 +75,7 @@ def _best_per_block(memory: MemoryModel, nodes: list[int], per_block: int) -> li
 
 
 def _resolve(profile: Profile, patterns: Sequence[str], what: str) -> set[int]:
-    """Node indices matched by glob patterns (``planner.patterns``) on module paths, node names and op names."""
+    """Node indices matched by glob patterns (``planner.common.patterns``) on module paths, node names and op names."""
     if isinstance(patterns, str):
         patterns = [patterns]
     out: set[int] = set()

@@ -16,6 +16,7 @@ from torch import nn
 from planner.capture.api import Captured, capture
 from planner.capture.cache import no_cache
 from planner.capture.inputs import Inputs, as_inputs
+from planner.capture.step import LossFn
 from planner.errors import InputError, OptionError, ProfileError, ProfileMismatch
 from planner.profiling.devices import DeviceSpec, device_names, is_device_spec, load_device
 from planner.profiling.fitting import FIT_SHARE, fitting_profile, resident_bytes
@@ -25,7 +26,6 @@ from planner.profiling.memory_pass import profile as measure
 from planner.profiling.memtrack import OverLimit
 from planner.profiling.meta import estimate, memory_on_meta, to_meta
 from planner.profiling.record import LOSS_NODE, Profile
-from planner.step import LossFn
 
 Device = str | torch.device | None
 

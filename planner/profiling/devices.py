@@ -13,9 +13,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeGuard
 
+from planner.common.checked_json import check_record, read_json, record_from_json
 from planner.errors import OptionError, ProfileFileError
 from planner.profiling.record import Profile
-from planner.records import check_record, read_json, record_from_json
 
 SPEC_DIR = Path(__file__).resolve().parent / "device_specs"
 """Where the bundled device specs live."""

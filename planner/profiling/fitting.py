@@ -15,17 +15,17 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from planner.budget import parse_budget
 from planner.capture.api import Captured
 from planner.capture.inputs import Inputs
+from planner.capture.step import LossFn, default_loss, sync, untouched
+from planner.common.budget import parse_budget
+from planner.common.units import format_bytes
 from planner.errors import ProfileError
 from planner.profiling.memory_pass import StepTimes, assemble, device_of
 from planner.profiling.memtrack import LiveStorages
 from planner.profiling.meta import MetaReplay, memory_on_meta
 from planner.profiling.pieces import Piece, PieceTimer, time_in_pieces
 from planner.profiling.record import Profile
-from planner.step import LossFn, default_loss, sync, untouched
-from planner.units import format_bytes
 
 FIT_SHARE = 0.7
 """Share of the memory a device has left that profiling may take: the rest is for the allocator's rounding

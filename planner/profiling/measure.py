@@ -18,9 +18,9 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from planner.capture.inputs import Inputs
+from planner.capture.step import backward, default_loss, untouched
+from planner.capture.step import sync as _sync
 from planner.profiling.memtrack import LiveStorages
-from planner.step import backward, default_loss, untouched
-from planner.step import sync as _sync
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

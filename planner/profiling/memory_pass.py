@@ -25,13 +25,13 @@ from planner.capture.api import Captured, target_text
 from planner.capture.calls import SCOPE_KEY
 from planner.capture.inputs import Inputs
 from planner.capture.method import CaptureMethod
+from planner.capture.step import LossFn, default_loss, sync, untouched
 from planner.errors import ProfileError
 from planner.profiling.eager import eager_excess, eager_forward_trace
 from planner.profiling.memtrack import LiveStorages, storage_key
 from planner.profiling.record import LOSS_NODE, NodeCost, Profile, StorageCost
 from planner.profiling.runner import StepRunner
 from planner.profiling.timing import Timer, checkpoint_overhead_ms, measure_sac_op_us, time_plain_steps
-from planner.step import LossFn, default_loss, sync, untouched
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -26,6 +26,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 from planner.capture.api import Captured
 from planner.capture.aten import SCALAR_READS_KEY
 from planner.capture.inputs import Inputs
+from planner.capture.step import LossFn, default_loss, untouched
 from planner.profiling.devices import DeviceSpec
 from planner.profiling.estimate import Roofline
 from planner.profiling.memory_pass import (
@@ -37,7 +38,6 @@ from planner.profiling.memory_pass import (
     eager_excess_of,
 )
 from planner.profiling.record import Profile
-from planner.step import LossFn, default_loss, untouched
 
 META = torch.device("meta")
 

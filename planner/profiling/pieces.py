@@ -29,11 +29,11 @@ from torch.utils._pytree import tree_leaves, tree_map_only
 
 from planner.capture.api import Captured
 from planner.capture.inputs import Inputs
+from planner.capture.step import LossFn, default_loss, untouched
 from planner.errors import ProfileError
 from planner.profiling.memory_pass import StepTimes, check_trainable, device_of
 from planner.profiling.runner import SEEN_KEY
 from planner.profiling.timing import Timer, checkpoint_overhead_ms
-from planner.step import LossFn, default_loss, untouched
 
 Piece = tuple[int, int]
 """``[lo, hi)`` over graph node indices (the loss is node ``node_count``, in the last piece)."""
@@ -84,7 +84,7 @@ class _Seam(torch.autograd.Function):
 
 @contextlib.contextmanager
 def _no_autocast(device: torch.device) -> Iterator[None]:
-    """Backward outside autocast, as ``planner.step.backward`` runs the loss's."""
+    """Backward outside autocast, as ``planner.capture.step.backward`` runs the loss's."""
     if (device.type != "meta" and torch.is_autocast_enabled(device.type)) or torch.is_autocast_enabled("cpu"):
         with torch.autocast(device.type, enabled=False), torch.autocast("cpu", enabled=False):
             yield

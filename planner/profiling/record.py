@@ -19,8 +19,8 @@ from typing import Any
 
 from planner.capture.calls import CallIndex
 from planner.capture.method import CaptureMethod
+from planner.common.checked_json import as_list, check_record, read_json, record_from_json
 from planner.errors import ProfileFileError
-from planner.records import as_list, check_record, read_json, record_from_json
 
 LOSS_NODE = "loss"
 """Name of the pseudo-node appended after the graph: ``loss_fn(output)``."""

@@ -18,8 +18,8 @@ import torch.fx._pytree as fx_pytree
 from torch.utils._pytree import tree_leaves
 
 from planner.capture.inputs import Inputs
+from planner.capture.step import LossFn, backward, sync
 from planner.errors import ProfileError, in_library, user_frame
-from planner.step import LossFn, backward, sync
 
 
 def _node_error(node_text: str, where: str | None, exc: Exception, values: list[Any], fix: str) -> ProfileError:

@@ -12,8 +12,8 @@ import torch
 import torch.fx as fx
 
 from planner.capture.inputs import Inputs
+from planner.capture.step import LossFn, backward, sync
 from planner.profiling.runner import StepRunner
-from planner.step import LossFn, backward, sync
 
 
 class Timer(StepRunner):

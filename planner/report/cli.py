@@ -25,10 +25,11 @@ from typing import Any
 import torch
 from rich.console import Console
 
-from planner.budget import ACCEPTED_FORMS, check_budget
 from planner.capture.inputs import as_inputs
+from planner.common.budget import ACCEPTED_FORMS, check_budget
 from planner.distributed.memory import OPTIMIZER_STATES
 from planner.errors import BudgetError, InfeasibleBudget, OptionError, PlannerError
+from planner.follow.shapes import ShapeRange
 from planner.options import PlanOptions
 from planner.pipeline import optimize
 from planner.plan import Plan
@@ -38,7 +39,6 @@ from planner.profiling.measure import measure_peak, step_times_ms
 from planner.profiling.record import load_profile
 from planner.report import render as cli_report
 from planner.report.model_file import ModelFile, UserError, load_model_file, located, to_device
-from planner.shapes import ShapeRange
 from planner.solve.registry import SOLVERS
 
 EXIT_OK, EXIT_INTERNAL, EXIT_USAGE, EXIT_INFEASIBLE, EXIT_NOT_FOUND, EXIT_INTERRUPTED = 0, 1, 2, 3, 4, 130

@@ -7,10 +7,10 @@ from typing import Any
 from rich.console import Console
 from rich.text import Text
 
+from planner.common.units import format_bytes
 from planner.compiled.api import CompiledPlan
 from planner.compiled.search import Probe, Source
 from planner.report.render import _section, _table
-from planner.units import format_bytes
 
 
 def _label(p: Probe) -> str:

@@ -20,7 +20,7 @@ from typing import Any
 from torch import nn
 from typing_extensions import Unpack
 
-from planner.budget import check_budget, format_bytes
+from planner.common.budget import check_budget, format_bytes
 from planner.errors import InfeasibleBudget, InputError, OptionError
 from planner.memory.simulate import simulate
 from planner.options import OptionArgs, PlanOptions, resolve

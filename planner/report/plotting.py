@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Protocol, overload
 
 import numpy as np
 
-from planner.budget import format_bytes
+from planner.common.budget import format_bytes
 from planner.errors import OptionError
 
 if TYPE_CHECKING:

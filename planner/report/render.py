@@ -18,7 +18,7 @@ from rich.progress import Progress, SpinnerColumn, TaskID, TextColumn, TimeElaps
 from rich.table import Table
 from rich.text import Text
 
-from planner.budget import format_bytes
+from planner.common.budget import format_bytes
 from planner.errors import InfeasibleBudget
 from planner.plan import GROUP_COLUMNS, Plan, Segment, group_cells, shapes_text
 from planner.solve.result import SolverStatus

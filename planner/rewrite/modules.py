@@ -21,8 +21,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from planner.budget import format_bytes
 from planner.capture.cache import install_no_cache, training_with_grad
+from planner.common.budget import format_bytes
 from planner.rewrite.chains import Chain, Installed, install
 
 _CONTAINERS = tuple(key for key, value in vars(nn.Module()).items() if isinstance(value, (dict, set)))

@@ -11,8 +11,8 @@ import re
 import reprlib
 from fractions import Fraction
 
+from planner.common.units import format_bytes  # noqa: F401 - re-exported: budgets and byte counts go together
 from planner.errors import BudgetError
-from planner.units import format_bytes  # noqa: F401 - re-exported: budgets and byte counts go together
 
 ACCEPTED_FORMS = "an int of bytes, '4GB', '4GiB', '512MB', '512MiB', '64KB', '64KiB', '1000B' or '60%'"
 

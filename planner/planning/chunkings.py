@@ -12,14 +12,14 @@ from __future__ import annotations
 import time
 from dataclasses import replace
 
-from planner.budget import format_bytes
+from planner.common.budget import format_bytes
 from planner.errors import InfeasibleBudget, OptionError, OutOfTime, PlannerError
 from planner.memory.candidates import save_options
 from planner.memory.model import MemoryModel
 from planner.memory.saves import SaveOptions
 from planner.memory.simulate import simulate
 from planner.options import PlanOptions
-from planner.prepared import Prepared, chunked
+from planner.planning.prepared import Prepared, chunked
 from planner.solve.deadline import Deadline
 from planner.solve.peaks import min_peak_saves
 from planner.solve.registry import capabilities, get_solver

@@ -1,5 +1,5 @@
 """Runs a plan that follows the batch: a forward pre-hook that puts each training call's group plan on the
-module (``planner.family``), planning a group the first time one of its calls is seen.
+module (``planner.follow.family``), planning a group the first time one of its calls is seen.
 
 Choosing the plan is a dictionary lookup on the call's shapes; when the group differs from the last call's,
 the chains' hooks are taken off and the group's put on. Calls without gradients or in eval mode (evaluation,
@@ -13,10 +13,10 @@ from torch import nn
 
 from planner.capture.cache import install_no_cache, training_with_grad
 from planner.errors import OptionError
-from planner.family import Family
+from planner.follow.family import Family
+from planner.follow.shapes import Shapes, shaped
 from planner.rewrite.chains import Chain, Installed, install
 from planner.rewrite.modules import bind, register_plan, remove_plan
-from planner.shapes import Shapes, shaped
 
 
 class FollowBatch:

@@ -1,7 +1,7 @@
 """Plans that follow the batch: each training call runs the plan made for its own shape's group.
 
 Real batches change shape from step to step (dynamic padding, a short last batch, a long tail of lengths).
-A ``Family`` groups call shapes on a grid (``planner.shapes.ShapeGrid``: each dim of each tensor argument
+A ``Family`` groups call shapes on a grid (``planner.follow.shapes.ShapeGrid``: each dim of each tensor argument
 rounded up to the next grid line; lines a sixteenth of the example's size apart), plans each group for the group's
 largest shape the first time a call of it is seen (or ahead, for the shapes a user names), and keeps that
 plan; ``planner.follow`` switches the module's checkpoint hooks to each training call's group plan: a
@@ -28,22 +28,22 @@ from torch import nn
 from planner.capture.api import capture
 from planner.capture.cache import no_cache
 from planner.capture.inputs import Inputs
+from planner.common.checked_json import as_list, check_record, record_from_json
 from planner.distributed.memory import setup
 from planner.errors import CaptureError, InfeasibleBudget, OptionError, ProfileError
+from planner.follow.shapes import ShapeGrid, Shapes, ShapeSpec, fitted, realize, shaped, spread
 from planner.memory.simulate import simulate
 from planner.options import PlanOptions
-from planner.prepared import Prepared, prepared_from
+from planner.planning.chunkings import solve_prepared
+from planner.planning.prepared import Prepared, prepared_from
 from planner.profiling.devices import load_device
 from planner.profiling.estimate import Roofline
 from planner.profiling.memory_pass import StepTimes, assemble
 from planner.profiling.meta import memory_on_meta
 from planner.profiling.record import Profile, profile_from_dict, profile_to_dict
-from planner.records import as_list, check_record, record_from_json
 from planner.rewrite.modules import bind
 from planner.rewrite.segment import Segment, segments_of
-from planner.shapes import ShapeGrid, Shapes, ShapeSpec, fitted, realize, shaped, spread
 from planner.solve.deadline import Deadline
-from planner.solving import solve_prepared
 
 _SAVED_OPTIONS = ("keep_output", "solver", "time_limit_s", "max_chunks", "selective", "must_save", "must_recompute",
                   "optimizer", "world_size", "parallel")
@@ -165,7 +165,7 @@ class Family:
                    reference_roofline=roofline, groups=groups)
 
     def plan_ahead(self, spec: ShapeSpec) -> list[GroupPlan]:
-        """The plans of the groups of calls shaped ``spec`` (``planner.shapes.realize``; a range: every group
+        """The plans of the groups of calls shaped ``spec`` (``planner.follow.shapes.realize``; a range: every group
         that covers it), each planned now if it is new.
 
         Raises:
