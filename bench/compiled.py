@@ -1,7 +1,7 @@
 """ckplan's compiled path against torch.compile's own ``activation_memory_budget``, compiled vs compiled.
 
-    python bench/compiled.py                                   # gpt and gpt_large: bench/results/compiled.md
-    python bench/compiled.py --examples gpt --passes 3 --runs 5
+    python bench/compiled.py                                   # gpt and gpt_large, into --out (bench/results/compiled.md)
+    python bench/compiled.py --examples gpt --passes 3 --runs 5   # the run of bench/results/compiled_gpt.md
 
 Per example:
 1. torch.compile at ``activation_memory_budget`` 0.5 and 0.3 (and 1.0, compile's own partition) is

@@ -85,8 +85,8 @@ def main() -> None:
         "",
         f"`python bench/estimate_accuracy.py`, torch {torch.__version__}, {torch.get_num_threads()} threads. "
         "Estimated = `planner.profile(model, ..., device=\"generic-cpu\")`: the step replayed on meta tensors "
-        "(nothing allocated) with roofline times from `planner/device_specs/generic-cpu.json`. Measured = a "
-        "real step here (`planner.measure.measure_peak`, the same live-storage ruler as the profiler).",
+        "(nothing allocated) with roofline times from `planner/profiling/device_specs/generic-cpu.json`. Measured = a "
+        "real step here (`planner.profiling.measure.measure_peak`, the same live-storage ruler as the profiler).",
         "",
         "## Memory",
         "",

@@ -2,7 +2,7 @@
 
 Per example: profile one step on the device and save it to ``profiles/<example>-<gpu>.json``; plan at
 each budget, selective and whole-segment, from that profile; measure every plan's peak
-(``torch.cuda.max_memory_allocated``, ``planner.measure.measure_peak``) and its step time against the
+(``torch.cuda.max_memory_allocated``, ``planner.profiling.measure.measure_peak``) and its step time against the
 un-checkpointed model (interleaved, median); and compare the roofline estimate for ``--spec`` (a
 bundled device spec) with the measured profile. Then the compiled path (``--compiled``, default
 gpt_large): torch.compile at ``activation_memory_budget`` 0.5 and 0.3, and ``optimize_compiled`` at

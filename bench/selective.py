@@ -94,7 +94,7 @@ def rows_for(name: str, fractions: list[int], runs: int) -> list[str]:
 
 def plan_with_every_save(prepared, budget_bytes: int):
     """The whole-segment plan for ``budget_bytes`` with every save its segments allow
-    (``tests/forcing.every_save``), SAC's dispatch cost not charged."""
+    (``every_save`` in ``tests/forcing.py``), SAC's dispatch cost not charged."""
     from forcing import every_save
 
     from planner.pipeline import plan_from_solution

@@ -42,7 +42,7 @@ def main() -> None:
         "",
         f"`python bench/solver_scaling.py --nodes {' '.join(map(str, args.nodes))} --budget {args.budget} "
         f"--max-chunks {' '.join(map(str, args.max_chunks))} --time-limit {args.time_limit:g}` on {os.cpu_count()} CPU cores. "
-        f"Budget: {args.budget:.0%} of the un-checkpointed peak. `planner.synthetic.transformer_profile`: "
+        f"Budget: {args.budget:.0%} of the un-checkpointed peak. `planner.memory.synthetic.transformer_profile`: "
         f"{NODES_PER_LAYER} nodes per block.",
         "",
         "| nodes | blocks | chunks | model build | solver | status | recompute | bound | gap | time |",
