@@ -2,7 +2,7 @@
 
     python bench/capture_profile_speed.py          # writes bench/results/capture_profile.md
 
-Issue 3's target: a 6-layer GPT-2 (n_embd 512, batch 4, sequence 256) captured and
+The bar it checks: a 6-layer GPT-2 (n_embd 512, batch 4, sequence 256) captured and
 profiled in under 60 s on a 2-core CPU.
 """
 

@@ -1,4 +1,4 @@
-"""The checks a session lent a CUDA device runs once, in one go (no GPU has measured ckplan yet).
+"""The checks to run on a CUDA device, all in one go (no GPU has measured ckplan yet).
 
 Per example: profile one step on the device and save it to ``profiles/<example>-<gpu>.json``; plan at
 each budget, selective and whole-segment, from that profile; measure every plan's peak
@@ -9,7 +9,7 @@ gpt_large): torch.compile at ``activation_memory_budget`` 0.5 and 0.3, and ``opt
 each one's measured peak, timed interleaved. Writes ``gpu_check.md`` (and the profiles) under
 ``--out``::
 
-    python bench/gpu_check.py --out "$OUT"                # on the device machine (the small examples and gpt_large)
+    python bench/gpu_check.py --out "$OUT"                # on a CUDA machine (the small examples and gpt_large)
     python bench/gpu_check.py --device cpu --examples seed_cnn gpt --out /tmp/gpu_check   # dry run here
 """
 

@@ -6,8 +6,8 @@
 The model is built from a config under ``torch.device("meta")`` (random-weight architecture,
 nothing downloaded, nothing allocated), with meta inputs of batch 8 x sequence 2048, and
 planned for ``device="h100"`` with a 60GB budget: capture (torch.export), the memory pass on
-meta tensors with roofline times, regions, the solver, and the rewrite. Issue 6's target:
-under 2 minutes and under 4 GiB of resident memory on the 2-core project machine.
+meta tensors with roofline times, regions, the solver, and the rewrite. The bar it checks:
+under 2 minutes and under 4 GiB of resident memory on a 2-core CPU machine.
 """
 
 from __future__ import annotations
