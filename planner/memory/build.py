@@ -1,8 +1,11 @@
 """``build_model``: the arrays of the memory model (``planner.memory.model.MemoryModel``) from a profile cut
-into regions. ``docs/memory-model.md`` derives every array. Torch-free.
+into regions. ``docs/memory-model.md`` derives every array; each helper here computes one of them, or one
+group that shares its inputs, in node and chunk indices, bytes and microseconds. Torch-free.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -15,117 +18,145 @@ from planner.profiling.record import Profile
 def build_model(profile: Profile, regions: Regions, *, offset=None, sac_op_us: float = 0.0) -> MemoryModel:
     """Precomputes the arrays of the memory model for ``profile`` cut into ``regions``.
 
-    ``offset`` (``planner.distributed.MemoryOffset``): plan-independent bytes added per node to
+    ``offset`` (``planner.distributed.memory.MemoryOffset``): plan-independent bytes added per node to
     the forward and backward constants, and the resident parameter bytes (one rank of a job).
     ``sac_op_us``: time selective checkpointing adds per ATen op of a segment with saves, microseconds
     (``planner.profiling.devices.sac_op_cost`` decides it; a node of unknown op count counts as one op
     when it reads tensors)."""
     nodes = profile.nodes
-    n = len(nodes)
-    chunk_of = regions.chunk_of() + [-1] * (n - regions.end)
-    ckpt_chunk = [regions.checkpointable[k] if k >= 0 else False for k in chunk_of]
-    n_storages = len(profile.storages)
-    size = np.array([s.nbytes if s.producer >= 0 else 0 for s in profile.storages], dtype=np.int64)
-    producer = np.array([s.producer for s in profile.storages], dtype=np.int64)
-    producer_chunk = np.array([chunk_of[p] if p >= 0 else -1 for p in producer], dtype=np.int64)
+    uses = _storage_uses(profile, regions)
+    fixed_release = _fixed_release(uses)
+    always_kept = (uses.producer >= 0) & ~uses.pinned & (fixed_release < NEVER)  # a saver no plan checkpoints
+    consumer_chunks = _consumer_chunks(uses, regions)
+    own_saved = _own_saved(profile, uses)
+    kept_bwd = _kept_until_backward(uses, len(nodes))
+    has_bwd = np.array([nd.bwd_peak_bytes is not None for nd in nodes])
+    fwd_rank, bwd_rank = _rank_bytes(offset, len(nodes))
+    eager = _eager_locals(profile, regions)
+    recompute_at = _recompute_at(profile, regions)
+    node_us = np.array([round(nd.fwd_ms * 1000) for nd in nodes], dtype=np.int64)
+    return MemoryModel(
+        regions=regions, node_names=tuple(nd.name for nd in nodes),
+        # the un-checkpointed step's storages
+        size=uses.size, producer=uses.producer, producer_chunk=uses.producer_chunk, last_use=uses.last_use,
+        first_saver=uses.first_saver, savers=uses.savers, fwd_fixed=uses.fwd_fixed, own_saved=own_saved,
+        # where a plan can hold them, and so free them
+        always_kept=always_kept, fixed_release=fixed_release, release=_release(uses, consumer_chunks, regions),
+        saver_chunks=_saver_chunks(uses, always_kept), saver_firsts=_saver_firsts(uses),
+        consumer_chunks=consumer_chunks,
+        # bytes no plan changes
+        const_fwd=_const_fwd(profile, uses, eager.constant + fwd_rank), has_bwd=has_bwd,
+        const_bwd=_const_bwd(profile, uses, has_bwd=has_bwd, kept_bwd=kept_bwd, own_saved=own_saved,
+                             rank_bytes=bwd_rank),
+        param_bytes=profile.param_bytes if offset is None else offset.param_bytes,
+        # re-runs
+        recompute_at=recompute_at, last_rerun=_last_rerun(recompute_at),
+        const_recompute=_const_recompute(profile, recompute_at, kept_bwd=kept_bwd, rank_bytes=bwd_rank),
+        fwd_rise=np.array([nd.fwd_peak_bytes - nd.fwd_start_bytes for nd in nodes], dtype=np.int64),
+        stop_rise=_stop_rise(profile),
+        restore_bytes=np.array([nd.mutated_buffer_bytes for nd in nodes], dtype=np.int64),
+        # times
+        node_cost_us=node_us, chunk_cost_us=_chunk_us(regions, node_us),
+        skip_us=_skip_us(profile, regions, recompute_at, node_us),
+        sac_chunk_us=_sac_chunk_us(profile, regions, sac_op_us),
+        segment_cost_us=round(profile.checkpoint_overhead_ms * 1000), step_us=max(1, round(profile.step_ms * 1000)),
+        # the modules' Python locals
+        excess=eager.decided, rerun_excess=eager.rerun, openers=eager.openers, around=eager.around,
+    )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _Uses:
+    """What the un-checkpointed step does with each storage, in node and chunk indices."""
+
+    chunk_of: list[int]
+    """Per node: its chunk, -1 past the last chunk (the loss)."""
+    checkpointable: list[bool]
+    """Per node: whether its chunk may be checkpointed."""
+    size: np.ndarray
+    """Per storage: bytes, 0 for the model's inputs (int64)."""
+    producer: np.ndarray
+    """Per storage: the node that allocated it, -1 for the model's inputs."""
+    producer_chunk: np.ndarray
+    """Per storage: the producer's chunk, -1 outside every chunk."""
+    last_use: np.ndarray
+    """Per storage: the last node that reads it, its producer when none does."""
+    savers: tuple[tuple[int, ...], ...]
+    """Per storage: the nodes that save it for backward, ascending."""
+    readers: tuple[tuple[int, ...], ...]
+    """Per storage: the nodes that read it, ascending."""
+    first_saver: np.ndarray
+    """Per storage: its earliest saver, ``NEVER`` when none."""
+    pinned: np.ndarray
+    """Per storage: True when the model's outputs hold it (read after the last chunk)."""
+    saved: np.ndarray
+    """Per storage: True when saved for backward and not pinned (what a plan can change)."""
+    fwd_fixed: np.ndarray
+    """Per storage: True when alive through the whole forward whatever the plan (autocast's cache)."""
+
+
+def _storage_uses(profile: Profile, regions: Regions) -> _Uses:
+    """The producer, readers, savers and bytes of every storage, and every node's chunk."""
+    nodes, storages = profile.nodes, profile.storages
+    chunk_of = regions.chunk_of() + [-1] * (len(nodes) - regions.end)
+    producer = np.array([s.producer for s in storages], dtype=np.int64)
     last_use = producer.copy()
-    savers: list[set[int]] = [set() for _ in range(n_storages)]
-    consumers: list[set[int]] = [set() for _ in range(n_storages)]
+    savers: list[set[int]] = [set() for _ in storages]
+    readers: list[set[int]] = [set() for _ in storages]
     for i, node in enumerate(nodes):
         for s in node.inputs:
             last_use[s] = max(last_use[s], i)
-            consumers[s].add(i)
+            readers[s].add(i)
         for s in node.saves:
             savers[s].add(i)
     first_saver = np.array([min(sv) if sv else NEVER for sv in savers], dtype=np.int64)
     # The model's outputs stay referenced until backward ends whatever the plan: their
     # bytes are part of every measured peak, so they are left out of what a plan can free.
-    pinned = {s for i, node in enumerate(nodes) if i >= regions.end for s in node.inputs}
-    always = np.array([producer[s] >= 0 and s not in pinned and any(not ckpt_chunk[u] for u in savers[s])
-                       for s in range(n_storages)])
-    saver_chunks = tuple(() if always[s] or producer[s] < 0 or s in pinned
-                         else tuple(sorted({chunk_of[u] for u in savers[s]})) for s in range(n_storages))
+    pinned = np.zeros(len(storages), dtype=bool)
+    pinned[[s for node in nodes[regions.end:] for s in node.inputs]] = True
+    return _Uses(
+        chunk_of=chunk_of, checkpointable=[regions.checkpointable[k] if k >= 0 else False for k in chunk_of],
+        size=np.array([s.nbytes if s.producer >= 0 else 0 for s in storages], dtype=np.int64), producer=producer,
+        producer_chunk=np.array([chunk_of[p] if p >= 0 else -1 for p in producer], dtype=np.int64),
+        last_use=last_use, savers=tuple(tuple(sorted(sv)) for sv in savers),
+        readers=tuple(tuple(sorted(r)) for r in readers), first_saver=first_saver, pinned=pinned,
+        saved=(first_saver < NEVER) & ~pinned, fwd_fixed=np.array([s.autocast_cached for s in storages], dtype=bool))
+
+
+def _fixed_release(uses: _Uses) -> np.ndarray:
+    """Per storage: its first saver that no plan checkpoints, a node index (``NEVER`` when none)."""
+    return np.array([min((u for u in sv if not uses.checkpointable[u]), default=NEVER) for sv in uses.savers],
+                    dtype=np.int64)
+
+
+def _saver_chunks(uses: _Uses, always_kept: np.ndarray) -> tuple[tuple[int, ...], ...]:
+    """Per storage: the chunks of its savers, ascending (empty when kept whatever the plan)."""
+    return tuple(() if always_kept[s] or uses.producer[s] < 0 or uses.pinned[s]
+                 else tuple(sorted({uses.chunk_of[u] for u in sv})) for s, sv in enumerate(uses.savers))
+
+
+def _saver_firsts(uses: _Uses) -> tuple[tuple[tuple[int, int], ...], ...]:
+    """Per storage: ``(chunk, node)`` for each checkpointable chunk that saves it, ``node`` its first saver there."""
+    def firsts(savers: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+        first: dict[int, int] = {}
+        for u in savers:  # ascending: the first one seen in a chunk is its first saver
+            if uses.checkpointable[u]:
+                first.setdefault(uses.chunk_of[u], u)
+        return tuple(sorted(first.items()))
+
+    return tuple(() if uses.producer[s] < 0 or uses.pinned[s] else firsts(sv) for s, sv in enumerate(uses.savers))
+
+
+def _consumer_chunks(uses: _Uses, regions: Regions) -> tuple[tuple[int, ...], ...]:
+    """Per storage: the later chunks that read it where a segment could hold it as an input, ascending (chunks)."""
     latest_start = _latest_segment_start(regions)
-    consumer_chunks = tuple(
-        () if producer[s] < 0 or s in pinned else tuple(sorted(
-            {chunk_of[w] for w in consumers[s]
-             if chunk_of[w] > producer_chunk[s] and ckpt_chunk[w] and latest_start[chunk_of[w]] > producer_chunk[s]}))
-        for s in range(n_storages))
-    frozen = [[u for u in savers[s] if not ckpt_chunk[u]] for s in range(n_storages)]
-    fixed_release = np.array([min(f) if f else NEVER for f in frozen], dtype=np.int64)
-    saver_firsts = tuple(
-        () if producer[s] < 0 or s in pinned else tuple(sorted(
-            (k, min(u for u in savers[s] if chunk_of[u] == k))
-            for k in {chunk_of[u] for u in savers[s] if ckpt_chunk[u]}))
-        for s in range(n_storages))
-    release = first_saver.copy()
-    for s in range(n_storages):
-        if consumer_chunks[s]:  # a segment starting in the next chunk could hold it from there
-            release[s] = min(release[s], regions.starts[producer_chunk[s] + 1])
-    # The user's modules' own forward keeps Python locals beyond the traced graph's values: always in
-    # plans run by module hooks, only where the plan leaves the module's code alone in fx rewrites
-    # (planner.memory.excess); that part is the plan's (``excess``), the rest constant.
-    excess = np.array([nd.eager_excess_bytes for nd in nodes], dtype=np.int64)
-    if regions.rules.opens_modules:
-        openers, around = openings(profile, regions)
-        variable = np.array([e if around[t] else 0 for t, e in enumerate(excess)], dtype=np.int64)
-    else:
-        openers, around, variable = (), tuple(() for _ in nodes), np.zeros(n, dtype=np.int64)
-    fwd_peak = np.array([nd.fwd_peak_bytes for nd in nodes], dtype=np.int64) + excess - variable
-    has_bwd = np.array([nd.bwd_peak_bytes is not None for nd in nodes])
-    bwd_peak = np.array([nd.bwd_peak_bytes or 0 for nd in nodes], dtype=np.int64)
-    saved = (first_saver < NEVER) & ~np.isin(np.arange(n_storages), list(pinned))
-    fwd_fixed = np.array([s.autocast_cached for s in profile.storages], dtype=bool)
-    # The un-checkpointed run keeps every saved storage from its production until the
-    # backward of its first saver; subtract that to get the plan-independent part.
-    kept_fwd = prefix_by(last_use[saved & ~fwd_fixed] + 1, size[saved & ~fwd_fixed], n)
-    kept_bwd = prefix_by(first_saver[saved], size[saved], n)
-    own_saved = tuple(tuple(int(x) for x in sorted({x for x in nd.saves if saved[x] and size[x] > 0})) for nd in nodes)
-    own_bytes = np.array([int(size[list(own)].sum()) if own else 0 for own in own_saved], dtype=np.int64)
-    # A segment is re-run at the backward of its last node that packed anything, parameters included
-    # (a frozen Linear saves only its weight; the profile records the pack as ``stop_peak_bytes``), and
-    # the re-run stops once that node has packed.
-    recompute_at = np.full(regions.n_chunks, -1, dtype=np.int64)
-    for k in range(regions.n_chunks):
-        for t in range(*regions.bounds(k)):
-            if (nodes[t].saves or nodes[t].stop_peak_bytes is not None) and nodes[t].bwd_start_bytes is not None:
-                recompute_at[k] = t
-    bwd_start = np.array([nd.bwd_start_bytes or 0 for nd in nodes], dtype=np.int64)
-    const_recompute = np.array([bwd_start[t] - kept_bwd[t] if t >= 0 else 0 for t in recompute_at], dtype=np.int64)
-    if offset is not None:  # one rank of a data-parallel job: sharded or replicated state
-        fwd_peak, bwd_peak = fwd_peak + offset.fwd_bytes, bwd_peak + offset.bwd_bytes
-        const_recompute = const_recompute + np.where(recompute_at >= 0, offset.bwd_bytes[recompute_at], 0)
-    rise = np.array([nd.fwd_peak_bytes - nd.fwd_start_bytes for nd in nodes], dtype=np.int64)
-    fwd_us = np.array([round(nd.fwd_ms * 1000) for nd in nodes], dtype=np.int64)
-    ops = [nd.aten_ops if nd.aten_ops is not None else int(bool(nd.inputs)) for nd in nodes]
-    chunk_cost = np.array([fwd_us[slice(*regions.bounds(k))].sum() for k in range(regions.n_chunks)], dtype=np.int64)
-    skip = np.array([0 if t < 0 else int(fwd_us[t + 1:regions.bounds(k)[1]].sum())
-                     + (int(fwd_us[t]) if nodes[t].stop_peak_bytes == nodes[t].fwd_start_bytes else 0)
-                     for k, t in enumerate(recompute_at)], dtype=np.int64)
-    return MemoryModel(
-        regions=regions, node_names=tuple(nd.name for nd in nodes), size=size, producer=producer,
-        producer_chunk=producer_chunk, last_use=last_use, first_saver=first_saver, release=release,
-        fixed_release=fixed_release, saver_firsts=saver_firsts,
-        fwd_fixed=fwd_fixed,
-        savers=tuple(tuple(sorted(sv)) for sv in savers),
-        always_kept=always, saver_chunks=saver_chunks, consumer_chunks=consumer_chunks,
-        own_saved=own_saved,
-        const_fwd=fwd_peak - kept_fwd, const_bwd=np.where(has_bwd, bwd_peak - kept_bwd + own_bytes, 0),
-        has_bwd=has_bwd,
-        recompute_at=recompute_at, const_recompute=const_recompute, fwd_rise=rise,
-        last_rerun=np.maximum.accumulate(np.where(recompute_at >= 0, np.arange(regions.n_chunks), -1)),
-        restore_bytes=np.array([nd.mutated_buffer_bytes for nd in nodes], dtype=np.int64),
-        chunk_cost_us=chunk_cost, skip_us=skip, segment_cost_us=round(profile.checkpoint_overhead_ms * 1000),
-        node_cost_us=fwd_us,
-        sac_chunk_us=np.array([round(sac_op_us * sum(ops[slice(*regions.bounds(k))])) for k in range(regions.n_chunks)],
-                              dtype=np.int64),
-        step_us=max(1, round(profile.step_ms * 1000)),
-        stop_rise=np.array([nd.fwd_peak_bytes - nd.fwd_start_bytes if nd.stop_peak_bytes is None
-                            else nd.stop_peak_bytes - nd.fwd_start_bytes for nd in nodes], dtype=np.int64),
-        rerun_excess=np.zeros(0, dtype=np.int64) if regions.rules.opens_modules else excess,
-        excess=variable, openers=openers, around=around,
-        param_bytes=profile.param_bytes if offset is None else offset.param_bytes,
-    )
+
+    def holding(s: int) -> tuple[int, ...]:
+        made = uses.producer_chunk[s]
+        return tuple(sorted({k for k in (uses.chunk_of[w] for w in uses.readers[s])
+                             if k > made and regions.checkpointable[k] and latest_start[k] > made}))
+
+    return tuple(() if uses.producer[s] < 0 or uses.pinned[s] else holding(s) for s in range(len(uses.size)))
 
 
 def _latest_segment_start(regions: Regions) -> list[int]:
@@ -139,3 +170,127 @@ def _latest_segment_start(regions: Regions) -> list[int]:
         for w in range(first, stop):
             latest[w] = max(latest[w], first)
     return latest
+
+
+def _release(uses: _Uses, consumer_chunks: tuple[tuple[int, ...], ...], regions: Regions) -> np.ndarray:
+    """Per storage: the earliest node whose backward can free it under any plan, a node index (``NEVER`` when none)."""
+    release = uses.first_saver.copy()
+    for s, held_in in enumerate(consumer_chunks):
+        if held_in:  # a segment starting in the next chunk could hold it from there
+            release[s] = min(release[s], regions.starts[uses.producer_chunk[s] + 1])
+    return release
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _Locals:
+    """The user's modules' Python locals beyond the traced graph's values (``planner.memory.excess``)."""
+
+    constant: np.ndarray
+    """Per node: bytes of them every plan's forward has (part of ``const_fwd``)."""
+    decided: np.ndarray
+    """Per node: bytes of them the plan decides (``MemoryModel.excess``)."""
+    rerun: np.ndarray
+    """Per node: bytes of them while it re-runs (``MemoryModel.rerun_excess``); empty for traced re-runs."""
+    openers: tuple
+    """What opens each module path (``MemoryModel.openers``)."""
+    around: tuple[tuple[int, ...], ...]
+    """Per node: the module paths around it (``MemoryModel.around``)."""
+
+
+def _eager_locals(profile: Profile, regions: Regions) -> _Locals:
+    """Per node, bytes: the modules' eager locals every plan keeps, those the plan decides, and those of a re-run."""
+    excess = np.array([nd.eager_excess_bytes for nd in profile.nodes], dtype=np.int64)
+    if not regions.rules.opens_modules:  # plans run by module hooks: the user's forward runs everywhere
+        return _Locals(constant=excess, decided=np.zeros(len(excess), dtype=np.int64), rerun=excess, openers=(),
+                       around=tuple(() for _ in profile.nodes))
+    # fx rewrites run a module's own forward only where the plan leaves the module's code alone
+    openers, around = openings(profile, regions)
+    decided = np.array([e if around[t] else 0 for t, e in enumerate(excess)], dtype=np.int64)
+    return _Locals(constant=excess - decided, decided=decided, rerun=np.zeros(0, dtype=np.int64), openers=openers,
+                   around=around)
+
+
+def _own_saved(profile: Profile, uses: _Uses) -> tuple[tuple[int, ...], ...]:
+    """Per node: the storages it saves that a plan can change and that have bytes, ascending."""
+    return tuple(tuple(int(x) for x in sorted({x for x in nd.saves if uses.saved[x] and uses.size[x] > 0}))
+                 for nd in profile.nodes)
+
+
+def _kept_until_backward(uses: _Uses, n_nodes: int) -> np.ndarray:
+    """Per node t: bytes of saved storages the un-checkpointed step holds at t's backward (first saver <= t)."""
+    return prefix_by(uses.first_saver[uses.saved], uses.size[uses.saved], n_nodes)
+
+
+def _rank_bytes(offset, n_nodes: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per node: bytes one rank of a data-parallel job adds to its forward and its backward (0 on one device)."""
+    if offset is None:
+        return np.zeros(n_nodes, dtype=np.int64), np.zeros(n_nodes, dtype=np.int64)
+    return offset.fwd_bytes, offset.bwd_bytes
+
+
+def _const_fwd(profile: Profile, uses: _Uses, extra_bytes: np.ndarray) -> np.ndarray:
+    """Per node: the plan-independent part of its forward peak plus ``extra_bytes``, bytes."""
+    held = uses.saved & ~uses.fwd_fixed  # autocast's cached casts stay through the forward whatever the plan
+    peak = np.array([nd.fwd_peak_bytes for nd in profile.nodes], dtype=np.int64) + extra_bytes
+    return peak - prefix_by(uses.last_use[held] + 1, uses.size[held], len(profile.nodes))
+
+
+def _const_bwd(profile: Profile, uses: _Uses, *, has_bwd: np.ndarray, kept_bwd: np.ndarray,
+               own_saved: tuple[tuple[int, ...], ...], rank_bytes: np.ndarray) -> np.ndarray:
+    """Per node: the plan-independent part of its backward peak plus ``rank_bytes``, bytes (0 without a backward)."""
+    peak = np.array([nd.bwd_peak_bytes or 0 for nd in profile.nodes], dtype=np.int64) + rank_bytes
+    own_bytes = np.array([int(uses.size[list(own)].sum()) if own else 0 for own in own_saved], dtype=np.int64)
+    return np.where(has_bwd, peak - kept_bwd + own_bytes, 0)
+
+
+def _recompute_at(profile: Profile, regions: Regions) -> np.ndarray:
+    """Per chunk: its last node that packs tensors for backward, a node index (-1 when none)."""
+    # A segment is re-run at the backward of its last node that packed anything, parameters included
+    # (a frozen Linear saves only its weight; the profile records the pack as ``stop_peak_bytes``), and
+    # the re-run stops once that node has packed.
+    nodes = profile.nodes
+    recompute_at = np.full(regions.n_chunks, -1, dtype=np.int64)
+    for k in range(regions.n_chunks):
+        for t in range(*regions.bounds(k)):
+            if (nodes[t].saves or nodes[t].stop_peak_bytes is not None) and nodes[t].bwd_start_bytes is not None:
+                recompute_at[k] = t
+    return recompute_at
+
+
+def _last_rerun(recompute_at: np.ndarray) -> np.ndarray:
+    """Per chunk k: the last chunk up to k with a ``recompute_at``, a chunk index (-1 when none)."""
+    return np.maximum.accumulate(np.where(recompute_at >= 0, np.arange(len(recompute_at)), -1))
+
+
+def _const_recompute(profile: Profile, recompute_at: np.ndarray, *, kept_bwd: np.ndarray,
+                     rank_bytes: np.ndarray) -> np.ndarray:
+    """Per chunk: plan-independent bytes when a segment is re-run at its ``recompute_at`` (0 when none)."""
+    bwd_start = np.array([nd.bwd_start_bytes or 0 for nd in profile.nodes], dtype=np.int64)
+    const = np.array([bwd_start[t] - kept_bwd[t] if t >= 0 else 0 for t in recompute_at], dtype=np.int64)
+    return const + np.where(recompute_at >= 0, rank_bytes[recompute_at], 0)
+
+
+def _stop_rise(profile: Profile) -> np.ndarray:
+    """Per node: bytes its forward allocates up to its last saved tensor's pack (its whole rise when unknown)."""
+    return np.array([(nd.fwd_peak_bytes if nd.stop_peak_bytes is None else nd.stop_peak_bytes) - nd.fwd_start_bytes
+                     for nd in profile.nodes], dtype=np.int64)
+
+
+def _chunk_us(regions: Regions, node_us: np.ndarray) -> np.ndarray:
+    """Per chunk: the forward time of its nodes, microseconds."""
+    return np.array([node_us[slice(*regions.bounds(k))].sum() for k in range(regions.n_chunks)], dtype=np.int64)
+
+
+def _skip_us(profile: Profile, regions: Regions, recompute_at: np.ndarray, node_us: np.ndarray) -> np.ndarray:
+    """Per chunk: the forward time a re-run stopping at its ``recompute_at`` skips, microseconds."""
+    nodes = profile.nodes
+    return np.array([0 if t < 0 else int(node_us[t + 1:regions.bounds(k)[1]].sum())
+                     + (int(node_us[t]) if nodes[t].stop_peak_bytes == nodes[t].fwd_start_bytes else 0)
+                     for k, t in enumerate(recompute_at)], dtype=np.int64)
+
+
+def _sac_chunk_us(profile: Profile, regions: Regions, sac_op_us: float) -> np.ndarray:
+    """Per chunk: the time selective checkpointing's dispatch adds to it, microseconds (``sac_op_us`` per ATen op)."""
+    ops = [nd.aten_ops if nd.aten_ops is not None else int(bool(nd.inputs)) for nd in profile.nodes]
+    return np.array([round(sac_op_us * sum(ops[slice(*regions.bounds(k))])) for k in range(regions.n_chunks)],
+                    dtype=np.int64)
