@@ -1,4 +1,4 @@
-"""The chunk DP (planner.rotor) against brute force on DAGs with skip connections: exact optimum,
+"""The chunk DP (planner.solve.rotor) against brute force on DAGs with skip connections: exact optimum,
 exact smallest peak, and a lower bound that never exceeds the optimum."""
 
 import numpy as np

@@ -73,7 +73,7 @@ def test_selective_optimum_matches_brute_force(seed):
 @pytest.mark.slow
 @pytest.mark.parametrize("seed", range(3))
 def test_save_variant_dp_is_exact_over_its_space(seed):
-    """The chunk DP with per-segment save variants (planner.rotor_saves) finds the least recompute of
+    """The chunk DP with per-segment save variants (planner.solve.rotor_saves) finds the least recompute of
     every plan x variant combination, from the smallest peak up to no checkpointing."""
     model, options = _model(seed, n=8)
     dp = ChainDP(model, 0, optimistic=False, candidates=options.candidates)

@@ -17,7 +17,7 @@ whether some node saves them for backward:
 Two plan conditions keep this exact (``check_saves``; constraints in CP-SAT): the re-run must reach
 ``o`` (``partner``), and no later segment may hold an unsaved cached storage as its input (it would
 count the storage a second time with another lifetime). Torch-free; ``planner.memory.simulate`` and the
-CP-SAT encoding (``planner.solve_selective``) use it.
+CP-SAT encoding (``planner.solve.cpsat_saves``) use it.
 """
 
 from __future__ import annotations

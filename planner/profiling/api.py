@@ -2,7 +2,7 @@
 device spec), and check that a saved profile belongs to the model and inputs it is used with.
 
 ``planner.profile(model, inputs=...)`` is this module's ``profile``; ``optimize(..., profile=,
-device=)`` goes through ``profile_for``. Saving and loading live in ``profile_io``.
+device=)`` goes through ``profile_for``. Saving and loading live in ``record.py``.
 """
 
 from __future__ import annotations

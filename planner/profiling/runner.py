@@ -1,7 +1,7 @@
 """Runs one training step of a captured graph node by node, with hooks around every node.
 
 The machinery both profiling passes share (``planner.profile``'s memory pass and
-``planner.profile_timing``'s timed pass): an ``fx.Interpreter`` that computes the loss,
+``planner.profiling.timing``'s timed pass): an ``fx.Interpreter`` that computes the loss,
 runs backward, attributes every autograd node to the graph node that created it, and
 turns a failing node into one error naming it, the user's line and the input shapes.
 """

@@ -4,7 +4,7 @@
 the ``Tradeoff`` it returns holds one row per budget, the hand-made strategies as
 reference points, the Pareto front and its knee, a per-block view of what is
 checkpointed, and HTML / pandas / matplotlib views for notebooks (plots live in
-``planner.plotting``).
+``planner.report.plotting``).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The CP-SAT side of op-level saves (selective checkpointing): variables, and the terms they add.
 
-``planner.solve.build`` calls these when it is given ``SaveOptions``; they encode exactly what
+``planner.solve.cpsat.build`` calls these when it is given ``SaveOptions``; they encode exactly what
 ``planner.memory.saves`` adds to ``planner.memory.simulate`` (a test checks ``encoded_peak == simulate`` on random
 plans with saves). Torch-free.
 """

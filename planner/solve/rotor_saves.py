@@ -1,6 +1,6 @@
 """The saves the chunk DP may give one segment (selective checkpointing), and what they change there.
 
-CP-SAT chooses saves node by node; the DP (``planner.rotor``) gives each checkpointed segment a few
+CP-SAT chooses saves node by node; the DP (``planner.solve.rotor``) gives each checkpointed segment a few
 *save variants* instead: the segment's candidates sorted by forward time per cached byte, and the
 prefixes of that order (none, the best one, the best two, ...). Within that space the DP is exact,
 so it finds in about a second what CP-SAT needs tens of seconds to approach; CP-SAT then only has

@@ -1,5 +1,5 @@
 """Non-decreasing step functions of the kept bytes M: the values of the chunk DP's states
-(``planner.rotor``), exact (numpy breakpoint arrays, no rounding)."""
+(``planner.solve.rotor``), exact (numpy breakpoint arrays, no rounding)."""
 
 from __future__ import annotations
 
