@@ -12,6 +12,7 @@ from __future__ import annotations
 from torch import nn
 from typing_extensions import Unpack
 
+from planner.capture.method import ExecutorKind
 from planner.common.budget import check_budget
 from planner.errors import OptionError
 from planner.options import OptionArgs, PlanOptions, resolve
@@ -39,7 +40,7 @@ def enable(model: nn.Module, budget: int | str, *, inputs: UserInputs = None, op
         raise OptionError("enable() plans the model for this process and its own device: drop world_size= and "
                           "device= (optimize() plans for another device or a distributed job)")
     remove_plan(model)  # profile the model as it is, without an older plan's hooks
-    prepared = prepare(model, inputs=inputs, options=opts, budget=budget, modules=True)
+    prepared = prepare(model, inputs=inputs, options=opts, budget=budget, runs=ExecutorKind.HOOKS)
     return plan_for(prepared, budget, target=model)
 
 

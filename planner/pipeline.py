@@ -13,22 +13,22 @@ from typing_extensions import Unpack
 
 from planner.capture.api import capture
 from planner.capture.cache import no_cache
-from planner.capture.inputs import as_inputs
+from planner.capture.inputs import as_inputs, bind, tensor_shapes
+from planner.capture.method import ExecutorKind
 from planner.capture.step import parameters_in
 from planner.common.budget import check_budget, format_bytes, parse_budget
 from planner.distributed.memory import setup, split_at_units
 from planner.errors import InfeasibleBudget, OptionError
 from planner.follow.family import Family, GroupPlan
 from planner.follow.shapes import ShapeGrid, realize, shaped, spread
-from planner.follow.switch import follow
-from planner.memory.simulate import simulate
+from planner.memory.simulate import Timeline, simulate
 from planner.options import OptionArgs, PlanOptions, resolve
 from planner.plan import MemoryTimeline, Plan
 from planner.planning.chunkings import solve_budget, solve_prepared
 from planner.planning.prepared import Prepared, chunked, prepared_from
 from planner.profiling.api import capture_inputs, profile_for
-from planner.rewrite.modules import PlannedShapes, bind, remove_plan, tensor_shapes
-from planner.rewrite.segment import segments_of
+from planner.rewrite.modules import PlannedShapes
+from planner.rewrite.segment import Segment, segments_of
 from planner.solve.deadline import Deadline
 from planner.solve.registry import get_solver
 from planner.solve.result import Solution
@@ -93,13 +93,15 @@ def check_shapes(options: PlanOptions, values: Mapping[str, Any]) -> None:
 
 
 def prepare(model: nn.Module, *, inputs: UserInputs = None, options: PlanOptions | None = None,
-            budget: int | str | None = None, modules: bool = False, **overrides: Unpack[OptionArgs]) -> Prepared:
+            budget: int | str | None = None, runs: ExecutorKind | None = None,
+            **overrides: Unpack[OptionArgs]) -> Prepared:
     """Captures and profiles ``model`` once (arguments as for ``optimize``).
 
     A step that does not fit whole in what the device has left is profiled in pieces (memory from shapes,
     times measured piece by piece, ``planner.profiling.fitting``); ``budget``, the budget the plans will be
-    made for, then bounds the pieces too, so that profiling holds no more than the plan will. ``modules``:
-    plan the model's own forward with module hooks even when torch.fx could trace it (``enable``)."""
+    made for, then bounds the pieces too, so that profiling holds no more than the plan will. ``runs``: how the
+    plan must run, whatever torch.fx can trace (``ExecutorKind.HOOKS``: the model's own forward, for ``enable``);
+    a plan that follows the batch always runs by hooks."""
     opts = resolve(options, overrides, where="prepare")
     stage = opts.progress or (lambda name: None)
     dist = setup(model, world_size=opts.world_size, parallel=opts.parallel, units=opts.units,
@@ -112,7 +114,7 @@ def prepare(model: nn.Module, *, inputs: UserInputs = None, options: PlanOptions
         step_inputs = example.cast(dtype) if dist and dist.cast_forward_inputs else example
         captured = capture(model, capture_inputs(model, step_inputs),   # graph + module calls (meta inputs for a
                            units=dist.opaque if dist else frozenset(),  # meta model); a plan that follows the
-                           modules=modules or opts.follow_batch)        # batch runs the model's own forward
+                           runs=ExecutorKind.HOOKS if opts.follow_batch else runs)  # batch runs by hooks
         stage("profile")
         measured = profile_for(captured, model, step_inputs, loss_fn=opts.loss_fn,  # one real step node by node,
                                device=opts.device, saved=opts.profile,              # or a saved or estimated
@@ -161,34 +163,33 @@ def plan_for(prepared: Prepared, budget: int | str, *, options: PlanOptions | No
                                   resolve=lambda b: solve_budget(opts.solver, memory, b, baseline.peak_bytes, deadline))
     solution = replace(solution, solve_time_s=time.perf_counter() - started)  # the whole stage, widening included
     stage("rewrite")
-    plan = plan_from_solution(prepared, solution, budget_bytes, target=target)
-    return _following(prepared, plan, opts) if opts.follow_batch else plan
+    return plan_from_solution(prepared, solution, budget_bytes, target=target,
+                              follow=opts if opts.follow_batch else None)
 
 
-def _following(prepared: Prepared, plan: Plan, options: PlanOptions) -> Plan:
-    """``plan`` made to follow the batch: its module runs each training call's group plan, this plan for the
-    example's group (``planner.follow.family``)."""
-    if prepared.rules.opens_modules:
+def _family(prepared: Prepared, segments: tuple[Segment, ...], predicted: Timeline, recompute_ms: float,
+            budget_bytes: int, options: PlanOptions) -> Family:
+    """The family of a plan that follows the batch: ``segments`` (predicted ``predicted``) for the example's
+    group, and the groups of the shapes ``options`` names, planned now (``planner.follow.family``)."""
+    if prepared.executor.kind is not ExecutorKind.HOOKS:
         raise OptionError("follow_batch runs the model's own forward: prepare the model with follow_batch=True")
-    family = Family.around(prepared, plan.budget_bytes, options)
+    family = Family.around(prepared, budget_bytes, options)
     key = family.example_group
-    assert plan.module is not None
-    family.groups[key] = GroupPlan(shapes=key, segments=plan.segments, predicted_peak_bytes=plan.predicted_peak_bytes,
-                                   baseline_peak_bytes=plan.baseline_peak_bytes, recompute_ms=plan.recompute_ms,
-                                   step_ms=plan.step_ms)
-    remove_plan(plan.module)  # shapes planned ahead are captured from the model's own forward, without chains
+    family.groups[key] = GroupPlan(shapes=key, segments=segments, predicted_peak_bytes=predicted.peak_bytes,
+                                   baseline_peak_bytes=prepared.baseline.peak_bytes,
+                                   recompute_ms=recompute_ms, step_ms=prepared.profile.step_ms)
     for spec in options.shapes or ():
         family.plan_ahead(spec)
-    follow(plan.module, family, key)
-    return replace(plan, family=family)
+    return family
 
 
 def plan_from_solution(prepared: Prepared, solution: Solution, budget_bytes: int, *,
-                       target: nn.Module | None = None) -> Plan:
+                       target: nn.Module | None = None, follow: PlanOptions | None = None) -> Plan:
     """The Plan (planned module included) for any strategy's solution of a prepared model.
 
     ``target``: for plans that run the model's own forward, the module tree to put the hooks on
-    (``enable`` passes the model itself); default a clone of the model (``rewrite.modules.clone_tree``).
+    (``enable`` passes the model itself); default a clone of the model (``planner.capture.tree.clone_tree``).
+    ``follow``: the options of a plan that follows the batch, whose example group this solution is.
     """
     memory, baseline = prepared.memory, prepared.baseline
     segments = segments_of(prepared.profile, prepared.regions, memory, solution.plan, solution.saves)
@@ -196,7 +197,10 @@ def plan_from_solution(prepared: Prepared, solution: Solution, budget_bytes: int
     shapes = tensor_shapes(prepared.model, prepared.example.args, prepared.example.kwargs)
     planned = PlannedShapes(shapes=shapes, predicted_peak_bytes=predicted.peak_bytes,
                             fixed_bytes=predicted.breakdown.parameters_bytes, budget_bytes=budget_bytes)
-    built = prepared.executor.build(prepared.model, prepared.captured, segments, target=target, planned=planned)
+    family = None if follow is None else _family(prepared, segments, predicted, solution.recompute_us / 1000,
+                                                 budget_bytes, follow)
+    built = prepared.executor.build(prepared.model, prepared.captured, segments, target=target, planned=planned,
+                                    follow=family)
     return Plan(
         module=built.module,
         budget_bytes=budget_bytes,
@@ -221,6 +225,7 @@ def plan_from_solution(prepared: Prepared, solution: Solution, budget_bytes: int
         profile_pieces=prepared.profile.pieces,
         profile_peak_bytes=prepared.profile.profile_peak_bytes,
         planned_inputs=shapes,
+        family=family,
         sac_op_us=prepared.sac_cost.op_us,
         sac_cost_source=prepared.sac_cost.source,
         timeline=MemoryTimeline(

@@ -30,7 +30,6 @@ from planner.common.checked_json import (
 )
 from planner.errors import PlanFileError
 from planner.follow.family import Family
-from planner.follow.switch import follow
 from planner.memory.breakdown import PeakBreakdown
 from planner.profiling.devices import SacCostSource
 from planner.rewrite.executor import executor_for
@@ -144,12 +143,11 @@ class Plan:
             PlanMismatch (a ValueError): ``model`` does not trace to the graph the plan was made for.
             ChainError: a plan run by hooks names a module ``model`` does not have.
         """
-        module = executor_for(self.capture_method).apply(model, self.segments, fingerprint=self.fingerprint,
-                                                         inputs=inputs, units=units, planned=self.planned_shapes())
-        if self.family is not None:  # each training call runs its group's plan; new groups planned on model
-            family = self.family.bound(model, replace(self.family.options, loss_fn=loss_fn))
-            follow(module, family, family.example_group)
-        return module
+        family = None if self.family is None else \
+            self.family.bound(model, replace(self.family.options, loss_fn=loss_fn))  # new groups planned on model
+        return executor_for(self.capture_method).apply(model, self.segments, fingerprint=self.fingerprint,
+                                                       inputs=inputs, units=units, planned=self.planned_shapes(),
+                                                       follow=family)
 
     def planned_shapes(self) -> PlannedShapes | None:
         """What the shape warning of a plan run by hooks compares calls with; None without shapes."""

@@ -145,6 +145,70 @@ def test_enable_follows_the_batch_on_the_models_own_object_and_disable_takes_it_
     assert disable(model) and not model._forward_pre_hooks
 
 
+def _snapshot(model: torch.nn.Module) -> dict:
+    """Everything of ``model`` a planning must leave as it was: each parameter and buffer object with its value,
+    device and gradient, every module's train flag and hooks."""
+    return {"parameters": [(name, p, p.detach().clone(), p.grad, p.requires_grad)
+                           for name, p in model.named_parameters()],
+            "buffers": [(name, b, b.clone()) for name, b in model.named_buffers()],
+            "modules": [(name, m.training, {key: list(value) for key, value in vars(m).items()
+                                            if key.endswith("hooks") or "hooks_" in key})
+                        for name, m in model.named_modules()]}
+
+
+def _assert_as_before(model: torch.nn.Module, before: dict) -> None:
+    for (name, p, value, grad, requires), (now, q) in zip(before["parameters"], model.named_parameters()):
+        assert now == name and q is p and not p.is_meta and torch.equal(p.detach(), value), name
+        assert p.grad is grad and p.requires_grad == requires, name
+    for (name, b, value), (now, c) in zip(before["buffers"], model.named_buffers()):
+        assert now == name and c is b and torch.equal(b, value), name
+    assert [(name, m.training, {key: list(value) for key, value in vars(m).items()
+                                if key.endswith("hooks") or "hooks_" in key})
+            for name, m in model.named_modules()] == before["modules"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("where", ["capture", "meta replay", "solve"])
+def test_an_interrupted_first_sight_planning_leaves_the_model_as_it_was(where, monkeypatch):
+    """A group first seen in training is planned inside the forward of the user's own object (enable). A
+    Ctrl-C there, wherever it lands, leaves every parameter, gradient, buffer and hook as it was; during
+    the planning the model's own parameters are never swapped for meta tensors; the next call plans the
+    group and trains exactly."""
+    import planner.capture.api as capture_api
+    import planner.follow.family as family_module
+    from planner.profiling.memory_pass import MemoryRecorder
+
+    model = make_model("qwen2")
+    plan = enable(model, "60%", inputs=batch(4, 128), follow_batch=True, keep_output=False, time_limit_s=10,
+                  selective=False)
+    for p in model.parameters():  # an accumulated gradient, as between two micro-batches
+        p.grad = torch.ones_like(p)
+    before = _snapshot(model)
+    seen = []
+
+    def interrupt(*args, **kwargs):  # a Ctrl-C at that point
+        assert not any(p.is_meta for p in model.parameters())  # the user's tree is never swapped
+        seen.append(where)
+        raise KeyboardInterrupt
+
+    targets = {"capture": (capture_api, "aten_graph"), "meta replay": (MemoryRecorder, "step"),
+               "solve": (family_module, "solve_prepared")}
+    owner, name = targets[where]
+    monkeypatch.setattr(owner, name, interrupt)  # enable() has planned: this is the new group's planning
+    with pytest.raises(KeyboardInterrupt):
+        model(**batch(4, 64)).loss.backward()
+    assert seen == [where]
+    _assert_as_before(model, before)
+    monkeypatch.undo()
+    for p in model.parameters():
+        p.grad = None
+    reference_model = make_model("qwen2")
+    expected, reference = grads_after_step(reference_model, batch(4, 64))
+    loss, grads = grads_after_step(model, batch(4, 64))  # planned now, in this call
+    assert loss == expected and all(torch.equal(a, b) for a, b in zip(grads, reference))
+    assert len(plan.family.groups) == 2
+
+
 @pytest.mark.slow
 def test_trainer_with_dynamic_padding_trains_like_the_unplanned_model(tmp_path):
     """transformers.Trainer with DataCollatorForLanguageModeling (each batch padded to its longest row), the

@@ -9,6 +9,7 @@ while keeping its module tree. ``capture`` tries the tiers in order.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch.fx as fx
@@ -19,7 +20,7 @@ from planner.capture.cache import no_cache
 from planner.capture.calls import SCOPE_KEY, CallIndex, repeated_blocks
 from planner.capture.fx import trace
 from planner.capture.inputs import Inputs
-from planner.capture.method import CaptureMethod
+from planner.capture.method import CaptureMethod, ExecutorKind
 from planner.errors import CaptureError, InputError, user_frame
 
 
@@ -50,74 +51,122 @@ FX_BLOCKS, FX_UNITS = CaptureMethod.FX_BLOCKS, CaptureMethod.FX_UNITS
 """Short names of the tiers (``CaptureMethod`` members)."""
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Request:
+    """What one ``capture`` call asks for."""
+
+    model: nn.Module
+    inputs: Inputs | None
+    """Example inputs; the tiers that run the model's forward need them."""
+    units: frozenset[str]
+    """FSDP units to keep as calls (their hooks gather parameters), or none."""
+    on_meta: bool
+    """The model's parameters or buffers are on the meta device: no real forward can run."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Tier:
+    """One way of capturing a model: when it applies, and how it makes the graph."""
+
+    method: CaptureMethod
+    """What it is called in the plan; ``method.executor`` says how its plans run."""
+    applies: Callable[[Request], bool]
+    run: Callable[[Request], tuple[fx.GraphModule, frozenset[str]]]
+    """The graph and the modules it keeps as opaque calls; raises when the model does not capture this way."""
+
+
+def _fx(request: Request) -> tuple[fx.GraphModule, frozenset[str]]:
+    return trace(request.model)[0], frozenset()
+
+
+def _fx_units(request: Request) -> tuple[fx.GraphModule, frozenset[str]]:
+    return trace(request.model, opaque=request.units)[0], request.units
+
+
+def _aten(request: Request) -> tuple[fx.GraphModule, frozenset[str]]:
+    assert request.inputs is not None  # the tier applies with inputs only
+    with no_cache(request.model):  # use_cache off, as in training
+        return aten_graph(request.model, request.inputs.args, request.inputs.kwargs), frozenset()
+
+
+def _export(request: Request) -> tuple[fx.GraphModule, frozenset[str]]:
+    from planner.capture.export import export_graph  # torch.export is only needed here
+
+    assert request.inputs is not None  # the tier applies with inputs only
+    with no_cache(request.model):
+        return export_graph(request.model, request.inputs.args, request.inputs.kwargs), frozenset()
+
+
+def _fx_blocks(request: Request) -> tuple[fx.GraphModule, frozenset[str]]:
+    for opaque in _opaque_candidates(request.model):  # module-level: the blocks' own code stays untraced
+        try:
+            return trace(request.model, opaque=opaque)[0], opaque
+        except CaptureError:
+            continue
+    raise CaptureError("neither the repeated blocks nor the root's children kept as calls trace")
+
+
+TIERS = (
+    Tier(method=FX_UNITS, applies=lambda r: bool(r.units), run=_fx_units),
+    Tier(method=FX, applies=lambda r: not r.units, run=_fx),
+    Tier(method=ATEN, applies=lambda r: r.inputs is not None and not r.on_meta, run=_aten),
+    Tier(method=EXPORT, applies=lambda r: r.inputs is not None and r.on_meta, run=_export),
+    Tier(method=FX_BLOCKS, applies=lambda r: not r.units, run=_fx_blocks),
+)
+"""The capture tiers, in the order they are tried (docs/architecture.md, "Capture, in order"):
+
+1. torch.fx: user modules inlined, torch.nn layers kept as calls; with FSDP units, the units kept as calls
+   (FSDP2 gathers a unit's parameters in hooks of its forward, which must run). Plans rewrite the graph.
+2. With example inputs: the ATen ops of one real forward (``aten.aten_graph``; ``torch.export`` for a model
+   on the meta device), ``use_cache`` off as in training. Plans run the model's own forward with module
+   hooks; a model whose units fx cannot keep as calls lands here too (its own forward runs the units).
+3. fx with the model's repeated blocks (then its children) kept as opaque calls. Plans rewrite the graph."""
+
+
 def capture(model: nn.Module, inputs: Inputs | None = None, *, units: frozenset[str] = frozenset(),
-            modules: bool = False) -> Captured:
-    """Traces ``model`` into a flat graph, trying the tiers in order:
+            runs: ExecutorKind | None = None) -> Captured:
+    """Captures ``model`` into a flat graph with the first of ``TIERS`` that applies and succeeds.
 
-    1. ``torch.fx.symbolic_trace`` (user modules inlined, torch.nn layers kept as calls); the plan
-       runs a rewritten graph. Skipped with ``modules=True``.
-    2. With example inputs: the ATen ops of one real forward (``aten.aten_graph``; ``torch.export``
-       for a model on the meta device), ``use_cache`` off as in training (``cache.no_cache``). The
-       plan runs the model's own forward with module hooks.
-    3. fx with the model's repeated blocks (then its children) kept as opaque calls.
-
-    ``units`` (FSDP units): FSDP2 gathers a unit's parameters in hooks of its forward, which must run. fx
-    keeps them as calls; when it cannot trace the model, tier 2 follows (the plan runs the model's own
-    forward, units included).
+    Args:
+        inputs: example inputs (the tiers that run the forward need them).
+        units: FSDP units to keep as calls.
+        runs: only the tiers whose plans run this way (``ExecutorKind.HOOKS``: the model's own forward, for a
+            plan made in place or one that follows the batch); None: any.
 
     Raises:
         CaptureError: no tier could capture the model; names each failure.
-        InputError: ``modules=True`` without example inputs.
+        InputError: ``runs=HOOKS`` without example inputs.
     """
-    notes: list[str] = []
-    if units:  # FSDP units as calls, so that FSDP2's hooks run; else the model's own forward runs them
-        try:
-            gm, _ = trace(model, opaque=units)
-            return Captured(graph_module=gm, method=FX_UNITS, fingerprint=fingerprint(gm.graph), opaque=units)
-        except CaptureError as fx_error:
-            if inputs is None:
-                raise
-            notes.append(f"{FX_UNITS.label} failed: {fx_error}")
-            modules = True  # fx fails with the units as calls: it would with them inlined too
-    if modules and inputs is None:
-        raise InputError("planning the model's own forward (enable(), modules=True) needs example inputs: "
+    if runs is ExecutorKind.HOOKS and inputs is None:
+        raise InputError("planning the model's own forward (enable(), follow_batch) needs example inputs: "
                          "pass inputs=<one training batch>")
-    if not modules:
+    request = Request(model=model, inputs=inputs, units=units,
+                      on_meta=any(t.is_meta for t in (*model.parameters(), *model.buffers())))
+    notes: list[str] = []
+    for tier in TIERS:
+        if not tier.applies(request) or (runs is not None and tier.method.executor is not runs):
+            continue
         try:
-            gm, _ = trace(model)
-            return Captured(graph_module=gm, method=FX, fingerprint=fingerprint(gm.graph))
-        except CaptureError as fx_error:
-            if inputs is None:
-                raise
-            notes.append(f"{FX.label} failed: {fx_error}")
-    assert inputs is not None  # without inputs, modules=True raised above and a failed fx trace re-raised
-    tier = EXPORT if any(t.is_meta for t in (*model.parameters(), *model.buffers())) else ATEN
-    try:
-        with no_cache(model):
-            if tier is ATEN:
-                gm = aten_graph(model, inputs.args, inputs.kwargs)
-            else:
-                from planner.capture.export import export_graph  # torch.export is only needed here
+            gm, opaque = tier.run(request)
+        except Exception as exc:
+            notes.append(_failure(tier.method, exc))
+            continue
+        return Captured(graph_module=gm, method=tier.method, fingerprint=fingerprint(gm.graph), notes=tuple(notes),
+                        opaque=opaque)
+    fix = ("make the model's forward run on these inputs (and, for torch.fx, traceable: no Python control flow on "
+           "tensor values)" if inputs is not None else "pass inputs=<one training batch>, so that ckplan can record "
+           "one real forward, or make the model traceable (no Python control flow on tensor values)")
+    raise CaptureError("; and ".join(note.split("; make that line")[0] for note in notes) + f": {fix}")
 
-                gm = export_graph(model, inputs.args, inputs.kwargs)
-        return Captured(graph_module=gm, method=tier, fingerprint=fingerprint(gm.graph), notes=tuple(notes))
-    except Exception as exc:
-        where = user_frame(exc)
-        notes.append(f"{tier.label} failed: {type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"
-                     + (f" (at {where})" if where else ""))
-    if not modules:
-        for opaque in _opaque_candidates(model):  # module-level: the blocks' own code stays untraced
-            try:
-                gm, _ = trace(model, opaque=opaque)
-            except CaptureError:
-                continue
-            return Captured(graph_module=gm, method=FX_BLOCKS, fingerprint=fingerprint(gm.graph),
-                            notes=tuple(notes), opaque=opaque)
-    raise CaptureError(
-        "; and ".join(note.split("; make that line")[0] for note in notes)
-        + ("" if modules else "; and tracing with its blocks as opaque calls failed too")
-        + ": make the model's forward run on these inputs (and, for torch.fx, traceable: no Python control "
-        "flow on tensor values)")
+
+def _failure(method: CaptureMethod, exc: Exception) -> str:
+    """One line saying why a tier failed: its own message, or the error's first line and the line of the user's
+    code that raised it."""
+    if isinstance(exc, CaptureError):
+        return f"{method.label} failed: {exc}"
+    where = user_frame(exc)
+    return (f"{method.label} failed: {type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"
+            + (f" (at {where})" if where else ""))
 
 
 def _opaque_candidates(model: nn.Module) -> list[frozenset[str]]:

@@ -1,7 +1,9 @@
-"""The example inputs of ``model(...)``, normalised once: positional and keyword arguments."""
+"""The example inputs of ``model(...)``, normalised once: positional and keyword arguments; and any call's
+arguments by parameter name (``bind``), which plans compare shapes by."""
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -61,3 +63,25 @@ def as_inputs(model: nn.Module, inputs: tuple | Mapping | torch.Tensor | None) -
         f"inputs must be a tuple of positional arguments or a dict of keyword arguments, "
         f"got {type(inputs).__name__}"
     )
+
+
+def bind(module: nn.Module, args: tuple, kwargs: dict) -> dict[str, Any] | None:
+    """The call's arguments by parameter name (``**kwargs`` flattened in), or None if they do not bind."""
+    try:
+        bound = inspect.signature(module.forward).bind(*args, **kwargs)
+    except TypeError:
+        return None
+    named: dict[str, Any] = {}
+    for name, value in bound.arguments.items():
+        kind = bound.signature.parameters[name].kind
+        if kind is inspect.Parameter.VAR_KEYWORD:
+            named.update(value)
+        elif kind is not inspect.Parameter.VAR_POSITIONAL:
+            named[name] = value
+    return named
+
+
+def tensor_shapes(module: nn.Module, args: tuple, kwargs: dict) -> dict[str, tuple[int, ...]]:
+    """Shape of each tensor argument of a call of ``module``, by parameter name."""
+    return {name: tuple(value.shape) for name, value in (bind(module, args, kwargs) or {}).items()
+            if isinstance(value, torch.Tensor)}

@@ -4,9 +4,13 @@ Real batches change shape from step to step (dynamic padding, a short last batch
 A ``Family`` groups call shapes on a grid (``planner.follow.shapes.ShapeGrid``: each dim of each tensor argument
 rounded up to the next grid line; lines a sixteenth of the example's size apart), plans each group for the group's
 largest shape the first time a call of it is seen (or ahead, for the shapes a user names), and keeps that
-plan; ``planner.follow`` switches the module's checkpoint hooks to each training call's group plan: a
-dictionary lookup, and a re-install of the chains' hooks when the group changes. A group whose
-un-checkpointed step fits the budget runs no checkpoint at all.
+plan. The family is the chooser of the hook executor's switching plan (``planner.rewrite.switching``): each
+training call's group is a dictionary lookup, and the executor re-installs the chains' hooks when the group
+changes. A group whose un-checkpointed step fits the budget runs no checkpoint at all.
+
+A group first seen in training is planned there, inside the model's forward pre-hook, on a private copy of
+the module tree (``planner.capture.tree.private_copy``: own buffers and gradients, none of ckplan's hooks):
+the user's model is never changed, and an error or a Ctrl-C during the planning leaves it as it was.
 
 Each group's memory comes from a meta-tensor replay at its shape (exact, nothing allocated); its times
 are the example batch's measured times scaled node by node by the ratio of roofline estimates at the two
@@ -27,7 +31,9 @@ from torch import nn
 
 from planner.capture.api import capture
 from planner.capture.cache import no_cache
-from planner.capture.inputs import Inputs
+from planner.capture.inputs import Inputs, bind
+from planner.capture.method import ExecutorKind
+from planner.capture.tree import private_copy
 from planner.common.checked_json import as_list, check_record, record_from_json
 from planner.distributed.memory import setup
 from planner.errors import CaptureError, InfeasibleBudget, OptionError, ProfileError
@@ -41,7 +47,7 @@ from planner.profiling.estimate import Roofline
 from planner.profiling.memory_pass import StepTimes, assemble
 from planner.profiling.meta import memory_on_meta
 from planner.profiling.record import Profile, profile_from_dict, profile_to_dict
-from planner.rewrite.modules import bind
+from planner.rewrite.modules import own_hooks
 from planner.rewrite.segment import Segment, segments_of
 from planner.solve.deadline import Deadline
 
@@ -192,6 +198,22 @@ class Family:
                  "overhead": group.recompute_ms / group.step_ms if group.step_ms else 0.0}
                 for group in sorted(self.groups.values(), key=lambda g: [math.prod(s) for _, s in g.shapes])]
 
+    def choose(self, values: Mapping[str, Any]) -> tuple[Shapes, tuple[Segment, ...]]:
+        """The group of a training call with these arguments (by name) and its plan's segments, planned now if
+        the group is new (``planner.rewrite.switching.Chooser``).
+
+        Raises:
+            OptionError: the call's tensor arguments are not those of the example call.
+            InfeasibleBudget: no plan of the new group fits the budget.
+        """
+        shapes = shaped(values)
+        key = self.grid.group(shapes)
+        if key is None:
+            raise OptionError(f"this call's tensor arguments {sorted(shapes)} are not those the plan follows "
+                              f"({sorted(self.grid.steps)}); plan with a batch like this call's")
+        tensors = {k: v for k, v in values.items() if isinstance(v, torch.Tensor)}
+        return key, self.plan_of(key, tensors).segments
+
     def plan_of(self, key: Shapes, values: Mapping[str, Any]) -> GroupPlan:
         """The group's plan, planned now (for its upper shapes, from this call's own values) if it is new."""
         found = self.groups.get(key)
@@ -207,17 +229,17 @@ class Family:
         example = Inputs(args=(), kwargs={name: fitted(value, dict(key).get(name)) for name, value in values.items()})
         setting = f"calls shaped {', '.join(f'{name} {tuple(shape)}' for name, shape in key)} (a group of the plan " \
                   "that follows the batch)"
+        model = private_copy(self.model, drop_hooks=own_hooks(self.model))[0]  # never the user's own tree
         try:
-            with no_cache(self.model):
-                captured = capture(self.model, example, modules=True)
-                profile = scaled_profile(captured, self.model, example, self.reference, self.reference_roofline,
+            with no_cache(model):
+                captured = capture(model, example, runs=ExecutorKind.HOOKS)
+                profile = scaled_profile(captured, model, example, self.reference, self.reference_roofline,
                                          options=self.options)
         except (CaptureError, ProfileError) as exc:  # e.g. a loss_fn bound to the example batch's targets
             raise type(exc)(f"planning {setting}: {exc}; a plan that follows the batch runs the model and loss_fn at "
                              "each group's shape, so a loss_fn holding the example batch's targets cannot follow it "
                              "(a loss computed in forward, as Hugging Face models compute it, can)") from exc
-        prepared = prepared_from(self.model, example, captured, profile, options=self.options,
-                                 distributed=self.distributed)
+        prepared = prepared_from(model, example, captured, profile, options=self.options, distributed=self.distributed)
         try:
             prepared, solution = solve_prepared(prepared, self.budget_bytes, self.options,
                                                 Deadline.after(self.options.time_limit_s))

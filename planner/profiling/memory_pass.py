@@ -24,7 +24,6 @@ from torch.utils._pytree import tree_leaves
 from planner.capture.api import Captured, target_text
 from planner.capture.calls import SCOPE_KEY
 from planner.capture.inputs import Inputs
-from planner.capture.method import CaptureMethod
 from planner.capture.step import LossFn, default_loss, sync, untouched
 from planner.errors import ProfileError
 from planner.profiling.eager import eager_excess, eager_forward_trace
@@ -113,8 +112,8 @@ def eager_excess_of(recorder: MemoryRecorder, captured: Captured, model: nn.Modu
                     inputs: Inputs) -> list[int] | None:
     """Per node, what the model's own forward keeps alive beyond the traced graph: the planned module
     calls the user's modules (outside segments for fx plans, everywhere for plans run by module hooks).
-    Not for exported (meta) graphs, whose models do not run."""
-    if captured.method not in (CaptureMethod.FX, CaptureMethod.ATEN):
+    Only where ``CaptureMethod.eager_locals`` says so."""
+    if not captured.method.eager_locals:
         return None
     return eager_excess(recorder.forward_trace(), eager_forward_trace(model, inputs, recorder.device),
                         [rec["ops"] for rec in recorder.records])

@@ -11,12 +11,12 @@ step is ever allocated.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
@@ -27,6 +27,7 @@ from planner.capture.api import Captured
 from planner.capture.aten import SCALAR_READS_KEY
 from planner.capture.inputs import Inputs
 from planner.capture.step import LossFn, default_loss, untouched
+from planner.capture.tree import meta_copy
 from planner.profiling.devices import DeviceSpec
 from planner.profiling.estimate import Roofline
 from planner.profiling.memory_pass import (
@@ -81,7 +82,7 @@ def memory_on_meta(captured: Captured, model: nn.Module, inputs: Inputs, *, loss
                    keep_output: bool = True, op_ms: Callable[[Any, tuple, Any], float] | None = None,
                    eager: bool = True) -> MetaReplay:
     """The memory pass of one training step of ``captured`` on meta tensors: nothing is allocated, and the
-    model is left as it was (its parameters and buffers are swapped for meta copies during the pass).
+    model is left as it was (the pass runs on a copy of its module tree with meta tensors, ``meta_copy``).
     ``op_ms``: a per-op time estimate to record as it goes (the roofline), if any. ``eager``: also run the
     model's own forward on meta to measure what its Python locals keep (``MetaReplay.excess``); a forward
     that reads values (a ``.item()``) cannot run there, so a caller that knows the excess otherwise skips it.
@@ -93,16 +94,17 @@ def memory_on_meta(captured: Captured, model: nn.Module, inputs: Inputs, *, loss
     check_trainable(model)
     reads = captured.graph_module.meta.get(SCALAR_READS_KEY, [])
     home = device_of(model, inputs)
-    with untouched(model), on_meta(captured.graph_module, model), FlashAttention(), MovesStayOnMeta(), \
-            StrayTensorsToMeta(home):
+    graph, tree = meta_copy(captured.graph_module, model, convert=to_meta)  # the model itself is never touched
+    assert isinstance(graph, fx.GraphModule)  # a clone keeps its class
+    with untouched(tree), FlashAttention(), MovesStayOnMeta(), StrayTensorsToMeta(home):
         copies: dict[int, Any] = {}  # one copy per tensor: labels=input_ids is one tensor, counted once
         args, kwargs = tree_map(lambda v: copies.setdefault(id(v), to_meta(v)), (inputs.args, inputs.kwargs))
         example = Inputs(args=args, kwargs=kwargs)
-        recorder = MemoryRecorder(captured.graph_module, model, META, op_ms=op_ms, keep_output=keep_output)
+        recorder = MemoryRecorder(graph, tree, META, op_ms=op_ms, keep_output=keep_output)
         with AnsweredReads(reads):
             recorder.step(example, loss_fn)
         with AnsweredReads(reads):
-            excess = eager_excess_of(recorder, captured, model, example) if eager else None
+            excess = eager_excess_of(recorder, captured, tree, example) if eager else None
     return MetaReplay(recorder=recorder, example=example, excess=excess)
 
 
@@ -121,29 +123,6 @@ def to_meta(value: Any, *, keep_grad: bool = True) -> Any:
     if isinstance(value, nn.Parameter):
         return nn.Parameter(meta, requires_grad=value.requires_grad)
     return meta.requires_grad_(value.requires_grad) if keep_grad and value.requires_grad else meta
-
-
-@contextmanager
-def on_meta(*roots: nn.Module) -> Iterator[None]:
-    """Swaps every parameter, buffer and tensor attribute of the modules under ``roots`` for a meta
-    copy (one copy per tensor, so shared weights stay shared), and puts the originals back after."""
-    copies: dict[int, torch.Tensor] = {}
-    swapped: list[tuple[dict, str, torch.Tensor]] = []
-    for root in roots:
-        for module in root.modules():
-            plain = {k: v for k, v in vars(module).items() if isinstance(v, torch.Tensor)}
-            for store in (module._parameters, module._buffers, plain):
-                for key, value in list(store.items()):
-                    if isinstance(value, torch.Tensor) and not value.is_meta:
-                        meta = copies.setdefault(id(value), to_meta(value))
-                        target: dict[str, Any] = module.__dict__ if store is plain else store
-                        swapped.append((target, key, value))
-                        target[key] = meta
-    try:
-        yield
-    finally:
-        for store, key, value in reversed(swapped):
-            store[key] = value
 
 
 class AnsweredReads(TorchDispatchMode):

@@ -45,6 +45,7 @@ from planner.capture.cache import training_with_grad
 from planner.errors import PlannerError
 from planner.rewrite.graph import restore_buffers
 from planner.rewrite.sac import is_random, writes_new_memory
+from planner.rewrite.segment import Segment
 
 
 class ChainError(PlannerError, RuntimeError):
@@ -61,6 +62,11 @@ class Chain:
     """Modules inside the chain whose fresh outputs selective checkpointing keeps."""
     restore_buffers: tuple[str, ...] = ()
     """Buffers the chain's forward mutates (BatchNorm statistics): put back after the re-run."""
+
+    @classmethod
+    def of(cls, segment: Segment) -> Chain:
+        """The chain of a plan's segment (a plan run by hooks)."""
+        return cls(members=segment.chain, saved_modules=segment.saved_modules, restore_buffers=segment.restore_buffers)
 
 
 class _OutRef(NamedTuple):
@@ -302,6 +308,10 @@ class Installed:
     root: nn.Module
     runners: list[_Runner]
     handles: list
+
+    def hook_ids(self) -> frozenset[int]:
+        """Ids of the hooks this plan put on the module tree."""
+        return frozenset(handle.id for handle in self.handles)
 
     def remove(self) -> None:
         for runner in self.runners:

@@ -13,7 +13,6 @@ model and the solvers read, and builds the planned module from the plan's segmen
 from __future__ import annotations
 
 import abc
-import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -23,7 +22,8 @@ from torch import nn
 from planner.capture.api import Captured, capture
 from planner.capture.fsdp_units import resolve_units
 from planner.capture.inputs import as_inputs
-from planner.capture.method import CaptureMethod
+from planner.capture.method import CaptureMethod, ExecutorKind
+from planner.capture.tree import clone_tree
 from planner.errors import PlanMismatch
 from planner.memory.chains import alone_in_module, find_chains, one_unit
 from planner.memory.regions import checkpointable_end
@@ -31,21 +31,10 @@ from planner.memory.rules import SegmentRules
 from planner.profiling.record import Profile
 from planner.rewrite.chains import Chain
 from planner.rewrite.graph import SegmentSpec, rewrite
-from planner.rewrite.modules import PlannedShapes, clone_tree, describe, install_plan
+from planner.rewrite.modules import PlannedShapes, describe, install_plan, install_switching
 from planner.rewrite.sac import is_single_op
 from planner.rewrite.segment import Segment
-
-
-class ExecutorKind(str, enum.Enum):
-    """How a plan runs. A ``str`` (its value)."""
-
-    GRAPH = "graph"
-    """A generated subclass whose forward is the rewritten graph."""
-    HOOKS = "hooks"
-    """The model's own forward, with checkpoints entered and left by module hooks."""
-
-    def __str__(self) -> str:
-        return self.value
+from planner.rewrite.switching import Chooser
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -75,18 +64,23 @@ class Executor(abc.ABC):
 
     @abc.abstractmethod
     def build(self, model: nn.Module, captured: Captured, segments: Sequence[Segment], *,
-              target: nn.Module | None = None, planned: PlannedShapes | None = None) -> Built:
+              target: nn.Module | None = None, planned: PlannedShapes | None = None,
+              follow: Chooser | None = None) -> Built:
         """The module that runs ``segments`` of the captured ``model`` (not modified unless it is ``target``).
 
         Args:
             target: the module tree to plan in place (``enable``); only plans run by hooks support it.
             planned: the shapes and peak the plan was made for (a plan run by hooks warns on larger calls).
+            follow: a plan that changes with each training call (``planner.follow``): ``segments`` are its
+                example group's; only plans run by hooks support it.
         """
 
     @abc.abstractmethod
     def apply(self, model: nn.Module, segments: Sequence[Segment], *, fingerprint: str, inputs: Any = None,
-              units: Sequence[str] | None = None, planned: PlannedShapes | None = None) -> nn.Module:
-        """A saved plan's module on ``model``, a fresh instance of the architecture it was made for.
+              units: Sequence[str] | None = None, planned: PlannedShapes | None = None,
+              follow: Chooser | None = None) -> nn.Module:
+        """A saved plan's module on ``model``, a fresh instance of the architecture it was made for
+        (``follow`` as for ``build``).
 
         Raises:
             PlanMismatch: ``model`` does not capture to the graph the plan was made for (``fingerprint``).
@@ -106,14 +100,19 @@ class GraphExecutor(Executor):
                             refinable=self.method is not CaptureMethod.FX_UNITS)
 
     def build(self, model: nn.Module, captured: Captured, segments: Sequence[Segment], *,
-              target: nn.Module | None = None, planned: PlannedShapes | None = None) -> Built:
-        if target is not None:
-            raise ValueError("a rewritten graph is a new module: plan the model's own object with enable()")
+              target: nn.Module | None = None, planned: PlannedShapes | None = None,
+              follow: Chooser | None = None) -> Built:
+        if target is not None or follow is not None:
+            raise ValueError("a rewritten graph is one new module for one shape: plan the model's own object "
+                             "(enable) or a plan that follows the batch with the hook executor")
         rewritten = rewrite(model, captured, [_spec(s) for s in segments])
         return Built(module=rewritten.module, source=rewritten.source)
 
     def apply(self, model: nn.Module, segments: Sequence[Segment], *, fingerprint: str, inputs: Any = None,
-              units: Sequence[str] | None = None, planned: PlannedShapes | None = None) -> nn.Module:
+              units: Sequence[str] | None = None, planned: PlannedShapes | None = None,
+              follow: Chooser | None = None) -> nn.Module:
+        if follow is not None:
+            raise ValueError("a plan that follows the batch runs by hooks, not as a rewritten graph")
         if self.method is CaptureMethod.FX_UNITS:  # captured with its FSDP units kept as calls
             captured = capture(model, units=frozenset(resolve_units(model, units)))
         else:
@@ -144,30 +143,35 @@ class HookExecutor(Executor):
         return SegmentRules(spans=spans, savable=savable, opens_modules=False)
 
     def build(self, model: nn.Module, captured: Captured, segments: Sequence[Segment], *,
-              target: nn.Module | None = None, planned: PlannedShapes | None = None) -> Built:
-        chains = [_chain(s) for s in segments]
-        module = clone_tree(model) if target is None else target
-        install_plan(module, chains, planned=planned)
-        return Built(module=module, source=describe(chains, model))
+              target: nn.Module | None = None, planned: PlannedShapes | None = None,
+              follow: Chooser | None = None) -> Built:
+        module = clone_tree(model)[0] if target is None else target
+        self._install(module, segments, planned=planned, follow=follow)
+        return Built(module=module, source=describe([Chain.of(s) for s in segments], model))
 
     def apply(self, model: nn.Module, segments: Sequence[Segment], *, fingerprint: str, inputs: Any = None,
-              units: Sequence[str] | None = None, planned: PlannedShapes | None = None) -> nn.Module:
+              units: Sequence[str] | None = None, planned: PlannedShapes | None = None,
+              follow: Chooser | None = None) -> nn.Module:
         """Needs no inputs and no capture: each chain checks on its first training forward that the model
         runs it (``ChainError`` names a module the model does not have)."""
-        module = clone_tree(model)
-        install_plan(module, [_chain(s) for s in segments], planned=planned)
+        module = clone_tree(model)[0]
+        self._install(module, segments, planned=planned, follow=follow)
         return module
 
-
-_RUNS_MODULES = {CaptureMethod.FX: False, CaptureMethod.FX_BLOCKS: False, CaptureMethod.FX_UNITS: False,
-                 CaptureMethod.ATEN: True, CaptureMethod.EXPORT: True}
-"""Per capture tier: whether its plans run the model's own modules (the ATen tiers capture code fx cannot
-trace, which only the model's own forward runs), else a rewritten graph."""
+    @staticmethod
+    def _install(module: nn.Module, segments: Sequence[Segment], *, planned: PlannedShapes | None,
+                 follow: Chooser | None) -> None:
+        """The only place a hook plan goes on a module: one plan's chains, or the switch between the plans of
+        a plan that follows the batch (``segments`` its example group's), replacing any plan there before."""
+        if follow is None:
+            install_plan(module, [Chain.of(s) for s in segments], planned=planned)
+        else:
+            install_switching(module, follow, (follow.example_group, segments))
 
 
 def executor_for(method: CaptureMethod) -> Executor:
-    """The executor of plans for a model captured by ``method``."""
-    return HookExecutor(method) if _RUNS_MODULES[method] else GraphExecutor(method)
+    """The executor of plans for a model captured by ``method`` (``CaptureMethod.executor`` says which)."""
+    return HookExecutor(method) if method.executor is ExecutorKind.HOOKS else GraphExecutor(method)
 
 
 def _single_ops(captured: Captured, profile: Profile) -> frozenset[int]:
@@ -179,7 +183,3 @@ def _single_ops(captured: Captured, profile: Profile) -> frozenset[int]:
 
 def _spec(segment: Segment) -> SegmentSpec:
     return SegmentSpec(nodes=segment.nodes, restore_buffers=segment.restore_buffers, saved_nodes=segment.saved_nodes)
-
-
-def _chain(segment: Segment) -> Chain:
-    return Chain(members=segment.chain, saved_modules=segment.saved_modules, restore_buffers=segment.restore_buffers)

@@ -1,77 +1,31 @@
-"""The planned module of the module executor: the user's model (or a clone of it) with a plan's
-chains installed as hooks, ``use_cache`` turned off while training, and a warning for inputs larger
-than the plan was made for.
+"""The planned module of the hook executor: the user's model (or a clone of it, ``planner.capture.tree.clone_tree``)
+with a plan's chains installed as hooks, ``use_cache`` turned off while training, and a warning for inputs larger
+than the plan was made for; or with a plan that switches per training call (``planner.rewrite.switching``).
 
 The clone is a new object of the model's exact class, and so is every submodule in it, each sharing
 its parameters, buffers and attributes with the user's: ``type(clone) is type(model)``, every method
 works, ``state_dict()`` has the same keys and tensors, and nothing done to the clone (``train()``,
-hooks, Hugging Face's lazily installed output hooks) reaches the model.
+hooks, Hugging Face's lazily installed output hooks) reaches the model. A registry of the plans installed
+on each module tree lets a new plan replace an old one and ``disable`` take it off.
 """
 
 from __future__ import annotations
 
-import inspect
 import math
 import warnings
 import weakref
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import nn
 
 from planner.capture.cache import install_no_cache, training_with_grad
+from planner.capture.inputs import bind
 from planner.common.budget import format_bytes
 from planner.rewrite.chains import Chain, Installed, install
-
-_CONTAINERS = tuple(key for key, value in vars(nn.Module()).items() if isinstance(value, (dict, set)))
-"""nn.Module's own per-instance containers (parameters, buffers, children, every hook dict)."""
-
-
-def clone_tree(model: nn.Module) -> nn.Module:
-    """Every module of ``model`` as a new object of its class with its own containers, sharing every
-    parameter, buffer and other attribute (a module reachable twice is cloned once)."""
-    memo: dict[int, nn.Module] = {}
-
-    def clone(module: nn.Module) -> nn.Module:
-        if id(module) in memo:
-            return memo[id(module)]
-        new = type(module).__new__(type(module))
-        state = dict(vars(module))
-        for key in _CONTAINERS:
-            if key in state:
-                state[key] = state[key].copy()
-        new.__dict__.update(state)
-        memo[id(module)] = new
-        for name, child in module._modules.items():
-            if child is not None:
-                new._modules[name] = clone(child)
-        return new
-
-    return clone(model)
-
-
-def bind(module: nn.Module, args: tuple, kwargs: dict) -> dict[str, Any] | None:
-    """The call's arguments by parameter name (``**kwargs`` flattened in), or None if they do not bind."""
-    try:
-        bound = inspect.signature(module.forward).bind(*args, **kwargs)
-    except TypeError:
-        return None
-    named: dict[str, Any] = {}
-    for name, value in bound.arguments.items():
-        kind = bound.signature.parameters[name].kind
-        if kind is inspect.Parameter.VAR_KEYWORD:
-            named.update(value)
-        elif kind is not inspect.Parameter.VAR_POSITIONAL:
-            named[name] = value
-    return named
-
-
-def tensor_shapes(module: nn.Module, args: tuple, kwargs: dict) -> dict[str, tuple[int, ...]]:
-    """Shape of each tensor argument of a call of ``module``, by parameter name."""
-    return {name: tuple(value.shape) for name, value in (bind(module, args, kwargs) or {}).items()
-            if isinstance(value, torch.Tensor)}
+from planner.rewrite.segment import Segment
+from planner.rewrite.switching import Chooser, Switching
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -117,7 +71,7 @@ class _ShapeWarning:
                       "optimize(model, budget, inputs=<that batch>)", stacklevel=2)
 
 
-_INSTALLED: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()
+_INSTALLED: weakref.WeakKeyDictionary[nn.Module, Installed | Switching] = weakref.WeakKeyDictionary()
 """Module trees with a plan installed, so that a plan can be replaced or removed (``remove_plan``)."""
 
 
@@ -135,10 +89,18 @@ def install_plan(root: nn.Module, chains: Sequence[Chain], *, planned: PlannedSh
     return installed
 
 
-def register_plan(root: nn.Module, installed: Any) -> None:
-    """Records hooks put on ``root`` by other means (anything with a ``remove()``, a plan that follows the
-    batch), so that ``remove_plan`` and ``disable`` take them off too."""
-    _INSTALLED[root] = installed
+def install_switching(root: nn.Module, chooser: Chooser, first: tuple[Hashable, Sequence[Segment]] | None) -> Switching:
+    """A plan that changes with the training call on ``root`` (``planner.rewrite.switching``), ``first``'s
+    chains installed now; a plan installed on ``root`` before is removed first."""
+    remove_plan(root)
+    switching = _INSTALLED[root] = Switching(root, chooser, first)
+    return switching
+
+
+def own_hooks(root: nn.Module) -> frozenset[int]:
+    """Ids of the hooks of the plan installed on ``root`` (none: empty), which copies ckplan runs leave out."""
+    installed = _INSTALLED.get(root)
+    return installed.hook_ids() if installed is not None else frozenset()
 
 
 def remove_plan(root: nn.Module) -> bool:
