@@ -41,7 +41,7 @@ import transformers
 from planner import optimize
 from planner.capture.inputs import as_inputs
 from planner.common.budget import format_bytes
-from planner.profiling.api import profile
+from planner.pipeline import profile
 from planner.profiling.measure import measure_peak, step_samples_ms
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -22,7 +22,7 @@ _PUBLIC = {
     "OptionError": "planner.errors",
     "OutOfTime": "planner.errors",
     "ProfileError": "planner.errors", "ProfileMismatch": "planner.errors", "ProfileFileError": "planner.errors",
-    "profile": "planner.profiling.api", "Profile": "planner.profiling.record",
+    "profile": "planner.pipeline", "Profile": "planner.profiling.record",
     "load_profile": "planner.profiling.record",
     "device_names": "planner.profiling.devices",
     "sweep": "planner.report.explore", "Tradeoff": "planner.report.explore",

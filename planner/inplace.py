@@ -14,7 +14,6 @@ from typing_extensions import Unpack
 
 from planner.capture.method import ExecutorKind
 from planner.common.budget import check_budget
-from planner.errors import OptionError
 from planner.options import OptionArgs, PlanOptions, resolve
 from planner.pipeline import UserInputs, plan_for, prepare
 from planner.plan import Plan
@@ -36,9 +35,6 @@ def enable(model: nn.Module, budget: int | str, *, inputs: UserInputs = None, op
     """
     opts = resolve(options, overrides, where="enable")
     check_budget(budget)
-    if opts.world_size != 1 or opts.device is not None:
-        raise OptionError("enable() plans the model for this process and its own device: drop world_size= and "
-                          "device= (optimize() plans for another device or a distributed job)")
     remove_plan(model)  # profile the model as it is, without an older plan's hooks
     prepared = prepare(model, inputs=inputs, options=opts, budget=budget, runs=ExecutorKind.HOOKS)
     return plan_for(prepared, budget, target=model)

@@ -1,14 +1,17 @@
 """``PlanOptions``: everything that shapes a plan, in one record every entry point takes.
 
-``optimize``, ``prepare``, ``plan_for``, ``sweep``, ``optimize_compiled``, ``enable`` and the rank helpers
-accept ``options=PlanOptions(...)`` and the same names as keyword arguments, which override it
-(``resolve``). A name that is not an option is an ``OptionError`` listing the options.
+``optimize``, ``prepare``, ``plan_for``, ``sweep``, ``optimize_compiled``, ``enable``, ``plan_on_rank0``,
+``profile`` and ``Plan.apply`` accept ``options=PlanOptions(...)`` and the same names as keyword arguments,
+which override it (``resolve``). What each entry point accepts is derived from the fields themselves: each
+field says whether it is fixed when a model is prepared (captured and profiled) and which entry points it
+does not apply to, with why. A name that is not an option, or an option set for an entry point it does
+not apply to, is a one-line ``OptionError``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, TypedDict
 
 from planner.capture.step import LossFn
@@ -16,57 +19,75 @@ from planner.errors import OptionError
 from planner.follow.shapes import ShapeRange, check_spec
 from planner.profiling.record import Profile
 
+_ENABLE = {"enable": "it plans the model for this process and its own device (optimize() plans for another device "
+                     "or a distributed job)"}
+_COMPILED = {"optimize_compiled": "it compiles and measures every partition here, on one device, without an optimizer"}
+_ONE_SHAPE = {"optimize_compiled": "a compiled partition is made for one shape"}
+_PROFILE = {"profile": "profile() measures one step as it is; pass it to optimize() or prepare()"}
+_APPLY = {"Plan.apply": "a saved plan is applied as it was made; plan again to change it"}
+_PLANNING = {**_PROFILE, **_APPLY}
+"""The entry points an option does not apply to (``resolve``'s ``where``), with why: options only planning
+reads (not ``profile()`` nor ``Plan.apply``), options that plan for another device or a job (not ``enable``
+nor ``optimize_compiled``), options for several shapes (not ``optimize_compiled``)."""
+
+
+def _option(default: Any, *, prepared: bool, refused: Mapping[str, str] | None = None) -> Any:
+    """A ``PlanOptions`` field: ``prepared``, whether it is fixed when a model is prepared (captured and
+    profiled; ``plan_for`` then refuses a different value); ``refused``, the entry points it does not apply to
+    (``resolve``'s ``where``), each with why."""
+    return field(default=default, metadata={"prepared": prepared, "refused": dict(refused or {})})
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class PlanOptions:
     """What shapes a plan besides the model, its inputs and the budget. Every field has the default
     ``optimize`` uses."""
 
-    loss_fn: LossFn | None = None
+    loss_fn: LossFn | None = _option(None, prepared=True)
     """``output -> scalar`` differentiated by a step; default ``output.loss`` or the sum of the floating outputs."""
-    keep_output: bool = True
+    keep_output: bool = _option(True, prepared=True, refused=_APPLY)
     """Whether the training loop keeps the model's output referenced through backward (a plain loop);
     False for loops that drop it first, as Hugging Face ``Trainer`` does."""
-    solver: str = "cpsat"
+    solver: str = _option("cpsat", prepared=False, refused=_PLANNING)
     """Planning strategy, one of ``planner.solve.registry.SOLVERS``."""
-    time_limit_s: float = 30.0
+    time_limit_s: float = _option(30.0, prepared=False, refused=_PLANNING)
     """Seconds the solve stage may take, all of it; past it the best plan found is returned (FEASIBLE)."""
-    max_chunks: int = 64
+    max_chunks: int = _option(64, prepared=False, refused=_PLANNING)
     """Most cut positions the search starts with (finer chunkings follow while they pay)."""
-    selective: bool = True
+    selective: bool = _option(True, prepared=False, refused=_PLANNING)
     """Let checkpointed segments keep chosen op outputs (torch's selective checkpointing)."""
-    must_save: tuple[str, ...] = ()
+    must_save: tuple[str, ...] = _option((), prepared=False, refused=_PLANNING)
     """Module paths or op names (``planner.common.patterns`` globs) never re-run in backward."""
-    must_recompute: tuple[str, ...] = ()
+    must_recompute: tuple[str, ...] = _option((), prepared=False, refused=_PLANNING)
     """Module paths or op names (``planner.common.patterns`` globs) re-run in backward, never kept."""
-    profile: Profile | None = None
+    profile: Profile | None = _option(None, prepared=True, refused={**_PLANNING, **_COMPILED})
     """A saved profile to plan from instead of profiling."""
-    device: str | None = None
+    device: str | None = _option(None, prepared=True, refused={**_ENABLE, **_COMPILED, **_APPLY})
     """Plan for this device without it: a spec name (``"h100"``) or a spec file; None: measure where the
     model is."""
-    world_size: int = 1
+    world_size: int = _option(1, prepared=True, refused={**_ENABLE, **_COMPILED, **_PLANNING})
     """Plan for one rank of a job on this many ranks."""
-    parallel: str | None = None
+    parallel: str | None = _option(None, prepared=True, refused={**_ENABLE, **_COMPILED, **_PLANNING})
     """``fsdp`` (default when ``world_size`` > 1) or ``ddp``."""
-    units: tuple[str, ...] | None = None
+    units: tuple[str, ...] | None = _option(None, prepared=True, refused={**_COMPILED, **_PROFILE})
     """FSDP units (module paths or globs); default the model's repeated blocks."""
-    optimizer: str | int | None = None
+    optimizer: str | int | None = _option(None, prepared=True, refused={**_COMPILED, **_PLANNING})
     """Count its state in the budget: ``adamw``, ``adam``, ``sgd``, ``sgd-momentum``, or its bytes."""
-    mixed_precision: Any = None
+    mixed_precision: Any = _option(None, prepared=True, refused={**_ENABLE, **_COMPILED, **_PLANNING})
     """FSDP2's ``MixedPrecisionPolicy`` the job trains with (``param_dtype``, ``reduce_dtype``,
     ``cast_forward_inputs``): the step is profiled in ``param_dtype`` and the budget counts fp32 shards and
     optimizer state, gathered units in ``param_dtype`` and gradients reduced in ``reduce_dtype``."""
-    follow_batch: bool = False
+    follow_batch: bool = _option(False, prepared=True, refused={**_ONE_SHAPE, **_PLANNING})
     """Each training call runs the plan of its own shape's group (``planner.follow.family``): no checkpoint where the
     un-checkpointed step fits, lighter plans for smaller batches, groups planned when first seen. The plan
     runs the model's own forward (module hooks). On a DDP rank (``parallel="ddp"``) each rank runs the plan
     of its own batch's group; not on FSDP ranks."""
-    shapes: tuple[Any, ...] | None = None
+    shapes: tuple[Any, ...] | None = _option(None, prepared=True, refused={**_ONE_SHAPE, **_PLANNING})
     """Shapes of calls to plan ahead, when following the batch (implied): each a shape such as ``(4, 128)``,
     given to every tensor argument shaped like the example's largest, or a ``{argument: shape}`` dict.
     Each is made from the example batch's values (cut, or grown by repeating the last slice). A
     ``ShapeRange((4, 64), (4, 512))`` plans every group between the two."""
-    progress: Callable[[str], None] | None = None
+    progress: Callable[[str], None] | None = _option(None, prepared=False)
     """Called with the name of each stage as it starts (``capture``, ``profile``, ``solve``, ``rewrite``)."""
 
     def __post_init__(self) -> None:
@@ -122,18 +143,28 @@ class OptionArgs(TypedDict, total=False):
 
 NAMES = tuple(f.name for f in fields(PlanOptions))
 """Every option, in declaration order."""
+PREPARED = tuple(f.name for f in fields(PlanOptions) if f.metadata["prepared"])
+"""Options fixed when a model is prepared (captured and profiled); the others shape each solve."""
+if set(OptionArgs.__annotations__) != set(NAMES):  # the keyword form is written out for type checkers
+    raise AssertionError(f"OptionArgs and PlanOptions differ: {sorted(set(OptionArgs.__annotations__) ^ set(NAMES))}")
 
 
 def resolve(options: PlanOptions | None, overrides: Mapping[str, Any], *, where: str) -> PlanOptions:
     """``options`` (default ``PlanOptions()``) with the keyword arguments ``overrides`` applied.
 
     Raises:
-        OptionError (a ValueError): ``options`` is not a ``PlanOptions``, or an override is not an option;
-            ``where`` names the entry point.
+        OptionError (a ValueError): ``options`` is not a ``PlanOptions``, an override is not an option, or an
+            option that does not apply to ``where`` (the entry point) is set; the message names both.
     """
     if options is not None and not isinstance(options, PlanOptions):
         raise OptionError(f"{where}(options=...) takes a planner.PlanOptions, not {type(options).__name__}")
     unknown = sorted(set(overrides) - set(NAMES))
     if unknown:
         raise OptionError(f"{where}() got an unknown option {unknown[0]!r}; the options are: {', '.join(NAMES)}")
-    return replace(options or PlanOptions(), **overrides)
+    resolved = replace(options or PlanOptions(), **overrides)
+    named = {option.name: option for option in fields(PlanOptions)}
+    for name in dict.fromkeys([*overrides, *NAMES]):  # the options given by name first (shapes= sets follow_batch)
+        why = named[name].metadata["refused"].get(where)
+        if why is not None and getattr(resolved, name) != named[name].default:
+            raise OptionError(f"{where}() does not take {name}=: {why}")
+    return resolved

@@ -1,4 +1,5 @@
-"""``optimize()``: the whole pipeline, stage after stage, and nothing else."""
+"""``optimize()``: the whole pipeline, stage after stage, and nothing else; ``prepare`` and ``plan_for`` are its two
+halves (capture and profile once, then solve and rewrite per budget), ``profile`` the first half's result alone."""
 
 from __future__ import annotations
 
@@ -22,11 +23,12 @@ from planner.errors import InfeasibleBudget, OptionError
 from planner.follow.family import Family, GroupPlan
 from planner.follow.shapes import ShapeGrid, realize, shaped, spread
 from planner.memory.simulate import Timeline, simulate
-from planner.options import OptionArgs, PlanOptions, resolve
+from planner.options import PREPARED, OptionArgs, PlanOptions, resolve
 from planner.plan import MemoryTimeline, Plan
 from planner.planning.chunkings import solve_budget, solve_prepared
 from planner.planning.prepared import Prepared, chunked, prepared_from
 from planner.profiling.api import capture_inputs, profile_for
+from planner.profiling.record import Profile
 from planner.rewrite.modules import PlannedShapes
 from planner.rewrite.segment import Segment, segments_of
 from planner.solve.deadline import Deadline
@@ -36,8 +38,6 @@ from planner.solve.result import Solution
 UserInputs = tuple | Mapping | torch.Tensor | None
 """What ``inputs=`` takes: positional arguments (a tuple), keyword arguments (a dict) or one tensor."""
 
-PREPARE_OPTIONS = ("loss_fn", "keep_output", "profile", "device", "world_size", "parallel", "units", "optimizer")
-"""Options fixed when a model is prepared (capture and profile); the others shape each solve."""
 
 
 def optimize(model: nn.Module, budget: int | str, *, inputs: UserInputs = None, options: PlanOptions | None = None,
@@ -123,6 +123,38 @@ def prepare(model: nn.Module, *, inputs: UserInputs = None, options: PlanOptions
     return prepared_from(model, example, captured, measured, options=opts, distributed=dist)
 
 
+def profile(model: nn.Module, *, inputs: UserInputs = None, options: PlanOptions | None = None,
+            **overrides: Unpack[OptionArgs]) -> Profile:
+    """Profiles one training step of ``model``: what each node costs in time and memory.
+
+    Args:
+        model: the model (left as it was found).
+        inputs: positional (tuple) or keyword (dict) arguments; default ``model.example_inputs``.
+        options, **overrides: the ``PlanOptions`` a profile depends on: ``loss_fn``, ``keep_output`` (the loop
+            keeps the output referenced through backward), ``device`` (None, or the device the model is on, to
+            measure a real step there; the name of a device spec, ``"h100"``, see ``planner.device_names()``,
+            or a spec file to estimate the step for that device from meta tensors and a roofline, allocating
+            nothing; a model on the meta device needs a spec), ``progress``. The others plan and are refused.
+
+    Returns:
+        The ``Profile``; ``prof.save(path)`` writes it, ``load_profile(path)`` reads it back and
+        ``optimize(model, budget, inputs=..., profile=prof)`` plans from it without profiling.
+
+    Example:
+        >>> prof = profile(model, inputs=(x,), device="h100")      # doctest: +SKIP
+        >>> prof.save("profiles/mymodel-h100.json")                 # doctest: +SKIP
+    """
+    opts = resolve(options, overrides, where="profile")
+    stage = opts.progress or (lambda name: None)
+    example = as_inputs(model, inputs)
+    with no_cache(model):  # use_cache=False in training calls, as in a plan
+        stage("capture")
+        captured = capture(model, capture_inputs(model, example))
+        stage("profile")
+        return profile_for(captured, model, example, loss_fn=opts.loss_fn, device=opts.device,
+                           keep_output=opts.keep_output)
+
+
 def plan_for(prepared: Prepared, budget: int | str, *, options: PlanOptions | None = None,
              target: nn.Module | None = None, **overrides: Unpack[OptionArgs]) -> Plan:
     """Solves and rewrites a prepared model for one budget (arguments as for ``optimize``, over the
@@ -135,10 +167,10 @@ def plan_for(prepared: Prepared, budget: int | str, *, options: PlanOptions | No
     run out (``InfeasibleBudget``, not proven), and ``OutOfTime`` when no plan was found at all.
 
     Raises:
-        OptionError: an option fixed when the model was prepared (``PREPARE_OPTIONS``) differs.
+        OptionError: an option fixed when the model was prepared (``planner.options.PREPARED``) differs.
     """
     opts = resolve(options or prepared.options, overrides, where="plan_for")
-    changed = [name for name in PREPARE_OPTIONS if getattr(opts, name) != getattr(prepared.options, name)]
+    changed = [name for name in PREPARED if getattr(opts, name) != getattr(prepared.options, name)]
     if changed:
         raise OptionError(f"{changed[0]}= is fixed when the model is prepared; prepare it again with it "
                           f"(planner.prepare(model, {changed[0]}=...))")

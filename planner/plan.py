@@ -15,9 +15,9 @@ from pathlib import Path
 from typing import Any
 
 from torch import nn
+from typing_extensions import Unpack
 
 from planner.capture.method import CaptureMethod
-from planner.capture.step import LossFn
 from planner.common.budget import format_bytes
 from planner.common.checked_json import (
     INT_LIMIT,
@@ -31,6 +31,7 @@ from planner.common.checked_json import (
 from planner.errors import PlanFileError
 from planner.follow.family import Family
 from planner.memory.breakdown import PeakBreakdown
+from planner.options import OptionArgs, PlanOptions, resolve
 from planner.profiling.devices import SacCostSource
 from planner.rewrite.executor import executor_for
 from planner.rewrite.modules import PlannedShapes
@@ -121,8 +122,8 @@ class Plan:
     """Shape of each tensor argument of the example call, by parameter name: a plan that runs the
     model's own forward warns once when a training call is larger (``planner.rewrite.modules``)."""
 
-    def apply(self, model: nn.Module, *, inputs: Any = None, units: Sequence[str] | None = None,
-              loss_fn: LossFn | None = None) -> nn.Module:
+    def apply(self, model: nn.Module, *, inputs: Any = None, options: PlanOptions | None = None,
+              **overrides: Unpack[OptionArgs]) -> nn.Module:
         """Returns ``model`` set up to run this plan (``model`` itself is not modified), by the executor
         of the plan's capture method (``planner.rewrite.executor``).
 
@@ -135,18 +136,21 @@ class Plan:
             model: a fresh instance of the architecture the plan was made for.
             inputs: example inputs for a model fx cannot trace without them (default
                 ``model.example_inputs``); unused by plans that run the model's own forward.
-            units: the FSDP units a distributed plan was made with (default the repeated blocks).
-            loss_fn: for a plan that follows the batch, the loss its new shape groups are planned with (default
-                ``output.loss`` or the sum of the floating outputs).
+            options, **overrides: the ``PlanOptions`` a saved plan still reads: ``units`` (the FSDP units a
+                distributed plan was made with; default the repeated blocks) and, for a plan that follows the
+                batch, ``loss_fn`` (what its new shape groups are planned with; default ``output.loss`` or the
+                sum of the floating outputs). The others are refused: the plan is applied as it was made.
 
         Raises:
             PlanMismatch (a ValueError): ``model`` does not trace to the graph the plan was made for.
             ChainError: a plan run by hooks names a module ``model`` does not have.
+            OptionError: an option the plan was made with.
         """
+        opts = resolve(options, overrides, where="Plan.apply")
         family = None if self.family is None else \
-            self.family.bound(model, replace(self.family.options, loss_fn=loss_fn))  # new groups planned on model
+            self.family.bound(model, replace(self.family.options, loss_fn=opts.loss_fn))  # new groups planned on model
         return executor_for(self.capture_method).apply(model, self.segments, fingerprint=self.fingerprint,
-                                                       inputs=inputs, units=units, planned=self.planned_shapes(),
+                                                       inputs=inputs, units=opts.units, planned=self.planned_shapes(),
                                                        follow=family)
 
     def planned_shapes(self) -> PlannedShapes | None:

@@ -103,9 +103,20 @@ class _Worker:
         hf_worker(rank, world_size, port, out_dir, *self.case)
 
 
+LOSS_CALLS: list[tuple[int, ...]] = []
+"""Shapes of the logits ``counted_loss`` was called with in this process."""
+
+
+def counted_loss(output) -> torch.Tensor:
+    """The model's own loss, noting each call: a group planned on a rank must plan with the rank's loss_fn."""
+    LOSS_CALLS.append(tuple(output.logits.shape))
+    return output.loss
+
+
 def follow_worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
     """DDP with a plan that follows the batch: rank 0 trains on the example's shape, rank 1 on batches a
-    quarter as long, each with its own group's plan (rank 1's planned on its first call)."""
+    quarter as long, each with its own group's plan (rank 1's planned on its first call, with the loss_fn
+    every rank passed to plan_on_rank0)."""
     from torch.nn.parallel import DistributedDataParallel
 
     _init(rank, world_size, port)
@@ -114,8 +125,10 @@ def follow_worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
     buckets = sum(p.numel() * p.element_size() for p in base.parameters())
     result = {"unplanned": _train(base, DistributedDataParallel(base), batch, buckets)}
     plan = plan_on_rank0(make_model("qwen2"), BUDGET, inputs=rank_batch(0), parallel="ddp", optimizer="adamw",
-                         follow_batch=True, time_limit_s=20)
+                         follow_batch=True, time_limit_s=20, loss_fn=counted_loss)
+    before = len(LOSS_CALLS)
     result["planned"] = _train(plan.module, DistributedDataParallel(plan.module), batch, buckets)
+    result["loss_calls_in_training"] = [list(shape) for shape in LOSS_CALLS[before:]]
     family = plan.family
     group = family.groups[family.grid.group({name: tuple(value.shape) for name, value in batch.items()})]
     result.update(budget=plan.budget_bytes, segments=len(group.segments), predicted=group.predicted_peak_bytes,
@@ -129,9 +142,12 @@ def test_ddp_ranks_follow_their_own_batch_within_the_budget(tmp_path):
     """Each DDP rank runs the plan of its own batch's shape: the long rank checkpoints, the short one runs
     none (its step fits); losses and averaged gradients equal the unplanned job's; each rank's measured
     peak, DDP's gradient buckets and AdamW's state included, within the budget and near its prediction (gloo's
-    own buffers for the all-reduce are not predicted: the short rank measures 4% above its prediction)."""
+    own buffers for the all-reduce are not predicted: the short rank measures 4% above its prediction). The group
+    rank 1 plans in training is planned with the loss_fn every rank passed to plan_on_rank0."""
     long, short = run_ranks(follow_worker, tmp_path, timeout_s=300)
     assert long["segments"] > 0 and short["segments"] == 0 and short["baseline"] <= short["budget"], (long, short)
+    assert long["loss_calls_in_training"] == []  # its group was planned on rank 0, before training
+    assert short["loss_calls_in_training"][0][:2] == [ROWS, LENGTH // 4]  # rank 1 planned its group with loss_fn
     for r in (long, short):
         assert r["planned"]["losses"] == r["unplanned"]["losses"] and r["planned"]["grads"] == r["unplanned"]["grads"]
         assert r["planned"]["peak"] <= r["budget"] and r["predicted"] <= r["budget"], r

@@ -11,9 +11,20 @@ from types import SimpleNamespace
 import pytest
 from models import tower, tower_inputs
 
-from planner import OptionError, PlanOptions, enable, optimize, optimize_compiled, plan_for, prepare, sweep
+from planner import (
+    OptionError,
+    Plan,
+    PlanOptions,
+    enable,
+    optimize,
+    optimize_compiled,
+    plan_for,
+    prepare,
+    profile,
+    sweep,
+)
 from planner.distributed import plan_on_rank0
-from planner.options import NAMES, OptionArgs
+from planner.options import NAMES, PREPARED, OptionArgs
 
 ENTRY_POINTS = {
     "optimize": lambda **kw: optimize(tower(), "60%", inputs=tower_inputs(), **kw),
@@ -23,15 +34,17 @@ ENTRY_POINTS = {
     "optimize_compiled": lambda **kw: optimize_compiled(tower(), "60%", inputs=tower_inputs(), **kw),
     "enable": lambda **kw: enable(tower(), "60%", inputs=tower_inputs(), **kw),
     "plan_on_rank0": lambda **kw: plan_on_rank0(tower(), "60%", inputs=tower_inputs(), **kw),
+    "profile": lambda **kw: profile(tower(), inputs=tower_inputs(), **kw),
+    "Plan.apply": lambda **kw: Plan.apply(SimpleNamespace(family=None), tower(), **kw),
 }
-FUNCTIONS = [optimize, prepare, plan_for, sweep, optimize_compiled, enable, plan_on_rank0]
+FUNCTIONS = [optimize, prepare, plan_for, sweep, optimize_compiled, enable, plan_on_rank0, profile, Plan.apply]
 
 
 def test_the_keyword_arguments_are_the_options():
     assert set(typing.get_type_hints(OptionArgs)) == {f.name for f in fields(PlanOptions)} == set(NAMES)
 
 
-@pytest.mark.parametrize("function", FUNCTIONS, ids=lambda f: f.__name__)
+@pytest.mark.parametrize("function", FUNCTIONS, ids=lambda f: f.__qualname__)
 def test_every_entry_point_takes_options_and_every_option_as_a_keyword(function):
     parameters = inspect.signature(function).parameters
     assert parameters["options"].kind is inspect.Parameter.KEYWORD_ONLY
@@ -56,7 +69,11 @@ def test_keywords_become_options_before_any_work(name):
 READS_OPTIONS = {  # what each entry point says about PlanOptions(world_size=2, units=("nope.*",)), before any work
     "optimize": "unit 'nope.*' matches no submodule", "prepare": "unit 'nope.*' matches no submodule",
     "sweep": "unit 'nope.*' matches no submodule", "plan_for": "world_size= is fixed when the model is prepared",
-    "optimize_compiled": "drop device=, world_size= and profile=", "enable": "drop world_size= and device=",
+    "optimize_compiled": r"optimize_compiled\(\) does not take world_size=: it compiles and measures every "
+                         "partition here", "enable": r"enable\(\) does not take world_size=: it plans the model for "
+                                                    "this process and its own device",
+    "profile": r"profile\(\) does not take world_size=: profile\(\) measures one step as it is",
+    "Plan.apply": r"Plan.apply\(\) does not take world_size=: a saved plan is applied as it was made",
 }
 
 
@@ -93,3 +110,27 @@ def test_plan_for_refuses_to_change_what_was_prepared():
     prepared = SimpleNamespace(options=PlanOptions(keep_output=True))
     with pytest.raises(OptionError, match="keep_output= is fixed when the model is prepared"):
         plan_for(prepared, "60%", keep_output=False)
+
+
+REFUSED = [(option.name, where) for option in fields(PlanOptions) for where in option.metadata["refused"]]
+NOT_DEFAULT = {"keep_output": False, "solver": "rotor", "time_limit_s": 5.0, "max_chunks": 8, "selective": False,
+               "must_save": ("fc*",), "must_recompute": ("fc*",), "profile": object(), "device": "h100",
+               "world_size": 2, "parallel": "ddp", "units": ("blocks.*",), "optimizer": "adamw",
+               "mixed_precision": object(), "follow_batch": True, "shapes": ((4, 8),)}
+
+
+@pytest.mark.parametrize("name, where", REFUSED, ids=[f"{w}-{n}" for n, w in REFUSED])
+def test_an_option_that_does_not_apply_to_an_entry_point_is_one_line_naming_both(name, where):
+    """What each entry point accepts is derived from PlanOptions' fields: an option set for an entry point it
+    does not apply to is refused before any work, in one line that names the entry point, the option and why."""
+    with pytest.raises(OptionError, match=rf"^{where.replace('.', '[.]')}\(\) does not take {name}=: [^\n]+$"):
+        ENTRY_POINTS[where](**{name: NOT_DEFAULT[name]})
+
+
+def test_every_option_that_shapes_capture_or_profile_is_fixed_when_prepared():
+    assert set(PREPARED) == {"loss_fn", "keep_output", "profile", "device", "world_size", "parallel", "units",
+                             "optimizer", "mixed_precision", "follow_batch", "shapes"}
+    prepared = SimpleNamespace(options=PlanOptions())
+    for name, value in (("mixed_precision", object()), ("follow_batch", True)):
+        with pytest.raises(OptionError, match=f"{name}= is fixed when the model is prepared"):
+            plan_for(prepared, "60%", **{name: value})

@@ -105,9 +105,6 @@ def optimize_compiled(model: nn.Module, budget: int | str, *, inputs: UserInputs
         BudgetError, OptionError, InputError: a malformed budget, a fraction out of [0, 1], no inputs.
     """
     opts = resolve(options, overrides, where="optimize_compiled")
-    if opts.device is not None or opts.world_size != 1 or opts.profile is not None:
-        raise OptionError("optimize_compiled compiles and measures every partition on this machine: drop device=, "
-                          "world_size= and profile= (optimize() plans for another device or a distributed job)")
     loss_fn, keep_output, progress = opts.loss_fn, opts.keep_output, opts.progress
     check_budget(budget)
     bad = [f for f in fractions if not 0.0 <= f <= 1.0]

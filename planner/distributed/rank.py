@@ -69,7 +69,7 @@ def plan_on_rank0(model: nn.Module, budget: int | str, *, src: int = 0, group: d
         raise cls(*args)
     if plan is not None:
         return plan
-    return replace(value, module=value.apply(model, inputs=inputs, units=opts.units))
+    return replace(value, module=value.apply(model, inputs=inputs, units=opts.units, loss_fn=opts.loss_fn))
 
 
 def _portable(exc: Exception) -> tuple:
@@ -85,7 +85,8 @@ def _portable(exc: Exception) -> tuple:
 
 def apply_plan(plan: Plan, model: nn.Module, *, units: Sequence[str] | None = None, inputs: Any = None) -> nn.Module:
     """``plan.apply(model, units=units, inputs=inputs)``: a plan made for FSDP (units captured as calls)
-    rebuilt on ``model`` with the units it was made with.
+    rebuilt on ``model`` with the units it was made with (``Plan.apply`` takes ``loss_fn=`` too, for a plan
+    that follows the batch).
 
     Raises:
         PlanMismatch (a ValueError): ``model`` does not trace to the graph the plan was made for.

@@ -1,21 +1,18 @@
-"""The profile stage's public entry points: profile a model (measured here, or estimated for a
-device spec), and check that a saved profile belongs to the model and inputs it is used with.
-
-``planner.profile(model, inputs=...)`` is this module's ``profile``; ``optimize(..., profile=,
-device=)`` goes through ``profile_for``. Saving and loading live in ``record.py``.
+"""The profile stage's entry point: the profile a model is planned with (measured here, in pieces when the step
+does not fit, or estimated for a device spec), and the check that a saved profile belongs to the model and
+inputs it is used with. ``planner.profile`` and ``optimize(..., profile=, device=)`` go through
+``profile_for``; saving and loading live in ``record.py``.
 """
 
 from __future__ import annotations
 
 import gc
-from collections.abc import Mapping
 
 import torch
 from torch import nn
 
-from planner.capture.api import Captured, capture
-from planner.capture.cache import no_cache
-from planner.capture.inputs import Inputs, as_inputs
+from planner.capture.api import Captured
+from planner.capture.inputs import Inputs
 from planner.capture.step import LossFn
 from planner.errors import InputError, OptionError, ProfileError, ProfileMismatch
 from planner.profiling.devices import DeviceSpec, device_names, is_device_spec, load_device
@@ -28,35 +25,6 @@ from planner.profiling.meta import estimate, memory_on_meta, to_meta
 from planner.profiling.record import LOSS_NODE, Profile
 
 Device = str | torch.device | None
-
-
-def profile(model: nn.Module, *, inputs: tuple | Mapping | torch.Tensor | None = None,
-            loss_fn: LossFn | None = None, device: Device = None, keep_output: bool = True) -> Profile:
-    """Profiles one training step of ``model``: what each node costs in time and memory.
-
-    Args:
-        model: the model (left as it was found).
-        inputs: positional (tuple) or keyword (dict) arguments; default ``model.example_inputs``.
-        loss_fn: ``output -> scalar``; default ``output.loss`` or the sum of the floating outputs.
-        device: ``None`` (or the device the model is on) to measure a real step there; the name
-            of a device spec (``"h100"``, see ``planner.device_names()``) or a spec file to
-            estimate the step for that device from meta tensors and a roofline, allocating nothing.
-            A model on the meta device needs a spec.
-        keep_output: the loop keeps the output referenced through backward (False: dropped before
-            it, as Hugging Face Trainer does; see ``optimize``).
-
-    Returns:
-        The ``Profile``; ``prof.save(path)`` writes it, ``load_profile(path)`` reads it back and
-        ``optimize(model, budget, inputs=..., profile=prof)`` plans from it without profiling.
-
-    Example:
-        >>> prof = profile(model, inputs=(x,), device="h100")      # doctest: +SKIP
-        >>> prof.save("profiles/mymodel-h100.json")                 # doctest: +SKIP
-    """
-    example = as_inputs(model, inputs)
-    with no_cache(model):  # use_cache=False in training calls, as in a plan
-        captured = capture(model, capture_inputs(model, example))
-        return profile_for(captured, model, example, loss_fn=loss_fn, device=device, keep_output=keep_output)
 
 
 def profile_for(captured: Captured, model: nn.Module, example: Inputs, *, loss_fn: LossFn | None = None,

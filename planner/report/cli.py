@@ -31,12 +31,11 @@ from planner.distributed.memory import OPTIMIZER_STATES
 from planner.errors import BudgetError, InfeasibleBudget, OptionError, PlannerError
 from planner.follow.shapes import ShapeRange
 from planner.options import PlanOptions
-from planner.pipeline import optimize
+from planner.pipeline import optimize, profile
 from planner.plan import Plan
-from planner.profiling.api import Profile, profile
 from planner.profiling.devices import device_names
 from planner.profiling.measure import measure_peak, step_times_ms
-from planner.profiling.record import load_profile
+from planner.profiling.record import Profile, load_profile
 from planner.report import render as cli_report
 from planner.report.model_file import ModelFile, UserError, load_model_file, located, to_device
 from planner.solve.registry import SOLVERS

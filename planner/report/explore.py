@@ -23,8 +23,8 @@ from typing_extensions import Unpack
 from planner.common.budget import check_budget, format_bytes
 from planner.errors import InfeasibleBudget, InputError, OptionError
 from planner.memory.simulate import simulate
-from planner.options import OptionArgs, PlanOptions, resolve
-from planner.pipeline import PREPARE_OPTIONS, Prepared, UserInputs, plan_for, prepare
+from planner.options import PREPARED, OptionArgs, PlanOptions, resolve
+from planner.pipeline import Prepared, UserInputs, plan_for, prepare
 from planner.plan import Plan, html_table
 from planner.profiling.record import Profile
 from planner.report.plotting import plot_blocks, plot_tradeoff
@@ -219,7 +219,7 @@ def _prepared(model: nn.Module, prepared: Prepared | None, inputs: UserInputs, o
                          f"{type(prepared).__name__}")
     if prepared.model is not model:
         raise OptionError("profile= was prepared for another model instance; pass the same model to sweep")
-    fixed = sorted(set(overrides) & set(PREPARE_OPTIONS))
+    fixed = sorted(set(overrides) & set(PREPARED))
     if inputs is not None or fixed:
         raise OptionError(f"{'inputs' if inputs is not None else fixed[0]} is fixed when the profile is prepared; "
                           "pass it to planner.prepare, not to sweep together with profile=")
