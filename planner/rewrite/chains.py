@@ -85,6 +85,12 @@ class _SavedOps:
     def __init__(self) -> None:
         self._depth = threading.local()
 
+    def __getstate__(self) -> dict:
+        return {}  # a thread-local does not pickle; a copy (pickle, deepcopy) starts outside every saved module
+
+    def __setstate__(self, state: dict) -> None:
+        self._depth = threading.local()
+
     def enter(self, *_: Any) -> None:
         self._depth.value = getattr(self._depth, "value", 0) + 1
 

@@ -7,18 +7,27 @@ kept as a call (so its hooks run), and each segment becomes a method called
 through ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`` whose
 body is the traced code of its ops (torch.nn layers still called as modules).
 In eval mode or under ``torch.no_grad()`` the user's own forward runs unchanged.
+
+A planned module pickles the way torch.fx's ``GraphModule`` does: ``pickle`` and ``torch.save`` store
+its ``GeneratedClass`` (the user's class by reference, the source, the globals the source reads) in place
+of the generated class, which no module holds, and loading compiles the class again from the source;
+``copy.deepcopy`` keeps the class.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
+import importlib
 import inspect
 import linecache
 import operator
 import textwrap
-from collections.abc import Iterator, Sequence
+import types
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -41,7 +50,7 @@ def _recompute_all(ctx, op, *args, **kwargs) -> CheckpointPolicy:
 
 COMPILED_CONTEXT = functools.partial(create_selective_checkpoint_contexts, _recompute_all)
 """``context_fn`` under torch.compile of a segment without saves: what a plain checkpoint gets there
-(recompute all). Segments with saves get ``planner.sac.compiled_sac_contexts``."""
+(recompute all). Segments with saves get ``planner.rewrite.sac.compiled_sac_contexts``."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -53,7 +62,7 @@ class SegmentSpec:
     restore_buffers: tuple[str, ...] = ()
     """Buffers its forward mutates (BatchNorm statistics): restored after recomputation."""
     saved_nodes: tuple[str, ...] = ()
-    """Nodes whose outputs selective checkpointing keeps instead of re-running (``planner.sac``)."""
+    """Nodes whose outputs selective checkpointing keeps instead of re-running (``planner.rewrite.sac``)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -87,8 +96,6 @@ def rewrite(model: nn.Module, captured: Captured, segments: Sequence[SegmentSpec
     """
     if not segments:
         return Rewritten(module=shallow_clone(model), source="# empty plan: the model's own forward runs\n")
-    if any(seg.saved_nodes for seg in segments):
-        trace_marks_into_graphs()  # so that torch.compile(planned) applies the saves too
     flat = [n for n in captured.graph_module.graph.nodes if n.op not in ("placeholder", "output")]
     position = {n.name: i for i, n in enumerate(flat)}
     ranges = []
@@ -109,9 +116,9 @@ def rewrite(model: nn.Module, captured: Captured, segments: Sequence[SegmentSpec
     saved = [_saved_in(group, spans, flat, seg) for group, seg in zip(groups, segments)]
     main, pieces = _split(coarse_gm.graph, groups, [bool(s.restore_buffers or s.saved_nodes) for s in segments],
                           saved)
-    source, namespace = _generate(type(model), f"Checkpointed{type(model).__name__}", main, pieces, segments,
-                                  guard=_eval_guard(type(model), main))
-    root.__class__ = _compile(source, namespace, f"Checkpointed{type(model).__name__}")
+    name = f"Checkpointed{type(model).__name__}"
+    source, code_globals = _generate(type(model), name, main, pieces, segments, guard=_eval_guard(type(model), main))
+    root.__class__ = GeneratedClass.of(type(model), name, source, code_globals).new_class()
     return Rewritten(module=root, source=source)
 
 
@@ -226,10 +233,10 @@ def _segment_graph(nodes: list[fx.Node], inputs: list[fx.Node], outputs: list[fx
 
 def _generate(base: type, name: str, main: fx.Graph, pieces: list[fx.Graph],
               segments: Sequence[SegmentSpec], *, guard: str) -> tuple[str, dict]:
-    """Python source of the planned class ``name`` and the globals it needs."""
-    namespace: dict = {"_ckplan_base": base, "torch": torch, "contextlib": contextlib,
-                       "_ckplan_restore_buffers": restore_buffers, "_ckplan_compiled_context": COMPILED_CONTEXT,
-                       "_ckplan_sac_contexts": sac_contexts, "_ckplan_compiled_sac_contexts": compiled_sac_contexts}
+    """Python source of the planned class ``name`` and the globals its traced code reads, besides
+    ``_runtime_globals``."""
+    namespace = _runtime_globals(base)
+    runtime = set(namespace)
     body = [_method(main, "forward", namespace, guard=guard)]
     for g, piece in enumerate(pieces):
         body.append(_method(piece, f"{SEGMENT_PREFIX}{g}", namespace))
@@ -258,7 +265,15 @@ def _generate(base: type, name: str, main: fx.Graph, pieces: list[fx.Graph],
     doc = (f'"""{name.removeprefix("Checkpointed")} running a ckplan activation-checkpointing plan '
            f'({len(pieces)} segment{"s" if len(pieces) != 1 else ""})."""\n')
     source = f"class {name}(_ckplan_base):\n" + textwrap.indent(doc + "\n" + "\n".join(body), "    ")
-    return source, namespace
+    return source, {key: value for key, value in namespace.items() if key not in runtime}
+
+
+def _runtime_globals(base: type) -> dict[str, Any]:
+    """The globals of every generated class besides its traced code's: its base, torch, and the
+    checkpoint contexts its ``_ckplan_context_<g>`` properties return."""
+    return {"_ckplan_base": base, "torch": torch, "contextlib": contextlib,
+            "_ckplan_restore_buffers": restore_buffers, "_ckplan_compiled_context": COMPILED_CONTEXT,
+            "_ckplan_sac_contexts": sac_contexts, "_ckplan_compiled_sac_contexts": compiled_sac_contexts}
 
 
 def _method(graph: fx.Graph, name: str, namespace: dict, guard: str = "") -> str:
@@ -294,10 +309,61 @@ def _eval_guard(base: type[nn.Module], main: fx.Graph) -> str:
             f"        return _ckplan_base.forward({call})")
 
 
-def _compile(source: str, namespace: dict, name: str) -> type:
-    filename = f"<ckplan generated {name}>"
-    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
-    exec(compile(source, filename, "exec"), namespace)
-    cls = namespace[name]
-    cls.__module__ = namespace["_ckplan_base"].__module__
-    return cls
+@dataclass(frozen=True, kw_only=True, slots=True)
+class GeneratedClass:
+    """Everything a planned module's class is compiled from, in a form pickle stores (no module objects):
+    what ``pickle``, ``torch.save`` and ``copy.deepcopy`` keep of the class, to compile it again on load."""
+
+    base: type[nn.Module]
+    """The user's class, stored by reference: loading needs it importable, as for the unplanned model."""
+    name: str
+    """The generated class's name, ``Checkpointed<Base>``."""
+    source: str
+    """Python source of the class (``Plan.source``)."""
+    objects: Mapping[str, Any]
+    """Globals the traced code reads that pickle stores by reference (functions, classes, numbers)."""
+    modules: Mapping[str, str]
+    """Globals the traced code reads that are modules, by import name."""
+
+    @classmethod
+    def of(cls, base: type[nn.Module], name: str, source: str, code_globals: Mapping[str, Any]) -> GeneratedClass:
+        """The class ``name`` of ``source`` on ``base``; ``code_globals``: what the traced code reads."""
+        return cls(base=base, name=name, source=source,
+                   objects={k: v for k, v in code_globals.items() if not isinstance(v, types.ModuleType)},
+                   modules={k: v.__name__ for k, v in code_globals.items() if isinstance(v, types.ModuleType)})
+
+    def new_class(self) -> type[nn.Module]:
+        """A new class from the source, which pickles and deep-copies its instances as planned modules."""
+        namespace = {**_runtime_globals(self.base), **self.objects,
+                     **{key: importlib.import_module(module) for key, module in self.modules.items()}}
+        if any(value is sac_mark for value in self.objects.values()):
+            trace_marks_into_graphs()  # so that torch.compile(planned) applies the saves too
+        filename = f"<ckplan generated {self.name}>"
+        linecache.cache[filename] = (len(self.source), None, self.source.splitlines(True), filename)
+        exec(compile(self.source, filename, "exec"), namespace)
+        cls = namespace[self.name]
+        cls.__module__ = self.base.__module__
+        cls.__reduce_ex__ = functools.partialmethod(_reduce_planned, self)
+        cls.__deepcopy__ = _deepcopy_planned
+        return cls
+
+
+def planned_instance(generated: GeneratedClass) -> nn.Module:
+    """An empty planned module of a class compiled again from ``generated``: what unpickling calls
+    (then it sets the module's state). Each load compiles its own class, as ``GraphModule`` does."""
+    return object.__new__(generated.new_class())  # not the base's __new__ (GraphModule's makes its own class)
+
+
+def _reduce_planned(self: nn.Module, generated: GeneratedClass, protocol: int) -> tuple:
+    """``__reduce_ex__`` of the class ``generated`` compiles: ``generated`` in place of the class (which no
+    module holds), then the module's state as the user's class pickles it."""
+    return planned_instance, (generated,), self.__getstate__()
+
+
+def _deepcopy_planned(self: nn.Module, memo: dict[int, Any]) -> nn.Module:
+    """``__deepcopy__`` of a generated class: what ``copy.deepcopy`` does to any module (a new object, a
+    deep copy of the state), keeping the class instead of compiling it again as ``__reduce_ex__`` would."""
+    copied = object.__new__(type(self))
+    memo[id(self)] = copied
+    copied.__setstate__(copy.deepcopy(self.__getstate__(), memo))
+    return copied

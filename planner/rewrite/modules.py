@@ -6,7 +6,9 @@ The clone is a new object of the model's exact class, and so is every submodule 
 its parameters, buffers and attributes with the user's: ``type(clone) is type(model)``, every method
 works, ``state_dict()`` has the same keys and tensors, and nothing done to the clone (``train()``,
 hooks, Hugging Face's lazily installed output hooks) reaches the model. A registry of the plans installed
-on each module tree lets a new plan replace an old one and ``disable`` take it off.
+on each module tree lets a new plan replace an old one and ``disable`` take it off. A copy of a planned tree
+(``pickle``, ``torch.save``, ``copy.deepcopy``) carries copies of its plan and of the plan's hooks, which act
+on the copy's own modules; the registry finds such a plan on the copy's hooks (``_plan_on``).
 """
 
 from __future__ import annotations
@@ -99,17 +101,36 @@ def install_switching(root: nn.Module, chooser: Chooser, first: tuple[Hashable, 
 
 def own_hooks(root: nn.Module) -> frozenset[int]:
     """Ids of the hooks of the plan installed on ``root`` (none: empty), which copies ckplan runs leave out."""
-    installed = _INSTALLED.get(root)
+    installed = _plan_on(root)
     return installed.hook_ids() if installed is not None else frozenset()
 
 
 def remove_plan(root: nn.Module) -> bool:
     """Takes the hooks ``install_plan`` put on ``root`` off again; True if there were any."""
-    installed = _INSTALLED.pop(root, None)
+    installed = _plan_on(root)
     if installed is None:
         return False
+    _INSTALLED.pop(root, None)
     installed.remove()
     return True
+
+
+def _plan_on(root: nn.Module) -> Installed | Switching | None:
+    """The plan installed on ``root``: the registered one, or on a copy of a planned tree (which nothing
+    registered, and which the registry does not keep alive) the copy of its plan, found by the hook it has on
+    ``root`` itself: a ``Switching`` is a forward pre-hook, an ``Installed`` closes the forward with ``_closed``
+    (a ``Switching``'s current plan does too, so the ``Switching`` is looked for first)."""
+    plan = _INSTALLED.get(root)
+    if plan is not None:
+        return plan
+    for hook in root._forward_pre_hooks.values():
+        if isinstance(hook, Switching) and hook.root is root:
+            return hook
+    for hook in root._forward_hooks.values():
+        owner = getattr(hook, "__self__", None)
+        if isinstance(owner, Installed) and owner.root is root:
+            return owner
+    return None
 
 
 def describe(chains: Sequence[Chain], model: nn.Module) -> str:
