@@ -3,7 +3,7 @@ multiprocessing and EMA tooling use them: the copy trains exactly as the unplann
 and BatchNorm statistic bit for bit), still checkpoints (its backward re-runs what the original's re-runs,
 selective saves included), and its plan is its own (it runs the copy's modules; ``disable(copy)`` takes it off
 the copy alone). Once for each way a plan runs: a rewritten torch.fx graph, the model's own forward with module
-hooks, and ``enable``'s plan of the user's own object."""
+hooks, ``enable``'s plan of the user's own object, a plan that follows the batch, and a Hugging Face model."""
 
 from __future__ import annotations
 
