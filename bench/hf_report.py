@@ -78,7 +78,7 @@ def row(family: str, width: int, layers: int, rows: int, length: int, keep: bool
     times = [step_times_ms([model, hf, plan.module], inputs, loss_of, runs=runs) for _ in range(3)]
     base, hf_ms, ours_ms = (statistics.median(t[i] for t in times) for i in range(3))
     spread = max(t[2] / t[0] for t in times) - min(t[2] / t[0] for t in times)
-    saves = sum(len(s.saved_modules) for s in plan.segments)
+    saves = sum(len(s.saved_nodes) for s in plan.segments)
     return (f"| {family} w{width} L{layers} b{rows}×{length} | {format_bytes(base_peak)} | {format_bytes(hf_peak)} | "
             f"{format_bytes(ours_peak)} ({format_bytes(plan.predicted_peak_bytes)} predicted) | "
             f"{100 * (hf_ms / base - 1):+.1f}% | {100 * (ours_ms / base - 1):+.1f}% (±{50 * spread:.1f}) | "

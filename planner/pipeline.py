@@ -25,7 +25,7 @@ from planner.follow.shapes import ShapeGrid, realize, shaped, spread
 from planner.memory.simulate import Timeline, simulate
 from planner.options import PREPARED, OptionArgs, PlanOptions, resolve
 from planner.plan import MemoryTimeline, Plan
-from planner.planning.chunkings import solve_budget, solve_prepared
+from planner.planning.chunkings import save_options_for, solve_budget, solve_prepared
 from planner.planning.prepared import Prepared, chunked, prepared_from
 from planner.profiling.api import capture_inputs, profile_for
 from planner.profiling.record import Profile
@@ -114,7 +114,8 @@ def prepare(model: nn.Module, *, inputs: UserInputs = None, options: PlanOptions
         step_inputs = example.cast(dtype) if dist and dist.cast_forward_inputs else example
         captured = capture(model, capture_inputs(model, step_inputs),   # graph + module calls (meta inputs for a
                            units=dist.opaque if dist else frozenset(),  # meta model); a plan that follows the
-                           runs=ExecutorKind.HOOKS if opts.follow_batch else runs)  # batch runs by hooks
+                           whole_units=not opts.selective,              # batch runs by hooks; under FSDP, whole
+                           runs=ExecutorKind.HOOKS if opts.follow_batch else runs)  # units compile as calls
         stage("profile")
         measured = profile_for(captured, model, step_inputs, loss_fn=opts.loss_fn,  # one real step node by node,
                                device=opts.device, saved=opts.profile,              # or a saved or estimated
@@ -192,7 +193,8 @@ def plan_for(prepared: Prepared, budget: int | str, *, options: PlanOptions | No
     if prepared.distributed is not None and not solution.interrupted:  # FSDP: one unit per segment
         solution = split_at_units(memory, solution, budget_bytes, prepared.distributed, prepared.profile,
                                   deadline=deadline,
-                                  resolve=lambda b: solve_budget(opts.solver, memory, b, baseline.peak_bytes, deadline))
+                                  resolve=lambda b: solve_budget(opts.solver, memory, b, baseline.peak_bytes, deadline,
+                                                                 save_options_for(prepared, opts)))
     solution = replace(solution, solve_time_s=time.perf_counter() - started)  # the whole stage, widening included
     stage("rewrite")
     return plan_from_solution(prepared, solution, budget_bytes, target=target,

@@ -75,7 +75,9 @@ class Plan:
     predicted_peak_bytes: int
     """Peak of one training step under the plan, from the memory model."""
     baseline_peak_bytes: int
-    """Predicted peak without checkpointing."""
+    """Predicted peak without checkpointing, of the step plans run: a Hugging Face model's key/value cache off
+    (``use_cache=False`` in training calls, ``planner/capture/cache.py``), which its own call may keep on
+    (GPT-2: two copies of k and v per layer more, ``docs/huggingface.md``)."""
     predicted_overhead: float
     """Recompute time / un-checkpointed step time (0.0 for the empty plan)."""
     recompute_ms: float

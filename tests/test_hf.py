@@ -9,7 +9,8 @@ import pytest
 import torch
 from conftest import greedy_generations, training_step
 
-from planner import InfeasibleBudget, disable, enable, optimize
+from planner import InfeasibleBudget, disable, enable, optimize, prepare
+from planner.capture.cache import no_cache
 from planner.capture.inputs import as_inputs
 from planner.profiling.measure import measure_peak
 
@@ -240,3 +241,22 @@ def test_a_loop_that_drops_the_output_is_planned_and_predicted_as_such():
     measured = measure_peak(dropped.module, as_inputs(model, batch), _loss, keep_output=False)
     assert measured <= dropped.budget_bytes
     assert abs(measured - dropped.predicted_peak_bytes) <= 0.01 * measured
+
+
+def test_gpt2_baseline_is_the_step_without_its_cache():
+    """The baseline is the step plans run, use_cache off (docs/huggingface.md, "use_cache"): exact against that
+    step. GPT-2's own training call keeps its cache: each layer's attention gets contiguous copies of k and v
+    (``DynamicLayer.update``'s ``torch.cat``), which ``scaled_dot_product_attention`` saves until that layer's
+    backward, on top of the fused qkv its q view keeps: 2 x rows x length x n_embd floats per layer more."""
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=VOCAB, n_positions=256,
+                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    model = transformers.GPT2LMHeadModel(config)
+    batch = lm_batch(mask=False)
+    baseline = prepare(model, inputs=batch, keep_output=False).baseline.peak_bytes
+    inputs = as_inputs(model, batch)
+    with no_cache(model):
+        assert measure_peak(model, inputs, _loss, keep_output=False) == baseline
+    rows, length = batch["input_ids"].shape
+    cache = 2 * config.n_layer * rows * length * config.n_embd * 4  # k and v, float32
+    assert measure_peak(model, inputs, _loss, keep_output=False) == baseline + cache

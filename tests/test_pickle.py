@@ -162,6 +162,7 @@ def test_a_rewritten_graph_loads_in_a_fresh_process(graph_plans, tmp_path):
     tests = Path(__file__).parent
     script = (f"import sys; sys.path.insert(0, {str(tests)!r})\n"
               "import torch, test_pickle\n"
+              f"torch.set_num_threads({torch.get_num_threads()})\n"  # the same reductions, bit for bit
               f"module = torch.load({str(tmp_path / 'planned.pt')!r}, weights_only=False)\n"
               f"torch.save(test_pickle.step(module), {str(tmp_path / 'step.pt')!r})\n")
     subprocess.run([sys.executable, "-c", script], check=True, cwd=tests.parent)
@@ -173,7 +174,7 @@ def test_a_rewritten_graph_loads_in_a_fresh_process(graph_plans, tmp_path):
 @pytest.mark.parametrize("round_trip", ROUND_TRIPS.values(), ids=ROUND_TRIPS)
 def test_a_plan_run_by_hooks_round_trips(hook_plans, round_trip):
     model, plan, whole = hook_plans
-    assert type(plan.module) is Tower and any(s.saved_modules and s.restore_buffers for s in plan.segments)
+    assert type(plan.module) is Tower and any(s.saved_ops and s.restore_buffers for s in plan.segments)
     reference, copied = copy.deepcopy(model), round_trip(plan.module)
     expected, actual = step(reference), step(copied)
     assert_same_training(actual, expected)
@@ -196,12 +197,17 @@ def following():
 
 @pytest.mark.parametrize("round_trip", ROUND_TRIPS.values(), ids=ROUND_TRIPS)
 def test_a_plan_that_follows_the_batch_round_trips(following, round_trip):
-    """The copy runs the groups planned so far (a new group needs the model, which the plan's family does not
-    pickle) and switches its own modules' hooks; ``disable(copy)`` takes them off."""
+    """The copy runs the groups planned so far, plans new ones (its family holds its model too) and switches its
+    own modules' hooks; ``disable(copy)`` takes them off."""
     model, plan = following
     copied = round_trip(plan.module)
-    expected, actual = step(copy.deepcopy(model)), step(copied)
+    reference = copy.deepcopy(model)
+    expected, actual = step(reference), step(copied)
     assert_same_training(actual, expected)
+    smaller = tuple(x[: len(x) // 3] for x in INPUTS)  # a group no one has planned: planned by the copy
+    groups = len(plan.family.groups)
+    assert_same_training(step(copied, smaller), step(reference, smaller))
+    assert len(plan.family.groups) == groups  # the original's family is not the copy's
     assert all(p.grad is None for p in model.parameters())
     planned = step(plan.module).backward_ops
     assert expected.backward_ops < actual.backward_ops == planned

@@ -60,6 +60,9 @@ class Request:
     """Example inputs; the tiers that run the model's forward need them."""
     units: frozenset[str]
     """FSDP units to keep as calls (their hooks gather parameters), or none."""
+    whole_units: bool
+    """Under FSDP, the plan keeps no op outputs (``selective=False``): a graph with the units as calls, which
+    ``torch.compile`` compiles, loses nothing."""
     on_meta: bool
     """The model's parameters or buffers are on the meta device: no real forward can run."""
 
@@ -107,29 +110,33 @@ def _fx_blocks(request: Request) -> tuple[fx.GraphModule, frozenset[str]]:
 
 
 TIERS = (
-    Tier(method=FX_UNITS, applies=lambda r: bool(r.units), run=_fx_units),
     Tier(method=FX, applies=lambda r: not r.units, run=_fx),
+    Tier(method=FX_UNITS, applies=lambda r: bool(r.units) and r.whole_units, run=_fx_units),
     Tier(method=ATEN, applies=lambda r: r.inputs is not None and not r.on_meta, run=_aten),
     Tier(method=EXPORT, applies=lambda r: r.inputs is not None and r.on_meta, run=_export),
+    Tier(method=FX_UNITS, applies=lambda r: bool(r.units) and not r.whole_units, run=_fx_units),
     Tier(method=FX_BLOCKS, applies=lambda r: not r.units, run=_fx_blocks),
 )
 """The capture tiers, in the order they are tried (docs/architecture.md, "Capture, in order"):
 
-1. torch.fx: user modules inlined, torch.nn layers kept as calls; with FSDP units, the units kept as calls
-   (FSDP2 gathers a unit's parameters in hooks of its forward, which must run). Plans rewrite the graph.
+1. torch.fx: user modules inlined, torch.nn layers kept as calls. Plans rewrite the graph. Not under FSDP:
+   FSDP2 gathers a unit's parameters in hooks of its forward, which a rewritten graph would inline away.
+   Under FSDP with whole units (``selective=False``): fx with the units kept as calls (compilable plans).
 2. With example inputs: the ATen ops of one real forward (``aten.aten_graph``; ``torch.export`` for a model
    on the meta device), ``use_cache`` off as in training. Plans run the model's own forward with module
-   hooks; a model whose units fx cannot keep as calls lands here too (its own forward runs the units).
-3. fx with the model's repeated blocks (then its children) kept as opaque calls. Plans rewrite the graph."""
+   hooks, so FSDP2's hooks run, segments can lie inside a unit and keep any op.
+3. Under FSDP when that fails, or without example inputs (a saved plan applied): fx with the units as calls.
+4. fx with the model's repeated blocks (then its children) kept as opaque calls. Plans rewrite the graph."""
 
 
 def capture(model: nn.Module, inputs: Inputs | None = None, *, units: frozenset[str] = frozenset(),
-            runs: ExecutorKind | None = None) -> Captured:
+            whole_units: bool = False, runs: ExecutorKind | None = None) -> Captured:
     """Captures ``model`` into a flat graph with the first of ``TIERS`` that applies and succeeds.
 
     Args:
         inputs: example inputs (the tiers that run the forward need them).
         units: FSDP units to keep as calls.
+        whole_units: under FSDP, the plan keeps no op outputs: the units as calls come first.
         runs: only the tiers whose plans run this way (``ExecutorKind.HOOKS``: the model's own forward, for a
             plan made in place or one that follows the batch); None: any.
 
@@ -140,7 +147,7 @@ def capture(model: nn.Module, inputs: Inputs | None = None, *, units: frozenset[
     if runs is ExecutorKind.HOOKS and inputs is None:
         raise InputError("planning the model's own forward (enable(), follow_batch) needs example inputs: "
                          "pass inputs=<one training batch>")
-    request = Request(model=model, inputs=inputs, units=units,
+    request = Request(model=model, inputs=inputs, units=units, whole_units=whole_units,
                       on_meta=any(t.is_meta for t in (*model.parameters(), *model.buffers())))
     notes: list[str] = []
     for tier in TIERS:

@@ -246,7 +246,7 @@ def split_at_units(memory: MemoryModel, solution: Solution, budget_bytes: int, d
     unit_nodes = unit_of_nodes(profile, dist.units)
     target, tried = budget_bytes, []
     for _ in range(attempts):
-        predicted = simulate(memory, _cut(memory, solution.plan, unit_nodes))
+        predicted = simulate(memory, _cut(memory, solution.plan, unit_nodes), solution.saves)  # saves stay
         tried.append(predicted)
         if predicted.peak_bytes <= budget_bytes:
             if predicted.plan == solution.plan:

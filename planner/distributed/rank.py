@@ -59,7 +59,8 @@ def plan_on_rank0(model: nn.Module, budget: int | str, *, src: int = 0, group: d
     if dist.get_rank() == src:
         try:
             plan = optimize(model, budget, inputs=inputs, options=opts)
-            payload[0] = ("plan", replace(plan, module=None))
+            payload[0] = ("plan", replace(plan, module=None,  # nor the model, through a family that follows the batch
+                                          family=plan.family.portable() if plan.family is not None else None))
         except Exception as exc:
             payload[0] = ("error", _portable(exc))
     dist.broadcast_object_list(payload, src=src, group=group)

@@ -126,9 +126,11 @@ class Family:
         family.groups = self.groups
         return family
 
-    def __reduce__(self) -> tuple[Any, ...]:
-        """Pickled as its saved form (``plan_on_rank0`` sends it to the other ranks), without the model."""
-        return Family.from_dict, (self.to_dict(),)
+    def portable(self) -> Family:
+        """This family without its model, loss function and example batch, as ``Plan.save`` keeps it: what
+        ``plan_on_rank0`` sends to the other ranks, which apply it to their own model with their own ``loss_fn``.
+        (Pickled as it is, a family keeps its model: a copy of a planned module plans new groups.)"""
+        return Family.from_dict(self.to_dict())
 
     def to_dict(self) -> dict[str, Any]:
         """The family as JSON (``Plan.save``): its grid, options, every group's plan, and the reference profile

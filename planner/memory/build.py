@@ -15,14 +15,16 @@ from planner.memory.regions import Regions
 from planner.profiling.record import Profile
 
 
-def build_model(profile: Profile, regions: Regions, *, offset=None, sac_op_us: float = 0.0) -> MemoryModel:
+def build_model(profile: Profile, regions: Regions, *, offset=None, sac_op_us: float = 0.0,
+                sac_host_us: float | None = None) -> MemoryModel:
     """Precomputes the arrays of the memory model for ``profile`` cut into ``regions``.
 
     ``offset`` (``planner.distributed.memory.MemoryOffset``): plan-independent bytes added per node to
     the forward and backward constants, and the resident parameter bytes (one rank of a job).
     ``sac_op_us``: time selective checkpointing adds per ATen op of a segment with saves, microseconds
     (``planner.profiling.devices.sac_op_cost`` decides it; a node of unknown op count counts as one op
-    when it reads tensors)."""
+    when it reads tensors). ``sac_host_us``: for a device that runs kernels behind the host (a GPU), the
+    host's own cost per op; SAC's time then shows only where the host falls behind the device; None: always."""
     nodes = profile.nodes
     uses = _storage_uses(profile, regions)
     fixed_release = _fixed_release(uses)
@@ -36,7 +38,7 @@ def build_model(profile: Profile, regions: Regions, *, offset=None, sac_op_us: f
     recompute_at = _recompute_at(profile, regions)
     node_us = np.array([round(nd.fwd_ms * 1000) for nd in nodes], dtype=np.int64)
     return MemoryModel(
-        regions=regions, node_names=tuple(nd.name for nd in nodes),
+        regions=regions, node_names=tuple(nd.name for nd in nodes), kernels=tuple(nd.kernels for nd in nodes),
         # the un-checkpointed step's storages
         size=uses.size, producer=uses.producer, producer_chunk=uses.producer_chunk, last_use=uses.last_use,
         first_saver=uses.first_saver, savers=uses.savers, fwd_fixed=uses.fwd_fixed, own_saved=own_saved,
@@ -58,7 +60,7 @@ def build_model(profile: Profile, regions: Regions, *, offset=None, sac_op_us: f
         # times
         node_cost_us=node_us, chunk_cost_us=_chunk_us(regions, node_us),
         skip_us=_skip_us(profile, regions, recompute_at, node_us),
-        sac_chunk_us=_sac_chunk_us(profile, regions, sac_op_us),
+        sac_chunk_us=_sac_chunk_us(profile, regions, sac_op_us, sac_host_us),
         segment_cost_us=round(profile.checkpoint_overhead_ms * 1000), step_us=max(1, round(profile.step_ms * 1000)),
         # the modules' Python locals
         excess=eager.decided, rerun_excess=eager.rerun, openers=eager.openers, around=eager.around,
@@ -289,8 +291,19 @@ def _skip_us(profile: Profile, regions: Regions, recompute_at: np.ndarray, node_
                      for k, t in enumerate(recompute_at)], dtype=np.int64)
 
 
-def _sac_chunk_us(profile: Profile, regions: Regions, sac_op_us: float) -> np.ndarray:
-    """Per chunk: the time selective checkpointing's dispatch adds to it, microseconds (``sac_op_us`` per ATen op)."""
+def _sac_chunk_us(profile: Profile, regions: Regions, sac_op_us: float, host_us: float | None) -> np.ndarray:
+    """Per chunk: the time selective checkpointing's dispatch adds to it, microseconds: ``sac_op_us`` per ATen op.
+    With ``host_us`` (a device that runs kernels queued behind the host), SAC's Python runs on the host while
+    the device works: it adds only what it makes the host fall behind the chunk's device time, ``max(0, (host +
+    sac) x ops - device) - max(0, host x ops - device)``."""
     ops = [nd.aten_ops if nd.aten_ops is not None else int(bool(nd.inputs)) for nd in profile.nodes]
-    return np.array([round(sac_op_us * sum(ops[slice(*regions.bounds(k))])) for k in range(regions.n_chunks)],
-                    dtype=np.int64)
+    out = []
+    for k in range(regions.n_chunks):
+        lo, hi = regions.bounds(k)
+        n = sum(ops[lo:hi])
+        cost = sac_op_us * n
+        if host_us is not None:
+            device = sum(nd.fwd_ms for nd in profile.nodes[lo:hi]) * 1000
+            cost = max(0.0, (host_us + sac_op_us) * n - device) - max(0.0, host_us * n - device)
+        out.append(round(cost))
+    return np.array(out, dtype=np.int64)

@@ -21,7 +21,7 @@ from planner.profiling.record import Profile
 
 def save_options(profile: Profile, memory: MemoryModel, *, savable: frozenset[int] | None,
                  must_save: Sequence[str] = (), must_recompute: Sequence[str] = (), selective: bool = True,
-                 per_block: int = 4) -> SaveOptions:
+                 per_block: int = 8) -> SaveOptions:
     """The candidates (when ``selective``) and the overrides of one prepared model.
 
     ``savable``: the nodes the executor can save (``SegmentRules.savable``: single ops for a rewritten
@@ -50,10 +50,29 @@ def save_options(profile: Profile, memory: MemoryModel, *, savable: frozenset[in
               if not nd.mutated_buffers and cacheable(memory, i) and (savable is None or i in savable)]
         # a save must at least pay for SAC's dispatch cost over its own chunk (a heuristic cut: several
         # cheap saves sharing one segment could pay together), so CP-SAT only runs when saves can win
-        worth = [o for o in ok if memory.node_cost_us[o] > (memory.sac_chunk_us[owner[o]]
-                                                           if len(memory.sac_chunk_us) else 0)]
+        # and be worth a CP-SAT variable: at least MIN_SHARE of the forward time of a block (or of the model
+        # outside blocks, when it has none)
+        floor = MIN_SHARE * _block_us(memory)
+        worth = [o for o in ok if memory.node_cost_us[o] > max(floor, memory.sac_chunk_us[owner[o]]
+                                                               if len(memory.sac_chunk_us) else 0)]
         candidates = tuple(sorted(set(_best_per_block(memory, worth, per_block)) | (save & set(ok))))
     return SaveOptions(candidates=candidates, must_save=frozenset(save), must_recompute=frozenset(recompute))
+
+
+MIN_SHARE = 0.01
+"""Least share of a block's forward time a candidate save must spare to be offered to the solvers: the many
+tiny ops of a layer (an ``rsqrt``, a scale) can never pay for a CP-SAT variable, and would crowd the
+``per_block`` best out of the candidates."""
+
+
+def _block_us(memory: MemoryModel) -> float:
+    """Forward time of a typical block, microseconds: the median over the model's blocks, else the whole
+    checkpointable forward."""
+    if memory.regions.blocks:
+        times = sorted(int(memory.node_cost_us[memory.regions.starts[a]:memory.regions.bounds(b - 1)[1]].sum())
+                       for a, b in memory.regions.blocks)
+        return float(times[len(times) // 2])
+    return float(memory.node_cost_us[:memory.regions.end].sum())
 
 
 def _best_per_block(memory: MemoryModel, nodes: list[int], per_block: int) -> list[int]:

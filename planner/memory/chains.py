@@ -13,7 +13,6 @@ from collections.abc import Sequence
 
 from planner.capture.calls import CallIndex, ModuleCall
 from planner.memory.rules import Span
-from planner.profiling.record import Profile
 
 
 def find_chains(calls: CallIndex, end: int) -> list[Span]:
@@ -60,18 +59,3 @@ def _chainable(calls: CallIndex, end: int) -> list[ModuleCall]:
     return [call for call in calls.calls
             if call.path and calls.times_called(call.path) == 1 and call.contiguous and call.last < end
             and call.single_parent]
-
-
-def alone_in_module(profile: Profile, end: int) -> frozenset[int]:
-    """Nodes that are the only node writing new memory in their module's call (a Linear, an
-    activation): the saves the module executor can make, by marking the module's ops."""
-    calls = profile.calls
-    chainable = {call.entry for call in _chainable(calls, end)}
-    out = set()
-    for i, node in enumerate(profile.nodes[:end]):
-        around = calls.around[i]
-        call = calls.calls[around[-1]] if around else None
-        if call is not None and call.entry in chainable and node.outputs and not any(
-                profile.nodes[j].outputs for j in range(call.first, call.last + 1) if j != i):
-            out.add(i)
-    return frozenset(out)

@@ -24,6 +24,9 @@ class MemoryModel:
 
     regions: Regions
     node_names: tuple[str, ...]
+    kernels: tuple[tuple[str, ...], ...] = ()
+    """Per node, the ops its forward dispatches that write fresh memory (``NodeCost.kernels``): what op-level
+    policies keyed on op names (``planner.solve.baselines.op_sac``) read; empty when unknown."""
     size: np.ndarray
     """Bytes per storage (int64)."""
     producer: np.ndarray

@@ -146,6 +146,19 @@ def check_saves(model: MemoryModel, plan: ChunkPlan, saves: Saves) -> None:
                 raise ValueError(f"saved node {o} caches storage {s}, which a later segment of plan {plan} reads")
 
 
+def expressible(model: MemoryModel, plan: ChunkPlan, saves: Saves) -> Saves:
+    """The ``saves`` that ``check_saves`` accepts under ``plan``, each checked alone (a hand-made policy's keeps:
+    those this model cannot express exactly are left out)."""
+    ok = set()
+    for o in sorted(saves):
+        try:
+            check_saves(model, plan, frozenset({o}))
+        except ValueError:
+            continue
+        ok.add(o)
+    return frozenset(ok)
+
+
 def kept_by_saves(model: MemoryModel, saves: Saves, release: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """``(kept, release)``: per storage, cached by a save, and the release index of every storage given
     the plan's (``planner.memory.release.release_of``): a cached storage some node saves is held until

@@ -91,7 +91,7 @@ def widen(prepared: Prepared, budget_bytes: int, options: PlanOptions,
     ``Prepared`` it belongs to."""
     try:
         return prepared, solve_budget(options.solver, prepared.memory, budget_bytes, prepared.baseline.peak_bytes,
-                                      deadline, _save_options(prepared, options))
+                                      deadline, save_options_for(prepared, options))
     except InfeasibleBudget as exc:
         first = exc
     memory = prepared.memory
@@ -116,7 +116,7 @@ def widen(prepared: Prepared, budget_bytes: int, options: PlanOptions,
             if capabilities(options.solver).reads_budget:
                 prepared = refine(prepared, budget_bytes, deadline)  # plans exist here: finer may re-run less
             return prepared, solve_budget(options.solver, prepared.memory, budget_bytes,
-                                          prepared.baseline.peak_bytes, deadline, _save_options(prepared, options),
+                                          prepared.baseline.peak_bytes, deadline, save_options_for(prepared, options),
                                           explain=not prepared.regions.capped)  # else a finer chunking is next
         except (NoSolution, OutOfTime):  # the DP screen or the solve ran out of time at this chunking
             raise _unproven(first, searched, out_of_time=True) from None
@@ -139,16 +139,15 @@ class _NoPlan(Exception):
     """No plan fits at this chunking, left unexplained (a finer chunking is tried next)."""
 
 
-def _save_options(prepared: Prepared, options: PlanOptions) -> SaveOptions:
-    """The save candidates and overrides at the prepared chunking (FSDP plans cut whole units: no saves; an
-    optimizer's state or DDP's buckets change nothing inside a segment: saves as on one device)."""
+def save_options_for(prepared: Prepared, options: PlanOptions) -> SaveOptions:
+    """The save candidates and overrides at the prepared chunking (FSDP's gathered units, an optimizer's state
+    or DDP's buckets change nothing inside a segment: saves as on one device)."""
     can_save = capabilities(options.solver).saves
-    fsdp = prepared.distributed is not None and prepared.distributed.parallel == "fsdp"
     if (options.must_save or options.must_recompute) and not can_save:
         raise OptionError(f"must_save/must_recompute need the cpsat solver, not {options.solver!r}")
     return save_options(prepared.profile, prepared.memory, savable=prepared.rules.savable,
                         must_save=options.must_save, must_recompute=options.must_recompute,
-                        selective=options.selective and can_save and not fsdp)
+                        selective=options.selective and can_save)
 
 
 def solve_budget(solver: str, memory: MemoryModel, budget_bytes: int, baseline_peak: int,

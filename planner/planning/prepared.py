@@ -65,21 +65,20 @@ class Prepared:
         return self.chunks.baseline
 
 
-def cost_model(profile: Profile, rules: SegmentRules, *, max_chunks: int, sac_op_us: float,
+def cost_model(profile: Profile, rules: SegmentRules, *, max_chunks: int, sac: SacCost,
                distributed: Distributed | None) -> Chunked:
     """The regions (at most ``max_chunks`` chunks) of ``profile`` and the cost model over them."""
     regions = find_regions(profile, max_chunks=max_chunks, rules=rules)  # where segments may start and end
     memory = build_model(profile, regions,                                # the cost model the solver optimises
                          offset=distributed and memory_offset(profile, distributed),  # one rank's share of a job
-                         sac_op_us=sac_op_us)
+                         sac_op_us=sac.op_us, sac_host_us=sac.host_us)
     return Chunked(regions=regions, memory=memory, baseline=simulate(memory, ()))
 
 
 def chunked(prepared: Prepared, max_chunks: int) -> Prepared:
     """``prepared`` with its cost model at ``max_chunks`` chunks."""
     return replace(prepared, chunks=cost_model(prepared.profile, prepared.rules, max_chunks=max_chunks,
-                                               sac_op_us=prepared.sac_cost.op_us,
-                                               distributed=prepared.distributed))
+                                               sac=prepared.sac_cost, distributed=prepared.distributed))
 
 
 def prepared_from(model: nn.Module, example: Inputs, captured: Captured, profile: Profile, *, options: PlanOptions,
@@ -92,5 +91,5 @@ def prepared_from(model: nn.Module, example: Inputs, captured: Captured, profile
     rules = executor.rules(captured, profile, units=distributed.units if distributed else ())
     return Prepared(model=model, example=example, options=options, captured=captured, profile=profile,
                     executor=executor, rules=rules, sac_cost=sac, distributed=distributed,
-                    chunks=cost_model(profile, rules, max_chunks=options.max_chunks, sac_op_us=sac.op_us,
+                    chunks=cost_model(profile, rules, max_chunks=options.max_chunks, sac=sac,
                                       distributed=distributed))

@@ -142,6 +142,10 @@ class SacCost:
     """Time SAC's dispatch modes add per ATen op of a segment that keeps op outputs, microseconds."""
     source: SacCostSource
     """Where ``op_us`` comes from."""
+    host_us: float | None = None
+    """For a GPU spec's estimate, the host's own cost per op (``DeviceSpec.op_overhead_us``): the device runs
+    kernels queued behind the host, so SAC's host time costs only where the host falls behind
+    (``planner.memory.build``); None where ``op_us`` is simply added (a CPU, or measured)."""
 
 
 def sac_op_cost(profile: Profile, spec: DeviceSpec | None = None) -> SacCost:
@@ -154,5 +158,6 @@ def sac_op_cost(profile: Profile, spec: DeviceSpec | None = None) -> SacCost:
     if spec is None and profile.estimated_for in device_names():
         spec = load_device(profile.estimated_for)
     if spec is not None and spec.sac_op_us is not None:
-        return SacCost(op_us=spec.sac_op_us, source=SacCostSource.DEVICE_SPEC)
+        return SacCost(op_us=spec.sac_op_us, source=SacCostSource.DEVICE_SPEC,
+                       host_us=spec.op_overhead_us if spec.kind == "gpu" else None)
     return SacCost(op_us=DEFAULT_SAC_OP_US, source=SacCostSource.DEFAULT)

@@ -24,6 +24,7 @@ from torch.utils._pytree import tree_leaves
 from planner.capture.api import Captured, target_text
 from planner.capture.calls import SCOPE_KEY
 from planner.capture.inputs import Inputs
+from planner.capture.ops import kernel_name, writes_new_memory
 from planner.capture.step import LossFn, default_loss, sync, untouched
 from planner.errors import ProfileError
 from planner.profiling.eager import eager_excess, eager_forward_trace
@@ -135,7 +136,7 @@ def assemble(recorder: MemoryRecorder, captured: Captured, model: nn.Module, inp
             mutated_buffers=tuple(rec["buffers"]), checkpointable=rec["kind"] != LOSS_NODE,
             mutated_buffer_bytes=sum(recorder.buffer_bytes[name] for name in rec["buffers"]),
             eager_excess_bytes=excess[i] if excess else 0, stop_peak_bytes=rec.get("stop_peak"),
-            aten_ops=rec["ops"][1] - rec["ops"][0],
+            aten_ops=rec["ops"][1] - rec["ops"][0], kernels=tuple(rec["kernels"]),
         )
         for i, rec in enumerate(recorder.records)
     )
@@ -267,6 +268,8 @@ class MemoryRecorder(StepRunner):
             for stat in args[3:5]:
                 if isinstance(stat, torch.Tensor):
                     self._written(stat)
+        if self._current is not None and writes_new_memory(func):
+            self._current["kernels"].append(kernel_name(func))
         if self.op_ms is not None:
             if self._current is not None:
                 self.est_fwd_ms[len(self.records) - 1] += self.op_ms(func, args, out)
@@ -307,7 +310,7 @@ class MemoryRecorder(StepRunner):
             "kind": node.op if node is not None else LOSS_NODE,
             "target": target_text(node) if node is not None else "loss_fn",
             "scope": tuple(scope), "inputs": self._storages(values),
-            "outputs": set(), "saves": set(), "mutates": set(), "buffers": [],
+            "outputs": set(), "saves": set(), "mutates": set(), "buffers": [], "kernels": [],
         }
         self.records.append(record)
         self._current = record

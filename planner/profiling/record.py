@@ -89,6 +89,10 @@ class NodeCost:
     aten_ops: int | None = None
     """ATen ops its forward dispatches, views included (each costs selective checkpointing's dispatch
     modes a Python call); None when unknown (hand-made profiles)."""
+    kernels: tuple[str, ...] = ()
+    """Names of the ops its forward dispatches below autograd that write fresh memory, in order
+    (``planner.capture.ops``): what selective checkpointing sees of it. A plan run by module hooks keeps this
+    node by keeping these ops, each named by its occurrence among same-named ops of the segment."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -12,9 +12,11 @@ So the planned module runs the model's own Python code: every method, every shap
 it accepts, ``generate()``, ``save_pretrained()``. Hooks act only when the module is training with
 gradients enabled, as Hugging Face's gradient checkpointing does.
 
-Selective saves: a segment may name modules (a Linear, an activation) whose fresh outputs torch's
-selective checkpointing keeps instead of re-running; forward hooks on them mark the ops dispatched
-inside, and the policy returns ``MUST_SAVE`` for those (random ops never).
+Selective saves: a segment may name ops (any op whose output is fresh memory: a matmul, the attention
+kernel, an activation) whose outputs torch's selective checkpointing keeps instead of re-running. The plan
+names each by its op name and its occurrence among the segment's ops of that name, as the profile saw them
+(``Segment.saved_ops``); the policy counts the ops as the chain's forward dispatches them and returns
+``MUST_SAVE`` for those (random ops never), the way torchtitan's policy counts matmuls.
 
 On its first forward a chain watches the code between its members (``_Watch``): a differentiable
 op or a random draw there would not be re-run by the recompute, so it is an error naming the
@@ -25,8 +27,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import threading
 import weakref
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -42,9 +44,9 @@ from torch.utils.checkpoint import (
 )
 
 from planner.capture.cache import training_with_grad
+from planner.capture.ops import draws_random, kernel_name, writes_new_memory
 from planner.errors import PlannerError
 from planner.rewrite.graph import restore_buffers
-from planner.rewrite.sac import is_random, writes_new_memory
 from planner.rewrite.segment import Segment
 
 
@@ -58,15 +60,16 @@ class Chain:
 
     members: tuple[str, ...]
     """Module paths of consecutive sibling calls, in call order."""
-    saved_modules: tuple[str, ...] = ()
-    """Modules inside the chain whose fresh outputs selective checkpointing keeps."""
+    saved_ops: tuple[tuple[str, int], ...] = ()
+    """Ops inside the chain whose fresh outputs selective checkpointing keeps: (op name, its occurrence among
+    the chain's ops of that name) (``Segment.saved_ops``)."""
     restore_buffers: tuple[str, ...] = ()
     """Buffers the chain's forward mutates (BatchNorm statistics): put back after the re-run."""
 
     @classmethod
     def of(cls, segment: Segment) -> Chain:
         """The chain of a plan's segment (a plan run by hooks)."""
-        return cls(members=segment.chain, saved_modules=segment.saved_modules, restore_buffers=segment.restore_buffers)
+        return cls(members=segment.chain, saved_ops=segment.saved_ops, restore_buffers=segment.restore_buffers)
 
 
 class _OutRef(NamedTuple):
@@ -76,29 +79,24 @@ class _OutRef(NamedTuple):
     leaf: int
 
 
-class _SavedOps:
-    """Selective checkpointing policy: keep the fresh outputs of ops run inside the saved modules.
+class _SavedKernels:
+    """Selective checkpointing policy of one forward through a chain: keep the fresh outputs of the ops the plan
+    names, each found by its name and its occurrence among the ops of that name since the chain began (the
+    way torchtitan's policy counts matmuls). Random ops are never kept. Counts are kept apart for the forward
+    and for a re-run, for torch versions that ask the policy in both."""
 
-    Forward hooks on those modules count how deep the current call is inside one of them; the
-    counter is thread-local because the re-run may happen on an autograd thread."""
-
-    def __init__(self) -> None:
-        self._depth = threading.local()
-
-    def __getstate__(self) -> dict:
-        return {}  # a thread-local does not pickle; a copy (pickle, deepcopy) starts outside every saved module
-
-    def __setstate__(self, state: dict) -> None:
-        self._depth = threading.local()
-
-    def enter(self, *_: Any) -> None:
-        self._depth.value = getattr(self._depth, "value", 0) + 1
-
-    def leave(self, *_: Any) -> None:
-        self._depth.value = max(0, getattr(self._depth, "value", 0) - 1)
+    def __init__(self, saved: frozenset[tuple[str, int]]) -> None:
+        self.saved = saved
+        self.seen: tuple[Counter[str], Counter[str]] = (Counter(), Counter())
 
     def policy(self, ctx, op, *args, **kwargs) -> CheckpointPolicy:
-        if getattr(self._depth, "value", 0) and writes_new_memory(op) and not is_random(op):
+        if not writes_new_memory(op):
+            return CheckpointPolicy.PREFER_RECOMPUTE
+        name = kernel_name(op)
+        seen = self.seen[bool(getattr(ctx, "is_recompute", False))]
+        occurrence = seen[name]
+        seen[name] += 1
+        if (name, occurrence) in self.saved and not draws_random(op, args, kwargs):
             return CheckpointPolicy.MUST_SAVE
         return CheckpointPolicy.PREFER_RECOMPUTE
 
@@ -168,10 +166,8 @@ def _split_tensors(args: tuple, kwargs: dict) -> tuple[list[torch.Tensor], Calla
 class _Runner:
     """The hooks and the forward state of one chain."""
 
-    def __init__(self, chain: Chain, members: list[nn.Module], root: nn.Module, saved: _SavedOps) -> None:
+    def __init__(self, chain: Chain, members: list[nn.Module], root: nn.Module) -> None:
         self.chain, self.members, self.root = chain, members, root
-        self.context_fn = functools.partial(create_selective_checkpoint_contexts, saved.policy) \
-            if chain.saved_modules else None
         self.replaying = False
         self.open: _Open | None = None
         self.checked = False  # the code between members was watched once and found empty
@@ -281,7 +277,8 @@ class _Runner:
     def _contexts(self):
         """``context_fn`` of the region: (forward context, re-run context). Buffers are put back
         outermost: the snapshot and the copy back must run outside SAC's mode."""
-        forward, rerun = (self.context_fn() if self.context_fn is not None
+        saved = frozenset(self.chain.saved_ops)
+        forward, rerun = (create_selective_checkpoint_contexts(_SavedKernels(saved).policy) if saved
                           else (contextlib.nullcontext(), contextlib.nullcontext()))
         outer = [restore_buffers(self.root, self.chain.restore_buffers)] if self.chain.restore_buffers else []
         return forward, _entered(*outer, rerun, self._replaying())
@@ -342,18 +339,14 @@ def install(root: nn.Module, chains: Sequence[Chain]) -> Installed:
     Raises:
         ChainError: a member path names no module of ``root``, or a chain's members are not siblings.
     """
-    saved, runners, handles = _SavedOps(), [], []
+    runners, handles = [], []
     for chain in chains:
         members = [_module(root, path) for path in chain.members]
         if len({path.rpartition(".")[0] for path in chain.members}) != 1:
             raise ChainError(f"chain {' -> '.join(chain.members)}: members must be children of one module")
-        runner = _Runner(chain, members, root, saved)
+        runner = _Runner(chain, members, root)
         runners.append(runner)
         handles += runner.register()
-        for path in chain.saved_modules:
-            module = _module(root, path)
-            handles.append(module.register_forward_pre_hook(saved.enter, prepend=True))
-            handles.append(module.register_forward_hook(saved.leave, always_call=True))
     installed = Installed(root=root, runners=runners, handles=handles)
     handles.append(root.register_forward_hook(installed._closed, always_call=True))
     return installed

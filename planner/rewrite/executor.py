@@ -25,7 +25,7 @@ from planner.capture.inputs import as_inputs
 from planner.capture.method import CaptureMethod, ExecutorKind
 from planner.capture.tree import clone_tree
 from planner.errors import PlanMismatch
-from planner.memory.chains import alone_in_module, find_chains, one_unit
+from planner.memory.chains import find_chains, one_unit
 from planner.memory.regions import checkpointable_end
 from planner.memory.rules import SegmentRules
 from planner.profiling.record import Profile
@@ -135,10 +135,11 @@ class HookExecutor(Executor):
     compiles = False  # regions entered and left across graph breaks: torch's CheckpointError under compile
 
     def rules(self, captured: Captured, profile: Profile, *, units: Sequence[str] = ()) -> SegmentRules:
-        """Chains of module calls only (under FSDP, chains that re-run at most one unit, ``one_unit``); a
-        module call of one op can be kept; every module runs its own code."""
+        """Chains of module calls only (under FSDP, chains that re-run at most one unit, ``one_unit``); any
+        single op whose kernels the profile names can be kept (``Segment.saved_ops``: selective checkpointing
+        finds them by their order among the chain's ops); every module runs its own code."""
         end = checkpointable_end(profile)
-        savable = _single_ops(captured, profile) & alone_in_module(profile, end)
+        savable = frozenset(i for i in _single_ops(captured, profile) if profile.nodes[i].kernels)
         spans = tuple(s for s in find_chains(profile.calls, end) if one_unit(s, units))
         return SegmentRules(spans=spans, savable=savable, opens_modules=False)
 

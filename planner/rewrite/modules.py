@@ -5,17 +5,16 @@ than the plan was made for; or with a plan that switches per training call (``pl
 The clone is a new object of the model's exact class, and so is every submodule in it, each sharing
 its parameters, buffers and attributes with the user's: ``type(clone) is type(model)``, every method
 works, ``state_dict()`` has the same keys and tensors, and nothing done to the clone (``train()``,
-hooks, Hugging Face's lazily installed output hooks) reaches the model. A registry of the plans installed
-on each module tree lets a new plan replace an old one and ``disable`` take it off. A copy of a planned tree
-(``pickle``, ``torch.save``, ``copy.deepcopy``) carries copies of its plan and of the plan's hooks, which act
-on the copy's own modules; the registry finds such a plan on the copy's hooks (``_plan_on``).
+hooks, Hugging Face's lazily installed output hooks) reaches the model. The plan on a module tree is found by
+the hook it has on the tree's root (``_plan_on``), so that a new plan replaces an old one and ``disable`` takes
+it off, and nothing keeps a planned model alive. A copy of a planned tree (``pickle``, ``torch.save``,
+``copy.deepcopy``) carries copies of its plan and of the plan's hooks, which act on the copy's own modules.
 """
 
 from __future__ import annotations
 
 import math
 import warnings
-import weakref
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
@@ -73,16 +72,11 @@ class _ShapeWarning:
                       "optimize(model, budget, inputs=<that batch>)", stacklevel=2)
 
 
-_INSTALLED: weakref.WeakKeyDictionary[nn.Module, Installed | Switching] = weakref.WeakKeyDictionary()
-"""Module trees with a plan installed, so that a plan can be replaced or removed (``remove_plan``)."""
-
-
 def install_plan(root: nn.Module, chains: Sequence[Chain], *, planned: PlannedShapes | None) -> Installed:
     """The chains' hooks on ``root``, plus ``use_cache=False`` while training and the shape warning;
     a plan installed on ``root`` before is removed first."""
     remove_plan(root)
     installed = install(root, chains)
-    _INSTALLED[root] = installed
     handle = install_no_cache(root, warn=True) if chains else None
     if handle is not None:
         installed.handles.append(handle)
@@ -95,8 +89,7 @@ def install_switching(root: nn.Module, chooser: Chooser, first: tuple[Hashable, 
     """A plan that changes with the training call on ``root`` (``planner.rewrite.switching``), ``first``'s
     chains installed now; a plan installed on ``root`` before is removed first."""
     remove_plan(root)
-    switching = _INSTALLED[root] = Switching(root, chooser, first)
-    return switching
+    return Switching(root, chooser, first)
 
 
 def own_hooks(root: nn.Module) -> frozenset[int]:
@@ -110,19 +103,15 @@ def remove_plan(root: nn.Module) -> bool:
     installed = _plan_on(root)
     if installed is None:
         return False
-    _INSTALLED.pop(root, None)
     installed.remove()
     return True
 
 
 def _plan_on(root: nn.Module) -> Installed | Switching | None:
-    """The plan installed on ``root``: the registered one, or on a copy of a planned tree (which nothing
-    registered, and which the registry does not keep alive) the copy of its plan, found by the hook it has on
-    ``root`` itself: a ``Switching`` is a forward pre-hook, an ``Installed`` closes the forward with ``_closed``
-    (a ``Switching``'s current plan does too, so the ``Switching`` is looked for first)."""
-    plan = _INSTALLED.get(root)
-    if plan is not None:
-        return plan
+    """The plan installed on ``root`` (a copy of a planned tree included), found by the hook it has on ``root``
+    itself, so that no registry keeps a planned model alive: a ``Switching`` is a forward pre-hook, an
+    ``Installed`` closes the forward with ``_closed`` (a ``Switching``'s current plan does too, so the
+    ``Switching`` is looked for first). A clone sharing the hooks of another tree finds none of its own."""
     for hook in root._forward_pre_hooks.values():
         if isinstance(hook, Switching) and hook.root is root:
             return hook
@@ -137,9 +126,10 @@ def describe(chains: Sequence[Chain], model: nn.Module) -> str:
     """What ``--emit`` writes for a module-executor plan: the chains, as comments a reviewer can read."""
     lines = [f"# ckplan plan for {type(model).__name__}: the model's own forward runs; while training with",
              "# gradients, each chain below is one torch.utils.checkpoint region (non-reentrant), entered and",
-             "# left by forward hooks; 'keeps' lists modules whose outputs selective checkpointing keeps.",
+             "# left by forward hooks; 'keeps' lists the ops (name, occurrence in the chain) whose outputs",
+             "# selective checkpointing keeps.",
              "CHAINS = ["]
     for chain in chains:
-        keeps = f"  # keeps {', '.join(chain.saved_modules)}" if chain.saved_modules else ""
+        keeps = f"  # keeps {', '.join(f'{name}#{k}' for name, k in chain.saved_ops)}" if chain.saved_ops else ""
         lines.append(f"    {list(chain.members)!r},{keeps}")
     return "\n".join([*lines, "]"]) + "\n"

@@ -34,6 +34,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from planner.capture.ops import draws_random, writes_new_memory
+
 _state = threading.local()
 
 
@@ -52,20 +54,9 @@ def trace_marks_into_graphs() -> None:
     torch.fx.node.has_side_effect(sac_mark)  # no outputs: dead-code elimination must keep it
 
 
-def is_random(op) -> bool:
-    """An ATen op that draws random numbers."""
-    return torch.Tag.nondeterministic_seeded in getattr(op, "tags", ())
-
-
-def writes_new_memory(op) -> bool:
-    """An ATen op whose outputs are fresh tensors (not views of, nor in-place writes to, its inputs)."""
-    schema = op._schema
-    return not schema.is_mutable and all(r.alias_info is None for r in schema.returns)
-
-
 def policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     """Save the fresh outputs of the ops of a marked node; recompute the rest (random ops always)."""
-    if getattr(_state, "saving", False) and writes_new_memory(op) and not is_random(op):
+    if getattr(_state, "saving", False) and writes_new_memory(op) and not draws_random(op, args, kwargs):
         return CheckpointPolicy.MUST_SAVE
     return CheckpointPolicy.PREFER_RECOMPUTE
 
@@ -115,8 +106,8 @@ def is_single_op(node: fx.Node, root: nn.Module) -> bool:
         return node.target in _METHODS
     if node.op != "call_function":
         return False
-    if isinstance(node.target, torch._ops.OpOverload):  # torch.export: nodes are ATen ops already
-        return writes_new_memory(node.target) and not is_random(node.target)
+    if isinstance(node.target, torch._ops.OpOverload):  # ATen graphs: nodes are ATen ops already
+        return writes_new_memory(node.target) and not draws_random(node.target, node.args, node.kwargs)
     if node.target is F.scaled_dot_product_attention:
         return bool(node.kwargs.get("dropout_p", 0.0) == 0.0) and len(node.args) < 5
     return node.target in _FUNCTIONS

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 from planner.memory.model import ChunkPlan, MemoryModel
@@ -30,8 +31,10 @@ class Segment:
     chain: tuple[str, ...] = ()
     """Plans run by module hooks: the module calls the segment consists of, consecutive siblings in call
     order; empty for a rewritten graph."""
-    saved_modules: tuple[str, ...] = ()
-    """Plans run by module hooks: the modules (one op each) whose outputs are kept."""
+    saved_ops: tuple[tuple[str, int], ...] = ()
+    """Plans run by module hooks: the ops whose fresh outputs selective checkpointing keeps, each as (op name,
+    its occurrence among the segment's ops of that name, from 0), in the order the segment's forward runs them:
+    the kernels (``NodeCost.kernels``) of its saved nodes."""
 
 
 def segments_of(prof: Profile, regions: Regions, memory: MemoryModel, plan: ChunkPlan,
@@ -51,8 +54,21 @@ def segments_of(prof: Profile, regions: Regions, memory: MemoryModel, plan: Chun
             restore_buffers=tuple(dict.fromkeys(b for n in nodes for b in n.mutated_buffers)),
             saved_nodes=tuple(prof.nodes[o].name for o in mine),
             chain=regions.chains[first, stop] if regions.chains is not None else (),
-            saved_modules=tuple(prof.nodes[o].module_path for o in mine) if regions.chains is not None else (),
+            saved_ops=_kernels(prof, lo, hi, set(mine)) if regions.chains is not None else (),
         ))
+    return tuple(out)
+
+
+def _kernels(prof: Profile, lo: int, hi: int, saved: set[int]) -> tuple[tuple[str, int], ...]:
+    """The kernels of the ``saved`` nodes among nodes ``lo:hi``, each named by its occurrence among the
+    same-named kernels of those nodes: how the segment's selective-checkpointing policy finds them as they run."""
+    seen: Counter[str] = Counter()
+    out = []
+    for i in range(lo, hi):
+        for name in prof.nodes[i].kernels:
+            if i in saved:
+                out.append((name, seen[name]))
+            seen[name] += 1
     return tuple(out)
 
 

@@ -1,9 +1,12 @@
 """Placements people make by hand, as planners with the solver signature.
 
 ``none`` checkpoints nothing; ``every_block`` checkpoints each repeated block on its
-own (what most training scripts do); ``sqrt_n`` cuts the blocks (or chunks) into about
-√n equal segments and checkpoints all but the last, as ``checkpoint_sequential`` does.
-They ignore the budget when choosing; the caller checks the predicted peak.
+own (what most training scripts do: Hugging Face's ``gradient_checkpointing_enable``, torchtitan's full
+activation checkpointing); ``sqrt_n`` cuts the blocks (or chunks) into about
+√n equal segments and checkpoints all but the last, as ``checkpoint_sequential`` does; ``op_sac`` is
+torchtitan's default selective policy: every block checkpointed, keeping the outputs of its matmuls (all but
+every second ``mm``), attention kernels and communication ops. They ignore the budget when choosing; the
+caller checks the predicted peak.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ import math
 
 from planner.errors import OptionError
 from planner.memory.model import ChunkPlan, MemoryModel
-from planner.memory.saves import SaveOptions
+from planner.memory.saves import SaveOptions, expressible
 from planner.memory.simulate import simulate
 from planner.solve.deadline import Deadline
 from planner.solve.result import Solution, SolverStatus
@@ -54,3 +57,52 @@ def sqrt_n(model: MemoryModel, budget_bytes: int, *, deadline: Deadline | None =
     size = math.ceil(len(units) / groups)
     plan = [(units[i][0], units[min(i + size, len(units)) - 1][1]) for i in range(0, len(units), size)]
     return _fixed(model, tuple(plan[:-1]))
+
+
+OP_SAC_SAVES = frozenset({
+    "aten.mm.default", "aten.addmm.default", "aten.bmm.default", "aten.linear.default", "aten._scaled_mm.default",
+    "aten.convolution.default", "aten.convolution_backward.default", "aten.upsample_bilinear2d.default",
+    "aten.max.default", "aten.topk.default", "aten.scaled_dot_product_attention",
+    "aten._flash_attention_forward.default", "aten._efficient_attention_forward.default",
+    "_c10d_functional.reduce_scatter_tensor.default", "_c10d_functional.all_to_all_single.default",
+})
+"""The ops torchtitan's default selective policy keeps (``torchtitan/distributed/activation_checkpoint.py``: the
+partitioner's compute-intensive ops, SDPA variants, ``max``, ``linear``, ``topk``, reduce-scatter and
+all-to-all), by the names ``NodeCost.kernels`` records them (every fused attention kernel as
+``planner.capture.ops.ATTENTION``)."""
+OP_SAC_MATMULS = frozenset({"aten.mm.default", "aten.linear.default"})
+"""The ops whose every second call in a block torchtitan's policy re-runs instead of keeping."""
+
+
+def op_sac(model: MemoryModel, budget_bytes: int, *, deadline: Deadline | None = None,
+           options: SaveOptions | None = None) -> Solution:
+    """torchtitan's default op-level policy in this cost model: each block checkpointed (``every_block``), keeping
+    the nodes whose fresh outputs come from ``OP_SAC_SAVES`` ops, except every second ``mm`` of the block (the
+    2nd, 4th... in forward order). Keeps the cost model cannot express exactly (``planner.memory.saves``:
+    a keep whose re-run partner lies in another segment) are re-run instead.
+
+    Raises:
+        OptionError (a ValueError): the model has no container of numbered blocks, or its profile records no
+            op names (``NodeCost.kernels``; a profile from an older ckplan or a hand-made one).
+    """
+    blocks = every_block(model, budget_bytes).plan
+    if not any(model.kernels):
+        raise OptionError("op_sac needs the op names each node runs (NodeCost.kernels), which this profile lacks: "
+                          "profile the model again with this ckplan")
+    saves = set()
+    for first, stop in blocks:
+        lo, hi = model.regions.starts[first], model.regions.bounds(stop - 1)[1]
+        matmuls = 0
+        for node in range(lo, hi):
+            kept = False
+            for name in model.kernels[node]:
+                if name in OP_SAC_MATMULS:
+                    matmuls += 1
+                    kept |= matmuls % 2 == 1
+                elif name in OP_SAC_SAVES:
+                    kept = True
+            if kept:
+                saves.add(node)
+    saves_ = expressible(model, blocks, frozenset(saves))
+    return Solution(plan=blocks, saves=saves_, status=SolverStatus.FIXED,
+                    recompute_us=simulate(model, blocks, saves_).recompute_us, bound_us=None, solve_time_s=0.0)

@@ -13,7 +13,7 @@ from typing import Protocol
 from planner.errors import OptionError
 from planner.memory.model import MemoryModel
 from planner.memory.saves import SaveOptions
-from planner.solve.baselines import every_block, no_checkpointing, sqrt_n
+from planner.solve.baselines import every_block, no_checkpointing, op_sac, sqrt_n
 from planner.solve.deadline import Deadline
 from planner.solve.default import solve
 from planner.solve.result import Solution
@@ -33,6 +33,7 @@ SOLVERS: dict[str, Solver] = {
     "rotor": rotor,
     "every_block": every_block,
     "sqrt_n": sqrt_n,
+    "op_sac": op_sac,
     "none": no_checkpointing,
 }
 
@@ -54,6 +55,7 @@ CAPABILITIES: dict[str, Capabilities] = {
     "rotor": Capabilities(reads_budget=True, proves_optimal=True, saves=False),  # when its DP is exact
     "every_block": Capabilities(reads_budget=False, proves_optimal=False, saves=False),
     "sqrt_n": Capabilities(reads_budget=False, proves_optimal=False, saves=False),
+    "op_sac": Capabilities(reads_budget=False, proves_optimal=False, saves=False),  # keeps its own ops
     "none": Capabilities(reads_budget=False, proves_optimal=False, saves=False),
 }
 """Per entry of ``SOLVERS``."""
