@@ -41,7 +41,9 @@ from planner.solve.result import SolverStatus
 __all__ = ["MemoryTimeline", "Plan", "Segment", "load_plan"]
 
 FORMAT = "ckplan-plan"
-VERSION = 1
+VERSION = 2
+"""Plan files this ckplan reads and writes: 2 names a hook plan's kept ops (``Segment.saved_ops``); a version 1
+file named kept modules, which this ckplan cannot run: plan again."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -260,7 +262,8 @@ def load_plan(path: str | Path) -> Plan:
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise PlanFileError(f"{path} is not a ckplan plan; pass a file written by Plan.save")
     if data.get("version") != VERSION:
-        raise PlanFileError(f"{path} has plan version {data.get('version')!r}, this ckplan reads version {VERSION}")
+        raise PlanFileError(f"{path} has plan version {data.get('version')!r}, this ckplan reads version {VERSION}: "
+                            "plan the model again with this version")
     try:
         plan = _plan_from_dict(data)
         check_record(plan, where="plan", limits=_AMOUNTS, signed=("freed_bytes",))

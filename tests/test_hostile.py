@@ -280,7 +280,7 @@ def test_unknown_fields_are_ignored(saved, kind, data, key, value):
     ("plan", ("segments", 0, "nodes"), [1], "plan.segments[0].nodes[0] is 1, expected a string"),
     ("plan", ("budget_bytes",), -1, "plan.budget_bytes is -1"),
     ("plan", ("solver_status",), "GREAT", "'GREAT' is not a valid SolverStatus"),
-    ("plan", ("version",), "1", "plan version '1', this ckplan reads version 1"),
+    ("plan", ("version",), "1", "plan version '1', this ckplan reads version 2"),
 ])
 def test_the_message_names_the_field(saved, kind, at, value, says):
     assert says in str(_load(saved, kind, _edit(saved.text[kind], at, value)))
