@@ -111,8 +111,10 @@ def _resolve(profile: Profile, patterns: Sequence[str], what: str) -> set[int]:
 
 def _names(profile: Profile, i: int) -> tuple[str, ...]:
     """What a pattern can match: the node name, its module path and the paths of the modules around it,
-    the op it calls, ``path:op``."""
+    the op it calls, ``path:op``, and the ops it dispatches (``NodeCost.kernels``: ``aten.mm.default`` and
+    ``mm``, so that ``*mm*`` names every matmul however the model calls it)."""
     node = profile.nodes[i]
     op = node.target.rsplit(".", 1)[-1]
     paths = tuple(dict.fromkeys(profile.calls.paths_around(i)))
-    return (node.name, node.module_path, node.target, op, f"{node.module_path}:{op}", *paths)
+    kernels = tuple(name for kernel in node.kernels for name in (kernel, *kernel.split(".")[1:2]))
+    return (node.name, node.module_path, node.target, op, f"{node.module_path}:{op}", *paths, *kernels)
