@@ -52,8 +52,9 @@ class PlanOptions:
     """Planning strategy, one of ``planner.solve.registry.SOLVERS``."""
     time_limit_s: float = _option(30.0, prepared=False, refused=_PLANNING)
     """Seconds the solve stage may take, all of it; past it the best plan found is returned (FEASIBLE)."""
-    max_chunks: int = _option(64, prepared=False, refused=_PLANNING)
-    """Most cut positions the search starts with (finer chunkings follow while they pay)."""
+    max_chunks: int | None = _option(None, prepared=False, refused=_PLANNING)
+    """Most cut positions the search starts with (finer chunkings follow while they pay); None: 64, or two per
+    repeated block for a model of more than 32 (``planner.memory.regions.DEFAULT_CHUNKS``)."""
     selective: bool = _option(True, prepared=False, refused=_PLANNING)
     """Let checkpointed segments keep chosen op outputs (torch's selective checkpointing)."""
     must_save: tuple[str, ...] = _option((), prepared=False, refused=_PLANNING)
@@ -99,7 +100,8 @@ class PlanOptions:
                 object.__setattr__(self, name, (value,))
             elif value is not None and not isinstance(value, tuple) and isinstance(value, Sequence | set):
                 object.__setattr__(self, name, tuple(value))
-        if isinstance(self.max_chunks, bool) or not isinstance(self.max_chunks, int) or self.max_chunks < 1:
+        if self.max_chunks is not None and (isinstance(self.max_chunks, bool) or not isinstance(self.max_chunks, int)
+                                            or self.max_chunks < 1):
             raise OptionError(f"max_chunks must be an int >= 1 (got {self.max_chunks!r}); e.g. max_chunks=128 for "
                               "finer plans")
         if isinstance(self.world_size, bool) or not isinstance(self.world_size, int) or self.world_size < 1:
@@ -125,7 +127,7 @@ class OptionArgs(TypedDict, total=False):
     keep_output: bool
     solver: str
     time_limit_s: float
-    max_chunks: int
+    max_chunks: int | None
     selective: bool
     must_save: Sequence[str]
     must_recompute: Sequence[str]

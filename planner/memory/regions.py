@@ -73,13 +73,18 @@ def checkpointable_end(profile: Profile) -> int:
     return next((i for i, n in enumerate(profile.nodes) if not n.checkpointable), len(profile.nodes))
 
 
-def find_regions(profile: Profile, *, max_chunks: int = 64, rules: SegmentRules = ANY_RUN) -> Regions:
+DEFAULT_CHUNKS = 64
+"""Chunks a search starts with when ``max_chunks`` is not given, for a model of up to 32 repeated blocks; a
+deeper one starts with two per block (a Llama-70B's 80 layers: 160), so that every block can be a segment."""
+
+
+def find_regions(profile: Profile, *, max_chunks: int | None = None, rules: SegmentRules = ANY_RUN) -> Regions:
     """Chooses at most ``max_chunks`` chunks for ``profile``'s graph.
 
     Args:
         profile: the profiled step.
         max_chunks: upper bound on the number of chunks (the solver's size grows
-            with its square).
+            with its square); None: ``DEFAULT_CHUNKS``, or two per repeated block for a deeper model.
         rules: what the executor allows; with ``rules.spans`` (plans run by module hooks) cuts lie only
             at the edges of spans and only spans may be segments (``Regions.chains``).
     """
@@ -95,6 +100,8 @@ def find_regions(profile: Profile, *, max_chunks: int = 64, rules: SegmentRules 
             crossing[min(last_use[s], end) + 1] -= storage.nbytes
     crossing = np.cumsum(crossing)
     block_paths, block_nodes = find_blocks(profile, end)
+    if max_chunks is None:
+        max_chunks = max(DEFAULT_CHUNKS, 2 * len(block_nodes))
     block_edges = {b for first, stop in block_nodes for b in (first, stop)}
     # Rank cut positions: block edges, then shallower module boundaries, then, within each block (or,
     # outside the blocks, each module call), fewer crossing bytes first; a block's k-th best cut comes

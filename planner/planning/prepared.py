@@ -65,7 +65,7 @@ class Prepared:
         return self.chunks.baseline
 
 
-def cost_model(profile: Profile, rules: SegmentRules, *, max_chunks: int, sac: SacCost,
+def cost_model(profile: Profile, rules: SegmentRules, *, max_chunks: int | None, sac: SacCost,
                distributed: Distributed | None) -> Chunked:
     """The regions (at most ``max_chunks`` chunks) of ``profile`` and the cost model over them."""
     regions = find_regions(profile, max_chunks=max_chunks, rules=rules)  # where segments may start and end
@@ -75,7 +75,7 @@ def cost_model(profile: Profile, rules: SegmentRules, *, max_chunks: int, sac: S
     return Chunked(regions=regions, memory=memory, baseline=simulate(memory, ()))
 
 
-def chunked(prepared: Prepared, max_chunks: int) -> Prepared:
+def chunked(prepared: Prepared, max_chunks: int | None) -> Prepared:
     """``prepared`` with its cost model at ``max_chunks`` chunks."""
     return replace(prepared, chunks=cost_model(prepared.profile, prepared.rules, max_chunks=max_chunks,
                                                sac=prepared.sac_cost, distributed=prepared.distributed))
