@@ -25,6 +25,7 @@ from planner.capture.fsdp_units import resolve_units
 from planner.errors import InfeasibleBudget, OptionError
 from planner.memory.model import ChunkPlan, MemoryModel
 from planner.memory.simulate import simulate
+from planner.profiling.memtrack import local_of
 from planner.profiling.record import Profile
 from planner.solve.deadline import Deadline
 from planner.solve.peaks import min_peak
@@ -112,17 +113,18 @@ def setup(model: nn.Module, *, world_size: int = 1, parallel: str | None = None,
     reduce_dtype = getattr(mixed_precision, "reduce_dtype", None)
     sizes: dict[str, dict[str, int]] = {k: dict.fromkeys((ROOT, *found), 0) for k in _SIZES}
     seen, counted, state = set(), 0, 0
-    for name, p in model.named_parameters():
-        if id(p) in seen:
+    for name, parameter in model.named_parameters():
+        if id(parameter) in seen:
             continue
-        seen.add(id(p))
+        seen.add(id(parameter))
+        p = local_of(parameter)  # under tensor parallelism, what this rank holds before FSDP shards it
         owner = next((u for u in found if name.startswith(u + ".")), ROOT)
         compute = _size(p, param_dtype)
         padded = _padded(p, n)
         sizes["unit"][owner] += padded * compute
         sizes["shard"][owner] += padded // n * p.element_size()
         counted += p.numel() * compute
-        if p.requires_grad:
+        if parameter.requires_grad:
             sizes["grad"][owner] += p.numel() * compute
             sizes["sharded_grad"][owner] += padded // n * p.element_size()
             sizes["reduce"][owner] += padded * _size(p, reduce_dtype or param_dtype)
@@ -138,14 +140,14 @@ _SIZES = ("unit", "shard", "grad", "sharded_grad", "reduce")
 """The per-unit byte counts ``setup`` sums (``Distributed``'s ``*_bytes`` dicts)."""
 
 
-def _size(p: nn.Parameter, dtype: torch.dtype | None) -> int:
+def _size(p: torch.Tensor, dtype: torch.dtype | None) -> int:
     """Bytes per element of ``p`` in ``dtype`` (its own when None or when ``p`` is not floating)."""
     if dtype is None or not p.is_floating_point():
         return p.element_size()
     return dtype.itemsize
 
 
-def _padded(p: nn.Parameter, n: int) -> int:
+def _padded(p: torch.Tensor, n: int) -> int:
     """Elements of ``p`` once FSDP2 pads dim 0 to N equal chunks (``numel`` for N = 1 and scalars)."""
     if n == 1 or p.dim() == 0:
         return p.numel()

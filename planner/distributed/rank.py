@@ -26,7 +26,7 @@ from typing_extensions import Unpack
 from planner.capture.fsdp_units import resolve_units
 from planner.errors import InfeasibleBudget, PlannerError
 from planner.options import OptionArgs, PlanOptions, resolve
-from planner.pipeline import optimize
+from planner.pipeline import optimize, plan_for, prepare
 from planner.plan import Plan
 
 COLLECTIVES = ("all_gather_single", "all_gather_into_tensor", "reduce_scatter_single", "reduce_scatter_tensor",
@@ -36,12 +36,17 @@ COLLECTIVES = ("all_gather_single", "all_gather_into_tensor", "reduce_scatter_si
 
 def plan_on_rank0(model: nn.Module, budget: int | str, *, src: int = 0, group: dist.ProcessGroup | None = None,
                   inputs: Any = None, options: PlanOptions | None = None, **overrides: Unpack[OptionArgs]) -> Plan:
-    """``optimize()`` on rank ``src`` only; every rank gets the same plan and its own planned module.
+    """``optimize()``'s plan made on rank ``src`` only; every rank gets the same plan and its own planned module.
 
     Call it on every rank, before sharding, with the same arguments and an identical model
     (built from the same seed or checkpoint). Takes ``optimize``'s arguments (``inputs``, ``options`` and
-    any ``PlanOptions`` field as a keyword); ``world_size`` defaults to the group's size.
-    A planning error on ``src`` is raised on every rank, so no rank waits forever.
+    any ``PlanOptions`` field as a keyword); ``world_size`` defaults to the group's size over the model's
+    tensor-parallel degree (the data-parallel ranks). A planning error on ``src`` is raised on every rank, so
+    no rank waits forever.
+
+    A model the user parallelised with ``parallelize_module`` (its parameters are DTensors) runs collectives in
+    every forward: every rank then profiles it together (the same steps, so the collectives pair up), rank
+    ``src`` solves from its own profile, and the others apply its plan.
 
     Example:
         >>> plan = plan_on_rank0(model, "60%", inputs=(x,), loss_fn=loss_fn)   # doctest: +SKIP
@@ -52,13 +57,16 @@ def plan_on_rank0(model: nn.Module, budget: int | str, *, src: int = 0, group: d
     if not dist.is_initialized():
         raise RuntimeError("plan_on_rank0 needs torch.distributed: call dist.init_process_group(...) first, "
                            "or use planner.optimize on a single process")
+    tp = tensor_parallel_degree(model)
     if "world_size" not in overrides and (options is None or options.world_size == 1):
-        opts = replace(opts, world_size=dist.get_world_size(group))
+        opts = replace(opts, world_size=max(1, dist.get_world_size(group) // tp))
     payload: list[Any] = [None]
     plan = None
+    prepared = _prepare_together(model, inputs, opts, group) if tp > 1 else None
     if dist.get_rank() == src:
         try:
-            plan = optimize(model, budget, inputs=inputs, options=opts)
+            plan = (optimize(model, budget, inputs=inputs, options=opts) if prepared is None
+                    else plan_for(prepared, budget, options=opts))
             payload[0] = ("plan", replace(plan, module=None,  # nor the model, through a family that follows the batch
                                           family=plan.family.portable() if plan.family is not None else None))
         except Exception as exc:
@@ -71,6 +79,36 @@ def plan_on_rank0(model: nn.Module, budget: int | str, *, src: int = 0, group: d
     if plan is not None:
         return plan
     return replace(value, module=value.apply(model, inputs=inputs, units=opts.units, loss_fn=opts.loss_fn))
+
+
+def tensor_parallel_degree(model: nn.Module) -> int:
+    """How many ranks share each of ``model``'s parameters by tensor parallelism: the largest device mesh of a
+    DTensor parameter (1 when none is one)."""
+    dtensor = _dtensor_class()
+    return max((p.device_mesh.size() for p in model.parameters() if isinstance(p, dtensor)), default=1)
+
+
+def _dtensor_class() -> Any:
+    from torch.distributed.tensor import DTensor  # torch.distributed's tensor package: imported when used
+
+    return DTensor
+
+
+def _prepare_together(model: nn.Module, inputs: Any, options: PlanOptions, group: dist.ProcessGroup | None) -> Any:
+    """``prepare`` on every rank at once (a tensor-parallel model's profile runs its collectives), the error of
+    any rank raised on every rank."""
+    prepared, error = None, None
+    try:
+        prepared = prepare(model, inputs=inputs, options=options)
+    except Exception as exc:
+        error = _portable(exc)
+    errors: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(errors, error, group=group)
+    first = next((e for e in errors if e is not None), None)
+    if first is not None:
+        cls, args = first
+        raise cls(*args)
+    return prepared
 
 
 def _portable(exc: Exception) -> tuple:

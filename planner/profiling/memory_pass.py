@@ -28,7 +28,7 @@ from planner.capture.ops import kernel_name, writes_new_memory
 from planner.capture.step import LossFn, default_loss, sync, untouched
 from planner.errors import ProfileError
 from planner.profiling.eager import eager_excess, eager_forward_trace
-from planner.profiling.memtrack import LiveStorages, storage_key
+from planner.profiling.memtrack import LiveStorages, local_of, storage_key
 from planner.profiling.record import LOSS_NODE, NodeCost, Profile, StorageCost
 from planner.profiling.runner import StepRunner
 from planner.profiling.timing import Timer, checkpoint_overhead_ms, measure_sac_op_us, time_plain_steps
@@ -148,7 +148,7 @@ def assemble(recorder: MemoryRecorder, captured: Captured, model: nn.Module, inp
         torch_version=torch.__version__,
         input_shapes=inputs.describe(),
         param_bytes=recorder.param_bytes,
-        grad_bytes=sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad),
+        grad_bytes=sum(local_of(p).numel() * p.element_size() for p in model.parameters() if p.requires_grad),
         step_fwd_ms=times.step_fwd_ms,
         step_bwd_ms=times.step_bwd_ms,
         checkpoint_overhead_ms=times.checkpoint_overhead_ms, sac_op_us=times.sac_op_us,

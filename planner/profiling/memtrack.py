@@ -8,6 +8,7 @@ torch frees it (storage Python objects live exactly as long as the storage).
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -23,9 +24,32 @@ class OverLimit(ProfileError):
     """A tracked step went over ``LiveStorages.limit_bytes``: it does not fit whole where it runs."""
 
 
+def local_of(tensor: torch.Tensor) -> torch.Tensor:
+    """What this rank holds of ``tensor``: a DTensor's local shard (tensor parallelism), an asynchronous
+    collective's result; the tensor itself otherwise. A DTensor's own storage is a dataless stand-in sized for
+    the global tensor, which no rank holds."""
+    while True:
+        inner = getattr(tensor, "_local_tensor", None)
+        if inner is None:
+            inner = getattr(tensor, "elem", None) if type(tensor).__name__ == "AsyncCollectiveTensor" else None
+        if not isinstance(inner, torch.Tensor):
+            return tensor
+        tensor = inner
+
+
 def storage_key(tensor: torch.Tensor) -> int:
-    """Identity of the storage behind ``tensor`` (valid while it is alive)."""
-    return tensor.untyped_storage()._cdata
+    """Identity of the storage behind ``tensor`` (its local shard's for a DTensor; valid while it is alive)."""
+    return local_of(tensor).untyped_storage()._cdata
+
+
+@functools.cache
+def _dtensor() -> type | None:
+    """torch's DTensor class, when torch.distributed has it."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch built without distributed
+        return None
+    return DTensor
 
 
 class LiveStorages(TorchDispatchMode):
@@ -57,8 +81,10 @@ class LiveStorages(TorchDispatchMode):
         op can allocate more): the profiler's guard on a device too small for the whole step."""
 
     def track(self, tensor: torch.Tensor) -> bool:
-        """Start counting the storage behind ``tensor``; False if already counted, or if it is not on the
-        device (a fake tensor says it is, but its storage is on meta: a plan made during a call traces one)."""
+        """Start counting the storage behind ``tensor`` (a DTensor's local shard); False if already counted, or if
+        it is not on the device (a fake tensor says it is, but its storage is on meta: a plan made during a call
+        traces one)."""
+        tensor = local_of(tensor)
         if tensor.device.type != self.device.type or (tensor.is_meta and self.device.type != "meta"):
             return False
         storage = tensor.untyped_storage()
@@ -86,6 +112,11 @@ class LiveStorages(TorchDispatchMode):
         self.live_bytes -= self._sizes.pop(key, 0)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        distributed = _dtensor()
+        if distributed is not None and any(issubclass(t, distributed) for t in types):
+            # tensor parallelism: let DTensor run the op, so that this mode sees the local ops it runs, the
+            # collectives its sharding propagation issues and their buffers (as torch's CommDebugMode does)
+            return NotImplemented
         kwargs = kwargs or {}
         if self.on_write is not None:
             for tensor in written_tensors(func, args, kwargs):
