@@ -5,11 +5,14 @@
 
 Each model is built from a config under ``torch.device("meta")`` (nothing downloaded, nothing allocated),
 with a batch of 1 x 8192 tokens, bf16 mixed precision (FSDP2's ``MixedPrecisionPolicy(param_dtype=bf16,
-reduce_dtype=fp32)``), AdamW, FSDP over 8 ranks (8B) or 64 (70B), ``device="h100"``. Each shape is
-prepared once (capture on meta, the memory replay on meta tensors, roofline times), then planned for:
-no checkpointing, every decoder layer checkpointed (one unit per segment), and ckplan's plans at a few
-budgets. Reported: predicted per-rank peak and overhead of each, planning time and the process's peak
-resident memory (each shape in a fresh process, so that RSS is its own).
+reduce_dtype=fp32)``), AdamW, FSDP over 8 ranks (8B) or 64 (70B), ``device="h100"``, the logits dropped
+before backward (``keep_output=False``, as torchtitan's train loop). Each shape is prepared once (capture on
+meta, the memory replay on meta tensors, roofline times), then planned with the hand policies in the same
+cost model (``planner.solve.baselines``: every decoder layer, as torchtitan's full activation checkpointing
+and Hugging Face's gradient checkpointing do; torchtitan's default op-level selective policy, ``op_sac``),
+ckplan at each policy's own peak, and ckplan at a few budgets. Reported: predicted per-rank peak, re-run time
+and overhead of each, planning time and the process's peak resident memory (each shape in a fresh process,
+so that RSS is its own).
 """
 
 from __future__ import annotations
@@ -60,7 +63,7 @@ def one_shape(name: str, time_limit_s: float) -> dict:
     from planner.errors import InfeasibleBudget
     from planner.pipeline import plan_from_solution
     from planner.planning.prepared import chunked
-    from planner.solve.baselines import every_block
+    from planner.solve.baselines import every_block, op_sac
 
     shape = SHAPES[name]
     began = time.perf_counter()
@@ -68,28 +71,32 @@ def one_shape(name: str, time_limit_s: float) -> dict:
     params = sum(p.numel() for p in model.parameters())
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     prepared = planner.prepare(model, inputs=batch, device="h100", world_size=shape["ranks"], optimizer="adamw",
-                               mixed_precision=mp, time_limit_s=time_limit_s)
+                               mixed_precision=mp, time_limit_s=time_limit_s, keep_output=False)
     prepared_s = time.perf_counter() - began
-    rows = [("no checkpointing", prepared.baseline.peak_bytes, 0.0, "")]
+    rows = [("no checkpointing", prepared.baseline.peak_bytes, 0.0, 0.0, "")]
     wide = chunked(prepared, 4 * shape["layers"])  # every layer edge a cut position
-    every = plan_from_solution(wide, every_block(wide.memory, 0), prepared.baseline.peak_bytes)
-    rows.append(("every decoder layer", every.predicted_peak_bytes, every.predicted_overhead, ""))
-    if name == "8b":  # torchtitan's loop drops the logits before backward: the same plan without them
-        dropped = planner.prepare(model, inputs=batch, device="h100", world_size=shape["ranks"], optimizer="adamw",
-                                  mixed_precision=mp, keep_output=False)
-        wide = chunked(dropped, 4 * shape["layers"])
-        dropped_every = plan_from_solution(wide, every_block(wide.memory, 0), dropped.baseline.peak_bytes)
-        rows.append(("every decoder layer, logits dropped before backward", dropped_every.predicted_peak_bytes,
-                     dropped_every.predicted_overhead, "keep_output=False, as torchtitan's train loop"))
+    for label, policy in (("every decoder layer (torchtitan full AC, HF checkpointing)", every_block),
+                          ("torchtitan's default selective policy (op_sac)", op_sac)):
+        fixed = policy(wide.memory, 0)
+        plan = plan_from_solution(wide, fixed, prepared.baseline.peak_bytes)
+        rows.append((label, plan.predicted_peak_bytes, plan.recompute_ms, plan.predicted_overhead,
+                     f"{len(plan.segments)} segments, {sum(len(s.saved_ops) for s in plan.segments)} ops kept"))
+        start = time.perf_counter()
+        ours = planner.plan_for(prepared, plan.predicted_peak_bytes)
+        rows.append(("ckplan at that peak", ours.predicted_peak_bytes, ours.recompute_ms, ours.predicted_overhead,
+                     f"re-runs {ours.recompute_ms / plan.recompute_ms:.2f}x the policy; {len(ours.segments)} segments, "
+                     f"{sum(len(s.saved_ops) for s in ours.segments)} ops kept, {ours.solver_status} in "
+                     f"{time.perf_counter() - start:.1f} s"))
     solves = []
     for budget in shape["budgets"]:
         start = time.perf_counter()
         try:
             plan = planner.plan_for(prepared, budget)
-            rows.append((f"ckplan at {budget}", plan.predicted_peak_bytes, plan.predicted_overhead,
-                         f"{len(plan.segments)} segments, {plan.solver_status} in {plan.solve_time_s:.1f} s"))
+            rows.append((f"ckplan at {budget}", plan.predicted_peak_bytes, plan.recompute_ms, plan.predicted_overhead,
+                         f"{len(plan.segments)} segments, {sum(len(s.saved_ops) for s in plan.segments)} ops kept, "
+                         f"{plan.solver_status} in {plan.solve_time_s:.1f} s"))
         except InfeasibleBudget as exc:
-            rows.append((f"ckplan at {budget}", None, None, f"no plan: {exc}".split("; ")[0]))
+            rows.append((f"ckplan at {budget}", None, None, None, f"no plan: {exc}".split("; ")[0]))
         solves.append(time.perf_counter() - start)
     return {"name": name, "params": params, "prepare_s": prepared_s, "solve_s": solves,
             "first_plan_s": prepared_s + solves[0], "rss_gib": rss_gib(), "rows": rows,
@@ -127,7 +134,8 @@ def report(results: list[dict], args: argparse.Namespace) -> str:
              f"{torch.__version__}, {torch.get_num_threads()} threads. Batch 1 x {TOKENS} tokens, bf16 mixed "
              "precision (MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)), AdamW, "
              "`device=\"h100\"`: memory from the meta replay, times from the H100 roofline. Peaks are per rank "
-             "and predicted; the model's output (the logits) is kept through backward.", ""]
+             "and predicted; the logits are dropped before backward, as torchtitan's loop does. \"ckplan at that "
+             "peak\" plans for the policy above at its own predicted peak, in the same cost model.", ""]
     for r in results:
         shape = SHAPES[r["name"]]
         lines += [f"## {r['name'].upper()}: {r['params'] / 1e9:.2f}B parameters, FSDP over {shape['ranks']} ranks",
@@ -135,10 +143,11 @@ def report(results: list[dict], args: argparse.Namespace) -> str:
                   f"after {r['first_plan_s']:.1f} s; each budget's solve "
                   f"{', '.join(f'{s:.1f} s' for s in r['solve_s'])}; peak RSS {r['rss_gib']:.2f} GiB. Resident per "
                   f"rank: {gib(r['fixed'])} of parameter shards.", "",
-                  "| plan | predicted peak per rank | predicted overhead | |", "|---|---|---|---|"]
-        for label, peak, overhead, note in r["rows"]:
-            lines.append(f"| {label} | {gib(peak)} | {'' if overhead is None else f'+{100 * overhead:.1f}%'} | "
-                         f"{note} |")
+                  "| plan | predicted peak per rank | re-run per step | predicted overhead | |",
+                  "|---|---|---|---|---|"]
+        for label, peak, rerun, overhead, note in r["rows"]:
+            lines.append(f"| {label} | {gib(peak)} | {'' if rerun is None else f'{rerun:.1f} ms'} | "
+                         f"{'' if overhead is None else f'+{100 * overhead:.1f}%'} | {note} |")
         lines.append("")
     return "\n".join(lines) + PUBLIC
 

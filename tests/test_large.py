@@ -15,7 +15,7 @@ from planner.memory.simulate import simulate
 from planner.solve.baselines import op_sac
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
-from large_models import SHAPES, build  # noqa: E402
+from large_models import SHAPES, build
 
 pytestmark = pytest.mark.slow  # about 30 s: an 8B graph of 2421 nodes
 

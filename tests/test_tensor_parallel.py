@@ -150,8 +150,8 @@ def _fsdp_tp_train(module: nn.Module, x: torch.Tensor, mesh, book: int) -> dict:
 
 
 def fsdp_tp_worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
-    from torch.distributed.device_mesh import init_device_mesh
     from test_distributed import heap_bookkeeping
+    from torch.distributed.device_mesh import init_device_mesh
 
     from planner.distributed.rank import plan_on_rank0, same_on_all_ranks
 
