@@ -70,6 +70,11 @@ class PlanOptions:
     """Plan for one rank of a job on this many ranks."""
     parallel: str | None = _option(None, prepared=True, refused={**_ENABLE, **_COMPILED, **_PLANNING})
     """``fsdp`` (default when ``world_size`` > 1) or ``ddp``."""
+    tensor_parallel: int = _option(1, prepared=True, refused={**_ENABLE, **_COMPILED, **_PLANNING})
+    """Plan one rank of a job that also splits each layer over this many ranks by tensor parallelism (heads and
+    MLP width; a Hugging Face config's ``base_model_tp_plan``), estimated on the meta device for ``device=``
+    (``planner.distributed.tensor``); ``world_size`` then counts the data-parallel ranks. For a model already
+    parallelised with ``parallelize_module``, plan on its ranks with ``plan_on_rank0`` instead."""
     units: tuple[str, ...] | None = _option(None, prepared=True, refused={**_COMPILED, **_PROFILE})
     """FSDP units (module paths or globs); default the model's repeated blocks."""
     optimizer: str | int | None = _option(None, prepared=True, refused={**_COMPILED, **_PLANNING})
@@ -106,6 +111,14 @@ class PlanOptions:
                               "finer plans")
         if isinstance(self.world_size, bool) or not isinstance(self.world_size, int) or self.world_size < 1:
             raise OptionError(f"world_size must be an integer >= 1 (the number of ranks), got {self.world_size!r}")
+        tp = self.tensor_parallel
+        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+            raise OptionError(f"tensor_parallel must be an integer >= 1 (the ranks each layer is split over), got "
+                              f"{tp!r}")
+        if tp > 1 and self.device is None:
+            raise OptionError("tensor_parallel= estimates one rank from the model's config on the meta device: pass "
+                              "device= (a device spec such as 'h100'), or plan a model you parallelised on its ranks "
+                              "with plan_on_rank0")
         if self.shapes is not None:
             specs = [self.shapes] if isinstance(self.shapes, Mapping | ShapeRange) else list(self.shapes)
             if specs and all(isinstance(d, int) and not isinstance(d, bool) for d in specs):
@@ -135,6 +148,7 @@ class OptionArgs(TypedDict, total=False):
     device: Any
     world_size: int
     parallel: str | None
+    tensor_parallel: int
     units: Sequence[str] | None
     optimizer: str | int | None
     mixed_precision: Any

@@ -19,6 +19,7 @@ from planner.capture.method import ExecutorKind
 from planner.capture.step import parameters_in
 from planner.common.budget import check_budget, format_bytes, parse_budget
 from planner.distributed.memory import setup, split_at_units
+from planner.distributed.tensor import local_model, with_collectives
 from planner.errors import InfeasibleBudget, OptionError
 from planner.follow.family import Family, GroupPlan
 from planner.follow.shapes import ShapeGrid, realize, shaped, spread
@@ -28,6 +29,7 @@ from planner.plan import MemoryTimeline, Plan
 from planner.planning.chunkings import save_options_for, solve_budget, solve_prepared
 from planner.planning.prepared import Prepared, chunked, prepared_from
 from planner.profiling.api import capture_inputs, profile_for
+from planner.profiling.devices import load_device
 from planner.profiling.record import Profile
 from planner.rewrite.modules import PlannedShapes
 from planner.rewrite.segment import Segment, segments_of
@@ -104,9 +106,12 @@ def prepare(model: nn.Module, *, inputs: UserInputs = None, options: PlanOptions
     a plan that follows the batch always runs by hooks."""
     opts = resolve(options, overrides, where="prepare")
     stage = opts.progress or (lambda name: None)
+    example = as_inputs(model, inputs)
+    tensor = None
+    if opts.tensor_parallel > 1:  # one rank's share of every layer, on meta: what that rank holds and computes
+        model, tensor = local_model(model, opts.tensor_parallel)
     dist = setup(model, world_size=opts.world_size, parallel=opts.parallel, units=opts.units,
                  optimizer=opts.optimizer, mixed_precision=opts.mixed_precision)
-    example = as_inputs(model, inputs)
     check_shapes(opts, bind(model, example.args, example.kwargs) or {})
     dtype = dist.param_dtype if dist else None
     with no_cache(model), parameters_in(model, dtype):  # use_cache=False in training calls, as Hugging Face's
@@ -121,6 +126,9 @@ def prepare(model: nn.Module, *, inputs: UserInputs = None, options: PlanOptions
                                device=opts.device, saved=opts.profile,              # or a saved or estimated
                                keep_output=opts.keep_output, budget=budget)         # profile; in pieces if it
     # does not fit where the model is
+    if tensor is not None:  # the all-reduces the local model does not run
+        assert opts.device is not None  # PlanOptions refuses tensor_parallel without a device spec
+        measured = with_collectives(measured, tensor, load_device(opts.device))
     return prepared_from(model, example, captured, measured, options=opts, distributed=dist)
 
 

@@ -52,3 +52,67 @@ def test_at_torchtitans_selective_policy_peak_the_plan_re_runs_no_more_than_it(l
     plan = plan_for(llama_8b, peak, time_limit_s=30)
     assert plan.predicted_peak_bytes <= peak
     assert plan.recompute_ms <= policy.recompute_us / 1000
+
+
+def _tiny_llama(**config) -> tuple[torch.nn.Module, dict]:
+    import transformers
+
+    settings = dict(vocab_size=4096, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
+                    num_attention_heads=8, num_key_value_heads=2, use_cache=False, tie_word_embeddings=False)
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**settings, **config}))
+        ids = torch.randint(0, 4096, (2, 512))
+    return model, {"input_ids": ids, "labels": ids}
+
+
+def test_a_rank_of_a_tensor_parallel_job_holds_its_share_of_every_layer():
+    """tensor_parallel=2 plans one rank from the config: the projections of the config's base_model_tp_plan hold
+    half their parameters (embeddings, norms and head replicated), and each row-parallel output is all-reduced
+    in forward (one more buffer of it at that node) and each column-parallel input's gradient in backward."""
+    from planner.distributed.tensor import local_model
+
+    model, batch = _tiny_llama()
+    one = prepare(model, inputs=batch, device="h100", keep_output=False)
+    two = prepare(model, inputs=batch, device="h100", keep_output=False, tensor_parallel=2)
+    split = sum(p.numel() for name, p in model.named_parameters() if name.endswith("_proj.weight")) * 4
+    assert one.profile.param_bytes - two.profile.param_bytes == split // 2
+    rank, plan = local_model(model, 2)
+    assert rank.config.num_attention_heads == 4 and rank.config.head_dim == 32  # the head size is kept
+    assert plan.rowwise == ("model.layers.*.self_attn.o_proj", "model.layers.*.mlp.down_proj")
+    alone = prepare(rank, inputs=batch, device="h100", keep_output=False)  # the same rank without collectives
+    hidden = 2 * 512 * 256 * 4  # one all-reduced activation, float32
+    rises = [b.fwd_peak_bytes - a.fwd_peak_bytes for a, b in zip(alone.profile.nodes, two.profile.nodes)]
+    assert sorted(set(rises)) == [0, hidden] and rises.count(hidden) == 2 * 4  # o_proj, down_proj per layer
+    grads = [b.bwd_peak_bytes - a.bwd_peak_bytes for a, b in zip(alone.profile.nodes, two.profile.nodes)
+             if a.bwd_peak_bytes is not None]
+    assert grads.count(hidden) == 5 * 4  # q, k, v, gate, up per layer
+    assert two.profile.step_ms > alone.profile.step_ms  # the all-reduces take time on the interconnect
+
+
+@pytest.mark.parametrize("model, options, says", [
+    ("plain", {"tensor_parallel": 2, "device": "h100"}, "has not: parallelise the model with parallelize_module"),
+    ("llama", {"tensor_parallel": 3, "device": "h100"}, "tensor_parallel=3 does not divide the model's"),
+    ("llama", {"tensor_parallel": 2}, "pass device= \\(a device spec such as 'h100'\\)"),
+    ("llama", {"tensor_parallel": 0, "device": "h100"}, "tensor_parallel must be an integer >= 1"),
+])
+def test_tensor_parallel_errors_say_what_to_do(model, options, says):
+    from planner import OptionError
+
+    net, batch = _tiny_llama() if model == "llama" else (torch.nn.Linear(4, 4), (torch.randn(2, 4),))
+    with pytest.raises(OptionError, match=says):
+        prepare(net, inputs=batch, **options)
+
+
+def test_the_cli_plans_a_rank_of_fsdp_over_tensor_parallel(tmp_path):
+    import json
+    import subprocess
+
+    model_file = tmp_path / "llama.py"
+    model_file.write_text(f"import sys\nsys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+                          "from test_large import _tiny_llama\nmodel, inputs = _tiny_llama()\n")
+    done = subprocess.run([sys.executable, "-m", "planner", str(model_file), "--budget", "60%", "--device", "h100",
+                           "--world-size", "2", "--tensor-parallel", "2", "--drop-output", "--json"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert report["segments"] and report["predicted_peak_bytes"] <= report["budget_bytes"]

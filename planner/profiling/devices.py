@@ -50,6 +50,9 @@ class DeviceSpec:
     sac_op_us: float | None = None
     """What selective checkpointing's dispatch modes add per ATen op of a segment, microseconds (a
     modelling constant, see ``overhead_source``); None in spec files that do not give it."""
+    interconnect_gb_per_s: float | None = None
+    """Bandwidth of the link between the devices of one node in each direction, 10^9 bytes/s (NVLink): what a
+    tensor-parallel all-reduce moves at; None: collectives are not timed."""
 
     def flops_per_s(self, precision: str) -> float:
         """Peak FLOP/s of a matmul in ``precision``; float32's when the device has no faster unit for it."""

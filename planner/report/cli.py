@@ -69,6 +69,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: measure where the file puts them)")
     p.add_argument("--world-size", type=_ranks, default=1, metavar="N",
                    help="plan for one rank of a job on N ranks (docs/distributed.md; default: 1)")
+    p.add_argument("--tensor-parallel", type=_degree, default=1, metavar="N",
+                   help="plan one rank of a job that also splits each layer over N ranks by tensor parallelism "
+                        "(a Hugging Face config's base_model_tp_plan), estimated for --device; --world-size then "
+                        "counts the data-parallel ranks (docs/distributed.md; default: 1)")
     p.add_argument("--parallel", choices=["fsdp", "ddp"],
                    help="data-parallel engine the budget is per rank of (default: fsdp when --world-size > 1)")
     p.add_argument("--optimizer", type=_optimizer, metavar="NAME",
@@ -162,6 +166,13 @@ def _ranks(text: str) -> int:
     return int(text)
 
 
+def _degree(text: str) -> int:
+    if not re.fullmatch(r"\s*\d+\s*", text) or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"--tensor-parallel must be an integer >= 1 (the ranks each layer is split "
+                                         f"over), got {text!r}")
+    return int(text)
+
+
 def _chunks(text: str) -> int:
     if not re.fullmatch(r"\s*\d+\s*", text) or int(text) < 1:
         raise argparse.ArgumentTypeError(f"--max-chunks must be an integer >= 1, got {text!r}")
@@ -211,8 +222,9 @@ def _plan(args: argparse.Namespace, err: Console) -> tuple[ModelFile, Plan, cli_
     if args.verify and isinstance(args.device, str):
         raise UserError(f"--verify measures a step on this machine, but --device {args.device} plans for a device "
                         "that is not here: drop one of them")
-    if args.verify and (args.world_size > 1 or args.parallel):
-        raise UserError("--verify measures one process, but --world-size/--parallel plan one rank of a job: measure "
+    if args.verify and (args.world_size > 1 or args.parallel or args.tensor_parallel > 1):
+        raise UserError("--verify measures one process, but --world-size/--parallel/--tensor-parallel plan one rank of "
+                        "a job: measure "
                         "inside the job with planner.distributed.rank_peak_bytes (docs/distributed.md)")
     show = not args.quiet and sys.stderr.isatty()
     with (cli_report.StageProgress(err, enabled=show, solver=args.solver, time_limit_s=args.time_limit) as stage,
@@ -264,6 +276,7 @@ def _options(args: argparse.Namespace, found: ModelFile, stage: Callable[[str], 
                        time_limit_s=args.time_limit, max_chunks=args.max_chunks, selective=not args.whole_segments,
                        must_save=tuple(args.must_save), must_recompute=tuple(args.must_recompute),
                        world_size=args.world_size, parallel=args.parallel, optimizer=args.optimizer,
+                       tensor_parallel=args.tensor_parallel,
                        mixed_precision=_mixed_precision(args.mixed_precision),
                        follow_batch=args.follow_batch or args.shapes is not None, shapes=args.shapes,
                        device=args.device if isinstance(args.device, str) else None, progress=stage)
@@ -278,7 +291,7 @@ def _load(args: argparse.Namespace, stage: Callable[[str], None]) -> ModelFile:
 
 _EAGER_ONLY = ("--save", "--emit", "--profile", "--save-profile", "--verify", "--explain", "--whole-segments",
                "--must-save", "--must-recompute", "--world-size", "--parallel", "--optimizer", "--mixed-precision",
-               "--follow-batch", "--shapes")
+               "--follow-batch", "--shapes", "--tensor-parallel")
 
 
 def _compiled(args: argparse.Namespace, out: Console, err: Console) -> int:
