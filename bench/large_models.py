@@ -5,7 +5,8 @@
 
 Each model is built from a config under ``torch.device("meta")`` (nothing downloaded, nothing allocated),
 with a batch of 1 x 8192 tokens, bf16 mixed precision (FSDP2's ``MixedPrecisionPolicy(param_dtype=bf16,
-reduce_dtype=fp32)``), AdamW, FSDP over 8 ranks (8B) or 64 (70B), ``device="h100"``, the logits dropped
+reduce_dtype=fp32)``), AdamW, FSDP over 8 ranks (8B), FSDP 8 x TP 8 (70B) and FSDP 16 x TP 8 (405B: tensor
+parallelism from the config's ``base_model_tp_plan``, ``planner.distributed.tensor``), ``device="h100"``, the logits dropped
 before backward (``keep_output=False``, as torchtitan's train loop). Each shape is prepared once (capture on
 meta, the memory replay on meta tensors, roofline times), then planned with the hand policies in the same
 cost model (``planner.solve.baselines``: every decoder layer, as torchtitan's full activation checkpointing
@@ -30,9 +31,13 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 SHAPES = {
-    "8b": dict(layers=32, hidden=4096, heads=32, kv=8, ffn=14336, ranks=8, budgets=["70GB", "50GB", "40GB"]),
-    "70b": dict(layers=80, hidden=8192, heads=64, kv=8, ffn=28672, ranks=64, budgets=["70GB", "50GB", "40GB"]),
+    "8b": dict(layers=32, hidden=4096, heads=32, kv=8, ffn=14336, ranks=8, tp=1, budgets=["70GB", "50GB", "40GB"]),
+    "70b": dict(layers=80, hidden=8192, heads=64, kv=8, ffn=28672, ranks=8, tp=8, budgets=["70GB", "50GB", "40GB"]),
+    "405b": dict(layers=126, hidden=16384, heads=128, kv=8, ffn=53248, ranks=16, tp=8,
+                 budgets=["120GB", "100GB", "80GB"]),
 }
+"""Llama-3.1's shapes; ``ranks`` data-parallel (FSDP2) ranks, each layer split over ``tp`` tensor-parallel ones, as
+torchtitan trains 70B and 405B."""
 VOCAB, TOKENS = 128256, 8192
 
 
@@ -71,7 +76,8 @@ def one_shape(name: str, time_limit_s: float) -> dict:
     params = sum(p.numel() for p in model.parameters())
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     prepared = planner.prepare(model, inputs=batch, device="h100", world_size=shape["ranks"], optimizer="adamw",
-                               mixed_precision=mp, time_limit_s=time_limit_s, keep_output=False)
+                               mixed_precision=mp, time_limit_s=time_limit_s, keep_output=False,
+                               tensor_parallel=shape["tp"])
     prepared_s = time.perf_counter() - began
     rows = [("no checkpointing", prepared.baseline.peak_bytes, 0.0, 0.0, "")]
     wide = chunked(prepared, 4 * shape["layers"])  # every layer edge a cut position
@@ -129,7 +135,7 @@ def gib(value: int | None) -> str:
 
 
 def report(results: list[dict], args: argparse.Namespace) -> str:
-    lines = ["# Llama-3.1 shapes on meta, planned for one rank of FSDP2 on H100s", "",
+    lines = ["# Llama-3.1 shapes on meta, planned for one rank of FSDP2 (x TP) on H100s", "",
              f"`python bench/large_models.py --shapes {' '.join(args.shapes)}` on {platform.machine()}, torch "
              f"{torch.__version__}, {torch.get_num_threads()} threads. Batch 1 x {TOKENS} tokens, bf16 mixed "
              "precision (MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)), AdamW, "
@@ -138,7 +144,8 @@ def report(results: list[dict], args: argparse.Namespace) -> str:
              "peak\" plans for the policy above at its own predicted peak, in the same cost model.", ""]
     for r in results:
         shape = SHAPES[r["name"]]
-        lines += [f"## {r['name'].upper()}: {r['params'] / 1e9:.2f}B parameters, FSDP over {shape['ranks']} ranks",
+        parallel = f"FSDP {shape['ranks']} x TP {shape['tp']}" if shape["tp"] > 1 else f"FSDP over {shape['ranks']} ranks"
+        lines += [f"## {r['name'].upper()}: {r['params'] / 1e9:.2f}B parameters, {parallel}",
                   "", f"{r['nodes']} graph nodes. Prepare (capture + memory replay) {r['prepare_s']:.1f} s; first plan "
                   f"after {r['first_plan_s']:.1f} s; each budget's solve "
                   f"{', '.join(f'{s:.1f} s' for s in r['solve_s'])}; peak RSS {r['rss_gib']:.2f} GiB. Resident per "

@@ -115,10 +115,6 @@ class PlanOptions:
         if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
             raise OptionError(f"tensor_parallel must be an integer >= 1 (the ranks each layer is split over), got "
                               f"{tp!r}")
-        if tp > 1 and self.device is None:
-            raise OptionError("tensor_parallel= estimates one rank from the model's config on the meta device: pass "
-                              "device= (a device spec such as 'h100'), or plan a model you parallelised on its ranks "
-                              "with plan_on_rank0")
         if self.shapes is not None:
             specs = [self.shapes] if isinstance(self.shapes, Mapping | ShapeRange) else list(self.shapes)
             if specs and all(isinstance(d, int) and not isinstance(d, bool) for d in specs):

@@ -109,6 +109,10 @@ def prepare(model: nn.Module, *, inputs: UserInputs = None, options: PlanOptions
     example = as_inputs(model, inputs)
     tensor = None
     if opts.tensor_parallel > 1:  # one rank's share of every layer, on meta: what that rank holds and computes
+        if opts.device is None:
+            raise OptionError("tensor_parallel= estimates one rank from the model's config on the meta device: pass "
+                              "device= (a device spec such as 'h100'), or plan a model you parallelised on its "
+                              "ranks with plan_on_rank0")
         model, tensor = local_model(model, opts.tensor_parallel)
     dist = setup(model, world_size=opts.world_size, parallel=opts.parallel, units=opts.units,
                  optimizer=opts.optimizer, mixed_precision=opts.mixed_precision)
@@ -127,7 +131,7 @@ def prepare(model: nn.Module, *, inputs: UserInputs = None, options: PlanOptions
                                keep_output=opts.keep_output, budget=budget)         # profile; in pieces if it
     # does not fit where the model is
     if tensor is not None:  # the all-reduces the local model does not run
-        assert opts.device is not None  # PlanOptions refuses tensor_parallel without a device spec
+        assert opts.device is not None  # refused above without a device spec
         measured = with_collectives(measured, tensor, load_device(opts.device))
     return prepared_from(model, example, captured, measured, options=opts, distributed=dist)
 
