@@ -14,6 +14,7 @@ from typing_extensions import Unpack
 
 from planner.capture.api import capture
 from planner.capture.cache import no_cache
+from planner.capture.frameworks import switched_off
 from planner.capture.inputs import as_inputs, bind, tensor_shapes
 from planner.capture.method import ExecutorKind
 from planner.capture.step import parameters_in
@@ -118,8 +119,8 @@ def prepare(model: nn.Module, *, inputs: UserInputs = None, options: PlanOptions
                  optimizer=opts.optimizer, mixed_precision=opts.mixed_precision)
     check_shapes(opts, bind(model, example.args, example.kwargs) or {})
     dtype = dist.param_dtype if dist else None
-    with no_cache(model), parameters_in(model, dtype):  # use_cache=False in training calls, as Hugging Face's
-        stage("capture")                                 # checkpointing does; the dtype FSDP2 computes in
+    with no_cache(model), switched_off(model), parameters_in(model, dtype):  # use_cache=False in training calls,
+        stage("capture")  # as Hugging Face's checkpointing does, its checkpointing off; the dtype FSDP2 computes in
         step_inputs = example.cast(dtype) if dist and dist.cast_forward_inputs else example
         captured = capture(model, capture_inputs(model, step_inputs),   # graph + module calls (meta inputs for a
                            units=dist.opaque if dist else frozenset(),  # meta model); a plan that follows the

@@ -31,6 +31,7 @@ from torch import nn
 
 from planner.capture.api import capture
 from planner.capture.cache import no_cache
+from planner.capture.frameworks import switched_off
 from planner.capture.inputs import Inputs, bind
 from planner.capture.method import ExecutorKind
 from planner.capture.tree import private_copy
@@ -233,7 +234,7 @@ class Family:
                   "that follows the batch)"
         model = private_copy(self.model, drop_hooks=own_hooks(self.model))[0]  # never the user's own tree
         try:
-            with no_cache(model):
+            with no_cache(model), switched_off(model):
                 captured = capture(model, example, runs=ExecutorKind.HOOKS)
                 profile = scaled_profile(captured, model, example, self.reference, self.reference_roofline,
                                          options=self.options)

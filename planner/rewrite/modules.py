@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from planner.capture.cache import install_no_cache, training_with_grad
+from planner.capture.frameworks import unguard
 from planner.capture.inputs import bind
 from planner.common.budget import format_bytes
 from planner.rewrite.chains import Chain, Installed, install
@@ -100,6 +101,7 @@ def own_hooks(root: nn.Module) -> frozenset[int]:
 
 def remove_plan(root: nn.Module) -> bool:
     """Takes the hooks ``install_plan`` put on ``root`` off again; True if there were any."""
+    unguard(root)
     installed = _plan_on(root)
     if installed is None:
         return False
