@@ -167,15 +167,15 @@ sizes are not all stated.
 
 | torchtitan | logged peak per GPU | ckplan's prediction for the closest plan here |
 |---|---|---|
-| full activation checkpointing (pytorch/torchtitan PR 3429) | 32.07 GiB | every decoder layer: 29.65 GiB with the logits kept through backward, the row above without them |
-| default selective policy (PR 3429) | 52.44 GiB | no equivalent: its op-level policy saves matmul outputs inside every layer, which plans run by module hooks cannot express (they keep whole single-op module calls only) |
+| full activation checkpointing (pytorch/torchtitan PR 3429) | 32.07 GiB | every decoder layer: 27.69 GiB (the logits dropped before backward) |
+| default selective policy (PR 3429) | 52.44 GiB | op_sac, the same policy in ckplan's cost model: 45.22 GiB; ckplan at that peak re-runs 0.99x of it |
 | local batch 2, selective op checkpointing (benchmarks/llama3_h100_202412_torchtitan.md) | 82.4 GiB | not planned here: batch 1 |
 
 What can separate a logged peak from a prediction of live tensors, which this bench does not model:
 - the caching allocator's reserve: torchtitan logs the allocator's reserved peak, which rounds every block
   up and keeps freed blocks (typically 5-15% above the live tensors);
 - NCCL's communication buffers and the CUDA context, outside the allocator's tensors (hundreds of MiB);
-- the loop: torchtitan deletes the logits before backward (the keep_output=False row), and may compute
+- the loop: torchtitan deletes the logits before backward (as these rows do: keep_output=False), and may compute
   the loss in chunks; here the fp32 logits of 8192 x 128256 tokens are 3.9 GiB;
 - the model code: torchtitan's Llama fuses or orders ops differently from Hugging Face's (which upcasts
   RMSNorm and the logits to fp32);
