@@ -54,7 +54,7 @@ class PlanOptions:
     """Seconds the solve stage may take, all of it; past it the best plan found is returned (FEASIBLE)."""
     max_chunks: int | None = _option(None, prepared=False, refused=_PLANNING)
     """Most cut positions the search starts with (finer chunkings follow while they pay); None: 64, or two per
-    repeated block for a model of more than 32 (``planner.memory.regions.DEFAULT_CHUNKS``)."""
+    repeated block for a model of 33 to 128 (``planner.memory.regions.DEFAULT_CHUNKS``)."""
     selective: bool = _option(True, prepared=False, refused=_PLANNING)
     """Let checkpointed segments keep chosen op outputs (torch's selective checkpointing)."""
     must_save: tuple[str, ...] = _option((), prepared=False, refused=_PLANNING)

@@ -25,7 +25,7 @@ def save_options(profile: Profile, memory: MemoryModel, *, savable: frozenset[in
     """The candidates (when ``selective``) and the overrides of one prepared model.
 
     ``savable``: the nodes the executor can save (``SegmentRules.savable``: single ops for a rewritten
-    graph, whole module calls of one op for plans run by module hooks); None for any node. A ``must_save``
+    graph and for plans run by module hooks, those whose kernels the profile names); None for any node. A ``must_save``
     node the executor cannot keep stays outside every segment.
 
     Raises:

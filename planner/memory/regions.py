@@ -74,8 +74,12 @@ def checkpointable_end(profile: Profile) -> int:
 
 
 DEFAULT_CHUNKS = 64
-"""Chunks a search starts with when ``max_chunks`` is not given, for a model of up to 32 repeated blocks; a
-deeper one starts with two per block (a Llama-70B's 80 layers: 160), so that every block can be a segment."""
+"""Chunks a search starts with when ``max_chunks`` is not given, for a model of up to 32 repeated blocks; one of
+33 to ``PER_BLOCK_UP_TO`` starts with two per block (a Llama-70B's 80 layers: 160, 405B's 126: 252), so that
+every block can be a segment; deeper chains of small blocks start at 64 again (their solves grow with the
+square of the chunks, and finer chunkings follow while they pay)."""
+PER_BLOCK_UP_TO = 128
+"""Deepest model whose search starts with two cut positions per repeated block."""
 
 
 def find_regions(profile: Profile, *, max_chunks: int | None = None, rules: SegmentRules = ANY_RUN) -> Regions:
@@ -101,7 +105,8 @@ def find_regions(profile: Profile, *, max_chunks: int | None = None, rules: Segm
     crossing = np.cumsum(crossing)
     block_paths, block_nodes = find_blocks(profile, end)
     if max_chunks is None:
-        max_chunks = max(DEFAULT_CHUNKS, 2 * len(block_nodes))
+        blocks = len(block_nodes)
+        max_chunks = 2 * blocks if DEFAULT_CHUNKS < 2 * blocks <= 2 * PER_BLOCK_UP_TO else DEFAULT_CHUNKS
     block_edges = {b for first, stop in block_nodes for b in (first, stop)}
     # Rank cut positions: block edges, then shallower module boundaries, then, within each block (or,
     # outside the blocks, each module call), fewer crossing bytes first; a block's k-th best cut comes

@@ -82,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "in float32 (MixedPrecisionPolicy; docs/distributed.md)")
     p.add_argument("--max-chunks", type=_chunks, default=None, metavar="N",
                    help="most cut positions for segments: more give finer plans, slower solves (default: 64, or two "
-                        "per repeated block for a model of more than 32)")
+                        "per repeated block for a model of 33 to 128)")
     p.add_argument("--drop-output", action="store_true",
                    help="the training loop drops the model's output before backward, as Hugging Face Trainer "
                         "does (default: a plain loop that keeps it; docs/huggingface.md)")
