@@ -6,8 +6,12 @@ each budget, selective and whole-segment, from that profile; measure every plan'
 un-checkpointed model (interleaved, median); and compare the roofline estimate for ``--spec`` (a
 bundled device spec) with the measured profile. Then the compiled path (``--compiled``, default
 gpt_large): torch.compile at ``activation_memory_budget`` 0.5 and 0.3, and ``optimize_compiled`` at
-each one's measured peak, timed interleaved. Writes ``gpu_check.md`` (and the profiles) under
-``--out``::
+each one's measured peak, timed interleaved. Then a ~1B Llama-shaped Hugging Face decoder (``--llama``, bf16,
+1 x 2048 tokens): the prediction error of every plan against the allocator's peak (allocated and reserved);
+every layer (HF/torchtitan full AC), torchtitan's op-level policy (``op_sac``) and ckplan at the op-level
+policy's measured peak, timed interleaved; and the does-not-fit case: the process capped with
+``torch.cuda.set_per_process_memory_fraction`` below the plain step, planned and stepped under the cap. Writes
+``gpu_check.md`` (and the profiles) under ``--out``::
 
     python bench/gpu_check.py --out "$OUT"                # on a CUDA machine (the small examples and gpt_large)
     python bench/gpu_check.py --device cpu --examples seed_cnn gpt --out /tmp/gpu_check   # dry run here
@@ -108,6 +112,76 @@ def compiled_rows(name: str, device: torch.device, runs: int) -> list[str]:
     return rows
 
 
+def llama(layers: int, hidden: int, device: torch.device):
+    """A Llama-shaped decoder from a config (random weights, bf16), ``layers`` deep: ~1.1B parameters at 16 x 2048."""
+    import transformers
+
+    config = transformers.LlamaConfig(vocab_size=32000, hidden_size=hidden, intermediate_size=hidden * 11 // 4,
+                                      num_hidden_layers=layers, num_attention_heads=max(1, hidden // 128),
+                                      num_key_value_heads=max(1, hidden // 512), use_cache=False,
+                                      attn_implementation="sdpa")
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).to(device=device, dtype=torch.bfloat16)
+    ids = torch.randint(0, 32000, (1, 2048), device=device)
+    return model, {"input_ids": ids, "labels": ids}
+
+
+def llama_rows(device: torch.device, runs: int, layers: int, hidden: int) -> list[str]:
+    """Prediction against the allocator (allocated, reserved), the hand policies against ckplan at the op-level
+    policy's measured peak, and a cap below the plain step."""
+    from planner.capture.inputs import as_inputs
+    from planner.pipeline import plan_for, prepare
+    from planner.profiling.measure import measure_peak, step_times_ms
+
+    model, batch = llama(layers, hidden, device)
+    example = as_inputs(model, batch)
+    params = sum(p.numel() for p in model.parameters())
+    began = time.perf_counter()
+    prepared = prepare(model, inputs=batch, keep_output=False)
+    rows = [f"| llama {params / 1e9:.2f}B | none | | {mib(prepared.baseline.peak_bytes)} / "
+            f"{mib(measure_peak(model, example, keep_output=False))} | | | prepare {time.perf_counter() - began:.1f} s |"]
+
+    def measured(module) -> tuple[int, int]:
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        allocated = measure_peak(module, example, keep_output=False)
+        reserved = torch.cuda.max_memory_reserved(device) if device.type == "cuda" else allocated
+        return allocated, reserved
+
+    policies = {name: plan_for(prepared, prepared.baseline.peak_bytes - 1, solver=name)  # fixed placements
+                for name in ("every_block", "op_sac")}
+    policies["ckplan at op_sac's peak"] = plan_for(prepared, measured(policies["op_sac"].module)[0])
+    times = step_times_ms([model, *(p.module for p in policies.values())], example, runs=runs)
+    for (name, plan), ms in zip(policies.items(), times[1:]):
+        allocated, reserved = measured(plan.module)
+        rows.append(f"| llama | {name} | {len(plan.segments)} / {sum(len(s.saved_ops) for s in plan.segments)} | "
+                    f"{mib(plan.predicted_peak_bytes)} / {mib(allocated)} allocated, {mib(reserved)} reserved "
+                    f"({100 * (plan.predicted_peak_bytes / allocated - 1):+.2f}%) | "
+                    f"{100 * plan.predicted_overhead:+.1f}% ({plan.recompute_ms:.1f} ms) | "
+                    f"{100 * (ms / times[0] - 1):+.1f}% | {plan.solver_status} |")
+    if device.type == "cuda":  # the does-not-fit case: a cap below the plain step, planned and stepped under it
+        total = torch.cuda.get_device_properties(device).total_memory
+        cap = (prepared.baseline.peak_bytes + policies["every_block"].predicted_peak_bytes) // 2
+        torch.cuda.set_per_process_memory_fraction(cap / total, device)
+        try:
+            try:
+                measure_peak(model, example, keep_output=False)
+                plain = "fits"
+            except torch.OutOfMemoryError:
+                plain = "out of memory"
+            torch.cuda.empty_cache()
+            fitted = prepare(model, inputs=batch, keep_output=False, budget=int(cap * 0.95))
+            plan = plan_for(fitted, int(cap * 0.95))
+            allocated, reserved = measured(plan.module)
+            rows.append(f"| llama | capped at {mib(cap)}: plain step {plain} | {len(plan.segments)} / "
+                        f"{sum(len(s.saved_ops) for s in plan.segments)} | {mib(plan.predicted_peak_bytes)} / "
+                        f"{mib(allocated)} allocated, {mib(reserved)} reserved | profiled in {fitted.profile.pieces} "
+                        f"piece(s) | | {plan.solver_status} |")
+        finally:
+            torch.cuda.set_per_process_memory_fraction(1.0, device)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda")
@@ -116,6 +190,9 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=20)
     parser.add_argument("--spec", default="h200", help="bundled device spec for the roofline row ('' to skip)")
     parser.add_argument("--compiled", nargs="*", default=["gpt_large"], help="examples for the compiled rows")
+    parser.add_argument("--llama", nargs=2, type=int, default=[16, 2048], metavar=("LAYERS", "HIDDEN"),
+                        help="the Llama-shaped decoder's depth and width (default 16 x 2048: 1.1B parameters); "
+                             "0 0 to skip")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     device = torch.device(args.device)
@@ -138,6 +215,14 @@ def main() -> None:
     for name in args.compiled:
         lines += compiled_rows(name, device, args.runs)
         print(lines[-1], flush=True)
+    if args.llama[0]:
+        lines += ["", f"A Llama-shaped decoder, {args.llama[0]} x {args.llama[1]}, bf16, 1 x 2048 tokens, the logits "
+                  "dropped before backward: peak MiB predicted / measured at the allocator; overhead predicted "
+                  "(re-run ms), measured against the un-checkpointed step.", "",
+                  "| model | plan | segments / ops kept | peak pred / meas | overhead pred | overhead meas | solver |",
+                  "|---|---|---|---|---|---|---|"]
+        lines += llama_rows(device, args.runs, *args.llama)
+        print("\n".join(lines[-4:]), flush=True)
     (out / "gpu_check.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

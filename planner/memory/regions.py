@@ -105,8 +105,8 @@ def find_regions(profile: Profile, *, max_chunks: int | None = None, rules: Segm
     crossing = np.cumsum(crossing)
     block_paths, block_nodes = find_blocks(profile, end)
     if max_chunks is None:
-        blocks = len(block_nodes)
-        max_chunks = 2 * blocks if DEFAULT_CHUNKS < 2 * blocks <= 2 * PER_BLOCK_UP_TO else DEFAULT_CHUNKS
+        per_block = 2 * len(block_nodes)
+        max_chunks = per_block if DEFAULT_CHUNKS < per_block <= 2 * PER_BLOCK_UP_TO else DEFAULT_CHUNKS
     block_edges = {b for first, stop in block_nodes for b in (first, stop)}
     # Rank cut positions: block edges, then shallower module boundaries, then, within each block (or,
     # outside the blocks, each module call), fewer crossing bytes first; a block's k-th best cut comes

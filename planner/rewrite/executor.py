@@ -20,7 +20,6 @@ from typing import Any, ClassVar
 from torch import nn
 
 from planner.capture.api import Captured, capture
-from planner.capture.frameworks import guard
 from planner.capture.fsdp_units import resolve_units
 from planner.capture.inputs import as_inputs
 from planner.capture.method import CaptureMethod, ExecutorKind
@@ -169,7 +168,6 @@ class HookExecutor(Executor):
             install_plan(module, [Chain.of(s) for s in segments], planned=planned)
         else:
             install_switching(module, follow, (follow.example_group, segments))
-        guard(module)  # the model's own forward runs: its framework's checkpointing stays off (capture/frameworks)
 
 
 def executor_for(method: CaptureMethod) -> Executor:

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from planner.capture.cache import install_no_cache, training_with_grad
-from planner.capture.frameworks import unguard
+from planner.capture.frameworks import guard, unguard
 from planner.capture.inputs import bind
 from planner.common.budget import format_bytes
 from planner.rewrite.chains import Chain, Installed, install
@@ -83,6 +83,7 @@ def install_plan(root: nn.Module, chains: Sequence[Chain], *, planned: PlannedSh
         installed.handles.append(handle)
     if planned is not None:
         installed.handles.append(root.register_forward_pre_hook(_ShapeWarning(planned), with_kwargs=True))
+    guard(root)  # the model's own forward runs: its framework's checkpointing stays off (capture/frameworks)
     return installed
 
 
@@ -90,7 +91,9 @@ def install_switching(root: nn.Module, chooser: Chooser, first: tuple[Hashable, 
     """A plan that changes with the training call on ``root`` (``planner.rewrite.switching``), ``first``'s
     chains installed now; a plan installed on ``root`` before is removed first."""
     remove_plan(root)
-    return Switching(root, chooser, first)
+    switching = Switching(root, chooser, first)
+    guard(root)
+    return switching
 
 
 def own_hooks(root: nn.Module) -> frozenset[int]:
@@ -100,7 +103,8 @@ def own_hooks(root: nn.Module) -> frozenset[int]:
 
 
 def remove_plan(root: nn.Module) -> bool:
-    """Takes the hooks ``install_plan`` put on ``root`` off again; True if there were any."""
+    """Takes the hooks ``install_plan`` (or ``install_switching``) put on ``root`` off again and gives the model's
+    framework its own checkpointing back; True if there was a plan."""
     unguard(root)
     installed = _plan_on(root)
     if installed is None:
