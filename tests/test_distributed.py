@@ -321,11 +321,11 @@ def heap_bookkeeping(model: nn.Module, inputs: Any, loss: Callable[[Any], torch.
     return max(0, heap - tracked)
 
 
-def close_to(predicted: int, measured: int, bookkeeping: int, *, tolerance: float = 0.01) -> bool:
+def close_to(predicted: int, measured: int, bookkeeping: int, *, tolerance: float = 0.01, slack: int = SLACK) -> bool:
     """A rank's predicted peak against its measured heap peak less the heap's bookkeeping: within ``tolerance``,
-    and never under but for the rank's own small allocations (``SLACK``)."""
+    and never under but for the rank's own small allocations (``slack``)."""
     storages = measured - bookkeeping
-    return abs(predicted - storages) <= tolerance * storages and predicted >= storages - SLACK
+    return abs(predicted - storages) <= tolerance * storages and predicted >= storages - slack
 
 
 def _plan_record(plan) -> dict:

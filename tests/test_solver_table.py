@@ -14,7 +14,7 @@ from planner.solve.result import NoSolution, SolverStatus
 
 pytestmark = pytest.mark.slow  # brute force over every plan of 9 chunks
 
-FIXED = {"every_block", "sqrt_n", "none"}
+FIXED = {"every_block", "sqrt_n", "none", "op_sac"}
 """Fixed placements: chosen without the budget, nothing proven."""
 
 
@@ -39,9 +39,9 @@ def test_solver_in_regime(model, regimes, name, regime):
     if name in FIXED:
         solution = SOLVERS[name](model, budget, deadline=Deadline.after(5))
         assert solution.status == SolverStatus.FIXED and solution.bound_us is None
-        assert solution.recompute_us == simulate(model, solution.plan).recompute_us
+        assert solution.recompute_us == simulate(model, solution.plan, solution.saves).recompute_us
         if regime == "infeasible":  # a fixed placement cannot fit where nothing does
-            assert simulate(model, solution.plan).peak_bytes > budget
+            assert simulate(model, solution.plan, solution.saves).peak_bytes > budget
         return
     if regime == "infeasible":
         assert best is None
@@ -71,4 +71,4 @@ def test_capabilities_describe_every_strategy(model, regimes):
         caps = capabilities(name)
         assert (solution.status == SolverStatus.FIXED) == (not caps.reads_budget)
         assert (solution.status == SolverStatus.OPTIMAL) <= caps.proves_optimal
-        assert not solution.saves or caps.saves
+        assert not solution.saves or caps.saves or caps.own_saves

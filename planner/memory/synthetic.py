@@ -25,16 +25,18 @@ class GraphBuilder:
         self.ops: list[dict] = []
 
     def op(self, name: str, reads: list[int], sizes: list[int], *, saves: Sequence[int] = (),
-           save_outputs: Sequence[int] = (), cost_ms: float = 1.0, scope: tuple[str, ...] = ()) -> list[int]:
+           save_outputs: Sequence[int] = (), cost_ms: float = 1.0, scope: tuple[str, ...] = (),
+           kernels: Sequence[str] = ()) -> list[int]:
         """Adds a node reading ``reads`` and allocating storages of ``sizes``; it saves the storages
-        ``saves`` and its own outputs at positions ``save_outputs``. Returns the new storage ids."""
+        ``saves`` and its own outputs at positions ``save_outputs``; ``kernels``: the ops it dispatches
+        (``NodeCost.kernels``). Returns the new storage ids."""
         index = len(self.ops)
         out = []
         for size in sizes:
             out.append(len(self.storages))
             self.storages.append(StorageCost(nbytes=size, producer=index))
         self.ops.append(dict(name=name, reads=list(reads), out=out, saves=list(saves) + [out[k] for k in save_outputs],
-                             cost_ms=cost_ms, scope=scope))
+                             cost_ms=cost_ms, scope=scope, kernels=tuple(kernels)))
         return out
 
     def build(self, loss_reads: list[int]) -> Profile:
@@ -63,7 +65,7 @@ class GraphBuilder:
                 fwd_peak_bytes=start_f + sum(storages[s].nbytes for s in o["out"]) + 8 * is_loss,
                 bwd_start_bytes=start_b, bwd_peak_bytes=start_b + grad_in,
                 inputs=tuple(o["reads"]), outputs=tuple(o["out"]), saves=tuple(o["saves"]),
-                checkpointable=not is_loss,
+                checkpointable=not is_loss, kernels=o.get("kernels", ()),
             ))
         total_ms = sum(o["cost_ms"] for o in self.ops)
         return Profile(nodes=tuple(nodes), storages=tuple(storages), device="cpu", torch_version="synthetic",
@@ -95,6 +97,10 @@ def graph_profile(
     return graph.build([outputs[-1]])
 
 
+MM, BMM, SOFTMAX, GELU = ("aten.mm.default",), ("aten.bmm.default",), ("aten._softmax.default",), ("aten.gelu.default",)
+"""The kernels ``transformer_profile``'s nodes name (``NodeCost.kernels``), so that op-level policies read them."""
+
+
 def transformer_profile(layers: int, *, tokens: int = 1024, width: int = 256, heads: int = 4, seq: int = 128,
                         seed: int = 0) -> Profile:
     """A pre-norm transformer decoder of ``layers`` blocks, 17 nodes each (attention written out:
@@ -112,20 +118,20 @@ def transformer_profile(layers: int, *, tokens: int = 1024, width: int = 256, he
         blk = (f"blocks.{i}#0",)
         att, mlp = (*blk, f"blocks.{i}.attn#0"), (*blk, f"blocks.{i}.mlp#0")
         a, _ = graph.op(f"ln1_{i}", [x], [act, 8 * tokens], saves=[x], save_outputs=[1], cost_ms=ms(0.1), scope=blk)
-        (qkv,) = graph.op(f"qkv_{i}", [a], [3 * act], saves=[a], cost_ms=ms(3.0), scope=att)
-        (s1,) = graph.op(f"scores_{i}", [qkv], [scores], saves=[qkv], cost_ms=ms(1.0), scope=att)
+        (qkv,) = graph.op(f"qkv_{i}", [a], [3 * act], saves=[a], cost_ms=ms(3.0), scope=att, kernels=MM)
+        (s1,) = graph.op(f"scores_{i}", [qkv], [scores], saves=[qkv], cost_ms=ms(1.0), scope=att, kernels=BMM)
         (s2,) = graph.op(f"scale_{i}", [s1], [scores], cost_ms=ms(0.3), scope=att)
         (s3,) = graph.op(f"mask_{i}", [s2], [scores], cost_ms=ms(0.3), scope=att)
-        (p,) = graph.op(f"softmax_{i}", [s3], [scores], save_outputs=[0], cost_ms=ms(0.6), scope=att)
+        (p,) = graph.op(f"softmax_{i}", [s3], [scores], save_outputs=[0], cost_ms=ms(0.6), scope=att, kernels=SOFTMAX)
         d, _ = graph.op(f"attn_drop_{i}", [p], [scores, scores // 4], save_outputs=[1], cost_ms=ms(0.5), scope=att)
-        (y,) = graph.op(f"attn_v_{i}", [d, qkv], [act], saves=[d, qkv], cost_ms=ms(1.0), scope=att)
-        (z,) = graph.op(f"proj_{i}", [y], [act], saves=[y], cost_ms=ms(1.0), scope=att)
+        (y,) = graph.op(f"attn_v_{i}", [d, qkv], [act], saves=[d, qkv], cost_ms=ms(1.0), scope=att, kernels=BMM)
+        (z,) = graph.op(f"proj_{i}", [y], [act], saves=[y], cost_ms=ms(1.0), scope=att, kernels=MM)
         z2, _ = graph.op(f"resid_drop_{i}", [z], [act, act // 4], save_outputs=[1], cost_ms=ms(0.2), scope=att)
         (x1,) = graph.op(f"add1_{i}", [x, z2], [act], cost_ms=ms(0.1), scope=blk)
         b, _ = graph.op(f"ln2_{i}", [x1], [act, 8 * tokens], saves=[x1], save_outputs=[1], cost_ms=ms(0.1), scope=blk)
-        (h,) = graph.op(f"fc_{i}", [b], [4 * act], saves=[b], cost_ms=ms(4.0), scope=mlp)
-        (g,) = graph.op(f"gelu_{i}", [h], [4 * act], saves=[h], cost_ms=ms(0.8), scope=mlp)
-        (o,) = graph.op(f"fc2_{i}", [g], [act], saves=[g], cost_ms=ms(4.0), scope=mlp)
+        (h,) = graph.op(f"fc_{i}", [b], [4 * act], saves=[b], cost_ms=ms(4.0), scope=mlp, kernels=MM)
+        (g,) = graph.op(f"gelu_{i}", [h], [4 * act], saves=[h], cost_ms=ms(0.8), scope=mlp, kernels=GELU)
+        (o,) = graph.op(f"fc2_{i}", [g], [act], saves=[g], cost_ms=ms(4.0), scope=mlp, kernels=MM)
         o2, _ = graph.op(f"mlp_drop_{i}", [o], [act, act // 4], save_outputs=[1], cost_ms=ms(0.2), scope=mlp)
         (x,) = graph.op(f"add2_{i}", [x1, o2], [act], cost_ms=ms(0.1), scope=blk)
     (logits,) = graph.op("head", [x], [8 * act], saves=[x], cost_ms=ms(8.0), scope=("head#0",))

@@ -48,6 +48,8 @@ class Capabilities:
     """Its status can be OPTIMAL: least recompute under the cost model, with a proven bound."""
     saves: bool
     """It places op-level saves (selective checkpointing) and honours must_save/must_recompute."""
+    own_saves: bool = False
+    """It keeps op outputs of its own choosing, by a fixed rule (a hand policy: ``op_sac``)."""
 
 
 CAPABILITIES: dict[str, Capabilities] = {
@@ -55,7 +57,7 @@ CAPABILITIES: dict[str, Capabilities] = {
     "rotor": Capabilities(reads_budget=True, proves_optimal=True, saves=False),  # when its DP is exact
     "every_block": Capabilities(reads_budget=False, proves_optimal=False, saves=False),
     "sqrt_n": Capabilities(reads_budget=False, proves_optimal=False, saves=False),
-    "op_sac": Capabilities(reads_budget=False, proves_optimal=False, saves=False),  # keeps its own ops
+    "op_sac": Capabilities(reads_budget=False, proves_optimal=False, saves=False, own_saves=True),
     "none": Capabilities(reads_budget=False, proves_optimal=False, saves=False),
 }
 """Per entry of ``SOLVERS``."""
