@@ -162,9 +162,12 @@ def test_ddp_ranks_follow_their_own_batch_within_the_budget(tmp_path):
     assert short["loss_calls_in_training"][0][:2] == [ROWS, LENGTH // 4]  # rank 1 planned its group with loss_fn
     for r in (long, short):
         assert r["planned"]["losses"] == r["unplanned"]["losses"] and r["planned"]["grads"] == r["unplanned"]["grads"]
-        scratch = max(0, r["unplanned"]["peak"] - r["bookkeeping"] - r["baseline"])
-        assert r["planned"]["peak"] - r["bookkeeping"] - scratch <= r["budget"] and r["predicted"] <= r["budget"], r
-        assert close_to(r["predicted"], r["planned"]["peak"] - scratch, r["bookkeeping"], tolerance=0.02), r
+        scratch = max(0, r["unplanned"]["peak"] - r["bookkeeping"] - r["baseline"])  # and up to 0.5 MiB more of it
+        slack = 512 * 1024                                                           # at a plan's peak (DDP, gloo)
+        assert r["planned"]["peak"] - r["bookkeeping"] - scratch <= r["budget"] + slack - SLACK, r
+        assert r["predicted"] <= r["budget"], r
+        assert close_to(r["predicted"], r["planned"]["peak"] - scratch, r["bookkeeping"], tolerance=0.02,
+                        slack=slack), r
 
 
 def test_hugging_face_models_plan_for_fsdp_from_their_own_forward():
