@@ -50,7 +50,7 @@ def private_copy(*roots: nn.Module, drop_hooks: Collection[int] = ()) -> tuple[n
     ``drop_hooks`` left out. Tied tensors stay tied."""
     copies = clone_tree(*roots)
     _retensor(copies, lambda t: nn.Parameter(t.detach(), requires_grad=t.requires_grad)
-              if isinstance(t, nn.Parameter) else t.detach().clone(), parameters=True, buffers=True)
+              if isinstance(t, nn.Parameter) else t.detach().clone())
     if drop_hooks:
         for root in copies:
             for module in root.modules():
@@ -66,13 +66,14 @@ def meta_copy(*roots: nn.Module, convert: Callable[[torch.Tensor], torch.Tensor]
     """``clone_tree`` with every parameter, buffer and tensor attribute replaced by ``convert(tensor)`` (a meta
     copy), one per tensor, so shared weights stay shared; the originals are never touched."""
     copies = clone_tree(*roots)
-    _retensor(copies, convert, parameters=True, buffers=True, attributes=True)
+    _retensor(copies, convert, attributes=True)
     return copies
 
 
-def _retensor(roots: tuple[nn.Module, ...], convert: Callable[[torch.Tensor], torch.Tensor], *, parameters: bool,
-              buffers: bool, attributes: bool = False) -> None:
-    """Replaces tensors in the (cloned) modules' own containers by ``convert(tensor)``, once per tensor."""
+def _retensor(roots: tuple[nn.Module, ...], convert: Callable[[torch.Tensor], torch.Tensor], *,
+              attributes: bool = False) -> None:
+    """Replaces the parameters and buffers of the (cloned) modules, and with ``attributes`` their plain tensor
+    attributes too, by ``convert(tensor)``, once per tensor (a module reached from two roots once)."""
     done: dict[int, torch.Tensor] = {}
     seen: set[int] = set()
     for root in roots:
@@ -80,13 +81,7 @@ def _retensor(roots: tuple[nn.Module, ...], convert: Callable[[torch.Tensor], to
             if id(module) in seen:
                 continue
             seen.add(id(module))
-            stores: list[dict] = []
-            if parameters:
-                stores.append(module._parameters)
-            if buffers:
-                stores.append(module._buffers)
-            if attributes:
-                stores.append(module.__dict__)
+            stores: list[dict] = [module._parameters, module._buffers, *([module.__dict__] if attributes else [])]
             for store in stores:
                 for key, value in list(store.items()):
                     if isinstance(value, torch.Tensor):

@@ -189,7 +189,7 @@ class Family:
             values = realize(shape, self.example)
             key = self.grid.group(shaped(values))
             assert key is not None  # realised from the example, the arguments are the grid's
-            plans.append(self.plan_of(key, {k: v for k, v in values.items() if isinstance(v, torch.Tensor)}))
+            plans.append(self.plan_of(key, values))
         return plans
 
     def table(self) -> list[dict[str, Any]]:
@@ -214,11 +214,11 @@ class Family:
         if key is None:
             raise OptionError(f"this call's tensor arguments {sorted(shapes)} are not those the plan follows "
                               f"({sorted(self.grid.steps)}); plan with a batch like this call's")
-        tensors = {k: v for k, v in values.items() if isinstance(v, torch.Tensor)}
-        return key, self.plan_of(key, tensors).segments
+        return key, self.plan_of(key, values).segments
 
     def plan_of(self, key: Shapes, values: Mapping[str, Any]) -> GroupPlan:
-        """The group's plan, planned now (for its upper shapes, from this call's own values) if it is new."""
+        """The group's plan, planned now (for its upper shapes, from this call's own tensor arguments) if it is
+        new."""
         found = self.groups.get(key)
         if found is None:
             found = self.groups[key] = self._plan_group(key, values)
@@ -229,7 +229,8 @@ class Family:
         the reference's times scaled (``scaled_profile``), the solve stage under the family's budget."""
         if self.model is None:
             raise OptionError("this plan was read from a file: apply it to a model (plan.apply(model)) first")
-        example = Inputs(args=(), kwargs={name: fitted(value, dict(key).get(name)) for name, value in values.items()})
+        example = Inputs(args=(), kwargs={name: fitted(value, dict(key).get(name)) for name, value in values.items()
+                                          if isinstance(value, torch.Tensor)})
         setting = f"calls shaped {', '.join(f'{name} {tuple(shape)}' for name, shape in key)} (a group of the plan " \
                   "that follows the batch)"
         model = private_copy(self.model, drop_hooks=own_hooks(self.model))[0]  # never the user's own tree

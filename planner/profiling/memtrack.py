@@ -43,8 +43,8 @@ def storage_key(tensor: torch.Tensor) -> int:
 
 
 @functools.cache
-def _dtensor() -> type | None:
-    """torch's DTensor class, when torch.distributed has it."""
+def dtensor_class() -> Any:
+    """torch's DTensor class (None for a torch built without distributed), imported once, when first needed."""
     try:
         from torch.distributed.tensor import DTensor
     except ImportError:  # a torch built without distributed
@@ -112,7 +112,7 @@ class LiveStorages(TorchDispatchMode):
         self.live_bytes -= self._sizes.pop(key, 0)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        distributed = _dtensor()
+        distributed = dtensor_class()
         if distributed is not None and any(issubclass(t, distributed) for t in types):
             # tensor parallelism: let DTensor run the op, so that this mode sees the local ops it runs, the
             # collectives its sharding propagation issues and their buffers (as torch's CommDebugMode does)
