@@ -94,9 +94,9 @@ def test_hugging_face_plans_train_on_two_ranks_within_their_budget(tmp_path, kin
         assert r["planned"]["all_gathers"] == r["unplanned"]["all_gathers"]  # recomputation gathers nothing more
         # measured on this rank, step 2, less the heap's bookkeeping and what the unplanned job holds beyond its own
         # prediction (gloo's all-reduce scratch under DDP, which the model leaves out; none under FSDP2). Under DDP
-        # that scratch can meet a plan's peak where it missed the unplanned one's: up to 0.5 MiB (0.6%) on these ranks
+        # that scratch can meet a plan's peak where it missed the unplanned one's: up to 0.8 MiB (1.4%) on these ranks
         scratch = max(0, r["unplanned"]["peak"] - r["bookkeeping"] - r["baseline"]) if parallel == "ddp" else 0
-        slack = 512 * 1024 if parallel == "ddp" else SLACK
+        slack = 1024 * 1024 if parallel == "ddp" else SLACK
         assert r["planned"]["peak"] - r["bookkeeping"] - scratch <= r["budget"] + slack - SLACK, r
         assert close_to(r["predicted"], r["planned"]["peak"] - scratch, r["bookkeeping"], tolerance=0.02,
                         slack=slack), r
@@ -162,8 +162,8 @@ def test_ddp_ranks_follow_their_own_batch_within_the_budget(tmp_path):
     assert short["loss_calls_in_training"][0][:2] == [ROWS, LENGTH // 4]  # rank 1 planned its group with loss_fn
     for r in (long, short):
         assert r["planned"]["losses"] == r["unplanned"]["losses"] and r["planned"]["grads"] == r["unplanned"]["grads"]
-        scratch = max(0, r["unplanned"]["peak"] - r["bookkeeping"] - r["baseline"])  # and up to 0.5 MiB more of it
-        slack = 512 * 1024                                                           # at a plan's peak (DDP, gloo)
+        scratch = max(0, r["unplanned"]["peak"] - r["bookkeeping"] - r["baseline"])  # and up to 0.8 MiB more of it
+        slack = 1024 * 1024                                                          # at a plan's peak (DDP, gloo)
         assert r["planned"]["peak"] - r["bookkeeping"] - scratch <= r["budget"] + slack - SLACK, r
         assert r["predicted"] <= r["budget"], r
         assert close_to(r["predicted"], r["planned"]["peak"] - scratch, r["bookkeeping"], tolerance=0.02,
