@@ -1,0 +1,124 @@
+"""A LightningModule that plans its model in ``configure_model`` (``optimize(...).module`` or ``enable`` in place),
+trained by ``pytorch_lightning.Trainer`` on the CPU: the losses are the unplanned module's, and every step's peak,
+measured inside the Trainer, is within the budget once the module frees its gradients after each optimizer step.
+
+Lightning's own order zeroes the gradients after ``training_step`` (just before backward), so from the second step
+on the previous step's gradients stay alive through the forward: that step holds a gradients' worth more than the
+step a budget bounds (the step ``measure_peak`` runs, which starts with none), planned or not."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("pytorch_lightning")
+pytest.importorskip("transformers")
+
+import pytorch_lightning as pl
+from test_stacks import batch, model
+
+from planner import enable, optimize
+from planner.profiling.memtrack import LiveStorages
+
+pytestmark = pytest.mark.slow
+
+BUDGET = "60%"
+
+
+class Finetune(pl.LightningModule):
+    """A causal LM fine-tuned with AdamW; planned in ``configure_model`` when ``how`` names the entry point."""
+
+    def __init__(self, how: str | None = None, *, free_gradients: bool = True) -> None:
+        super().__init__()
+        self.model = model()
+        self.how, self.free_gradients, self.plan = how, free_gradients, None
+
+    def configure_model(self) -> None:
+        if self.how is None or self.plan is not None:  # Lightning may call it again (fit, then test)
+            return
+        if self.how == "optimize":
+            self.plan = optimize(self.model, BUDGET, inputs=batch(), keep_output=False, time_limit_s=10)
+            self.model = self.plan.module  # shares every parameter: the same state_dict keys
+        else:
+            self.plan = enable(self.model, BUDGET, inputs=batch(), keep_output=False, time_limit_s=10)
+
+    def training_step(self, step_batch: dict, batch_idx: int) -> torch.Tensor:
+        return self.model(**step_batch).loss  # only the loss leaves the step: keep_output=False
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None) -> None:
+        optimizer.step(closure=optimizer_closure)
+        if self.free_gradients:  # the next step starts with no gradients, as in a plain loop
+            optimizer.zero_grad(set_to_none=True)
+
+
+class StepPeaks(pl.Callback):
+    """Each training step's loss and peak: the exact storage tracker from the batch's start to the optimizer step
+    (forward and backward), with the parameters, buffers, the batch and any gradients still alive resident; and the
+    bytes alive when Lightning zeroes the gradients (after ``training_step``, before backward)."""
+
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+        self.peaks: list[int] = []
+        self.before_zero_grad: list[int] = []
+        self.tracker: LiveStorages | None = None
+
+    def on_train_batch_start(self, trainer, pl_module, step_batch, batch_idx) -> None:
+        self.tracker = LiveStorages("cpu")
+        grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
+        for t in [*pl_module.parameters(), *pl_module.buffers(), *step_batch.values(), *grads]:
+            self.tracker.track(t)
+        self.tracker.__enter__()
+
+    def on_before_zero_grad(self, trainer, pl_module, optimizer) -> None:
+        assert self.tracker is not None
+        self.before_zero_grad.append(self.tracker.live_bytes)
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        assert self.tracker is not None
+        self.tracker.__exit__(None, None, None)
+        self.peaks.append(self.tracker.peak_bytes)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, step_batch, batch_idx) -> None:
+        self.losses.append(float(outputs["loss"]))
+
+
+def fit(module: Finetune) -> StepPeaks:
+    ids = torch.randint(0, 120, (12, 64), generator=torch.Generator().manual_seed(1))
+    loader = torch.utils.data.DataLoader([{"input_ids": row, "labels": row} for row in ids], batch_size=4)
+    peaks = StepPeaks()
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=3, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, callbacks=[peaks])
+    trainer.fit(module, loader)
+    return peaks
+
+
+def gradient_bytes(module: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
+
+
+@pytest.mark.parametrize("how", ["optimize", "enable"])
+def test_a_model_planned_in_configure_model_trains_like_the_unplanned_one_within_budget(how):
+    expected = fit(Finetune())
+    planned = Finetune(how)
+    run = fit(planned)
+    assert planned.plan is not None and planned.plan.segments
+    assert run.losses == expected.losses
+    for peak in run.peaks:  # a few KiB of Lightning's own around the prediction (the loss it clones)
+        assert abs(peak - planned.plan.predicted_peak_bytes) <= 0.01 * peak and peak <= planned.plan.budget_bytes
+
+
+def test_lightnings_own_order_holds_the_gradients_through_the_next_forward():
+    """Without freeing them after the optimizer step, steps after the first keep the previous gradients alive until
+    Lightning zeroes them before backward: at the end of those forwards exactly the gradients' bytes more are alive,
+    and the steps' peaks rise by up to that, planned or not. A plan's first step is within its budget."""
+    for how in (None, "enable"):
+        module = Finetune(how, free_gradients=False)
+        run = fit(module)
+        grads = gradient_bytes(module)
+        assert [alive - run.before_zero_grad[0] for alive in run.before_zero_grad] == [0, grads, grads]
+        assert run.peaks[0] < run.peaks[1] == run.peaks[2] <= run.peaks[0] + grads
+        if how is not None:
+            assert module.plan is not None and run.peaks[0] <= module.plan.budget_bytes
