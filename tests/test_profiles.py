@@ -282,3 +282,35 @@ def test_a_forward_that_reads_mask_values_replays_on_meta_along_the_path_it_took
     measured = planner.profile(model, inputs=inputs)
     assert on_meta.baseline_peak_bytes == measured.baseline_peak_bytes
     assert [n.fwd_peak_bytes for n in on_meta.nodes] == [n.fwd_peak_bytes for n in measured.nodes]
+
+
+class _UnreadValues(nn.Module):
+    """SD3's joint attention and a VAE's posterior in miniature: a slice nothing reads keeps the concatenation it
+    views alive while ``forward`` runs, and an ``exp`` nothing reads saves its own output for a backward that
+    never runs. Both are freed when ``forward`` returns."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(64, 64), nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        joint = torch.cat([self.fc1(x), x], dim=1)
+        image, context = joint[:, :64], joint[:, 64:]  # noqa: F841  # context: read by nothing
+        std = self.fc1(x).exp()  # noqa: F841  # read by nothing; ExpBackward saves its result
+        return self.fc2(image.relu())
+
+
+def test_values_nothing_reads_are_freed_in_the_profile_as_in_the_step():
+    """The profiled step frees a value no node reads once it is computed, as fx's generated code does (an
+    ``fx.Interpreter`` holds it, and the concatenation the slice views, to the step's end), and a tensor an autograd
+    node saves of its own output does not hold that node (a node off the loss's path dies with the forward, and its
+    output with it): measured and replayed on meta, the profiled peak is the step's, to the byte."""
+    torch.manual_seed(0)
+    model, x = _UnreadValues(), torch.randn(512, 64)
+
+    def loss_fn(out):
+        return out.square().mean()
+
+    measured = measure_peak(model, as_inputs(model, (x,)), loss_fn)
+    assert planner.profile(model, inputs=(x,), loss_fn=loss_fn).baseline_peak_bytes == measured
+    assert planner.profile(model, inputs=(x,), loss_fn=loss_fn, device="generic-cpu").baseline_peak_bytes == measured

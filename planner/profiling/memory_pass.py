@@ -292,7 +292,8 @@ class MemoryRecorder(StepRunner):
             self._current["saves"].add(index)
         if self._current is not None:  # where a re-run ending at this node stops (parameters count)
             self._current["stop_peak"] = self.tracker.window_peak_bytes
-        return tensor
+        with _disable_current_modes():  # not an op of the step
+            return tensor.detach()  # not the tensor: a node saving its own output would hold itself through it
 
     def _storages(self, values: list) -> set[int]:
         found = set()

@@ -79,6 +79,9 @@ class StepRunner(fx.Interpreter):
         """Whether the step's output stays referenced through backward (a plain loop) or is dropped
         before it (Hugging Face Trainer's ``compute_loss``)."""
         self.index = {n: i for i, n in enumerate(n for n in gm.graph.nodes if n.op not in ("placeholder", "output"))}
+        for n in self.index:  # a value no node reads is freed once computed, as fx's generated code does; the
+            if not n.users:   # Interpreter would hold it (and the storage a view of it keeps) to the step's end
+                self.user_to_last_uses.setdefault(n, []).append(n)
         self.loss_index = len(self.index)
         self._step = object()
         self._handles: list = []
