@@ -15,6 +15,7 @@ from planner.capture.api import Captured
 from planner.capture.inputs import Inputs
 from planner.capture.step import LossFn
 from planner.errors import InputError, OptionError, ProfileError, ProfileMismatch
+from planner.profiling.cores import threads_for_timing
 from planner.profiling.devices import DeviceSpec, device_names, is_device_spec, load_device
 from planner.profiling.fitting import FIT_SHARE, fitting_profile, resident_bytes
 from planner.profiling.headroom import hard_limit, headroom_bytes
@@ -23,6 +24,7 @@ from planner.profiling.memory_pass import profile as measure
 from planner.profiling.memtrack import OverLimit
 from planner.profiling.meta import estimate, memory_on_meta, to_meta
 from planner.profiling.record import LOSS_NODE, Profile
+from planner.profiling.timing import TIMING_RUNS
 
 Device = str | torch.device | None
 
@@ -53,6 +55,16 @@ def profile_for(captured: Captured, model: nn.Module, example: Inputs, *, loss_f
 
 def measured(captured: Captured, model: nn.Module, example: Inputs, *, loss_fn: LossFn | None = None,
              keep_output: bool = True, budget: int | str | None = None) -> Profile:
+    """The profile measured where the model is (``measured_here``), its steps run with no more intra-op threads
+    than the machine has cores free (``planner.profiling.cores``: on a busy CPU, threads waiting for each other
+    made the profiled step 2-4x slower than one thread did)."""
+    with threads_for_timing(device_of(model, example)) as timing:
+        return measured_here(captured, model, example, loss_fn=loss_fn, keep_output=keep_output, budget=budget,
+                             runs=2 * TIMING_RUNS if timing.busy else TIMING_RUNS)
+
+
+def measured_here(captured: Captured, model: nn.Module, example: Inputs, *, loss_fn: LossFn | None = None,
+                  keep_output: bool = True, budget: int | str | None = None, runs: int = TIMING_RUNS) -> Profile:
     """The profile measured where the model is. Where going past what the device has left makes an
     allocation fail (``hard_limit``: a GPU, a capped process), the step's memory is first replayed on meta
     tensors (exact sizes, nothing allocated): when it needs more than ``FIT_SHARE`` of what is left
@@ -69,9 +81,9 @@ def measured(captured: Captured, model: nn.Module, example: Inputs, *, loss_fn: 
         if replay is not None and replay.recorder.tracker.peak_bytes - resident_bytes(model, example) > \
                 room * FIT_SHARE:
             return fitting_profile(captured, model, example, room_bytes=room, budget=budget, loss_fn=loss_fn,
-                                   keep_output=keep_output, replay=replay)
+                                   keep_output=keep_output, replay=replay, runs=runs)
     try:
-        return measure(captured, model, example, loss_fn=loss_fn, keep_output=keep_output,
+        return measure(captured, model, example, loss_fn=loss_fn, keep_output=keep_output, timing_runs=runs,
                        limit_bytes=None if room is None else int(room * FIT_SHARE))
     except (ProfileError, RuntimeError) as exc:
         if not out_of_memory(exc):
@@ -80,7 +92,7 @@ def measured(captured: Captured, model: nn.Module, example: Inputs, *, loss_fn: 
     if here.type == "cuda":
         torch.cuda.empty_cache()
     return fitting_profile(captured, model, example, room_bytes=headroom_bytes(here), budget=budget,
-                           loss_fn=loss_fn, keep_output=keep_output)
+                           loss_fn=loss_fn, keep_output=keep_output, runs=runs)
 
 
 _OUT_OF_MEMORY = ("can't allocate memory", "out of memory")

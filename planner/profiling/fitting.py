@@ -26,6 +26,7 @@ from planner.profiling.memtrack import LiveStorages
 from planner.profiling.meta import MetaReplay, memory_on_meta
 from planner.profiling.pieces import Piece, PieceTimer, time_in_pieces
 from planner.profiling.record import Profile
+from planner.profiling.timing import TIMING_RUNS
 
 FIT_SHARE = 0.7
 """Share of the memory a device has left that profiling may take: the rest is for the allocator's rounding
@@ -34,7 +35,7 @@ and fragmentation, autograd's own objects and the rest of the process."""
 
 def fitting_profile(captured: Captured, model: nn.Module, inputs: Inputs, *, room_bytes: int | None,
                     budget: int | str | None = None, loss_fn: LossFn | None = None, keep_output: bool = True,
-                    runs: int = 3, replay: MetaReplay | None = None) -> Profile:
+                    runs: int = TIMING_RUNS, replay: MetaReplay | None = None) -> Profile:
     """The profile of one training step of ``captured`` that does not fit whole where the model is: memory
     from a meta-tensor replay, times measured in pieces (``choose_pieces``) that hold at most what the device
     has left (``room_bytes`` beyond the parameters and inputs, ``FIT_SHARE`` of it) and, when a ``budget`` is

@@ -31,7 +31,7 @@ from planner.profiling.eager import eager_excess, eager_forward_trace
 from planner.profiling.memtrack import LiveStorages, local_of, storage_key
 from planner.profiling.record import LOSS_NODE, NodeCost, Profile, StorageCost
 from planner.profiling.runner import StepRunner
-from planner.profiling.timing import Timer, checkpoint_overhead_ms, measure_sac_op_us, time_plain_steps
+from planner.profiling.timing import TIMING_RUNS, checkpoint_overhead_ms, measure_sac_op_us, time_step
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -53,7 +53,7 @@ def profile(
     inputs: Inputs,
     *,
     loss_fn: LossFn | None = None,
-    timing_runs: int = 3,
+    timing_runs: int = TIMING_RUNS,
     keep_output: bool = True,
     limit_bytes: int | None = None,
 ) -> Profile:
@@ -64,7 +64,7 @@ def profile(
         model: the model itself (its buffers, gradients and RNG state are restored).
         inputs: example inputs.
         loss_fn: ``output -> scalar``; default ``default_loss``.
-        timing_runs: how many timed steps the per-node times are the median of.
+        timing_runs: how many timed steps each time is the fastest of.
         keep_output: the output stays referenced through backward (False: dropped before it).
         limit_bytes: the most bytes the step may allocate beyond what is live when it starts; past it
             ``OverLimit`` is raised at once (the caller profiles in pieces instead).
@@ -86,10 +86,7 @@ def profile(
         recorder.step(inputs, loss_fn)
         recorder.tracker.limit_bytes = None
         excess = eager_excess_of(recorder, captured, model, inputs)
-        timer = Timer(captured.graph_module, device)
-        for _ in range(timing_runs):
-            timer.step(inputs, loss_fn)
-        step_fwd, step_bwd = time_plain_steps(captured.graph_module, inputs, loss_fn, device, timing_runs)
+        timer, step_fwd, step_bwd = time_step(captured.graph_module, inputs, loss_fn, device, timing_runs)
         ops = sum(rec["ops"][1] - rec["ops"][0] for rec in recorder.records if rec["kind"] != LOSS_NODE)
         times = StepTimes(fwd_ms=[timer.fwd_ms(i) for i in range(len(recorder.records))],
                           bwd_ms=[timer.bwd_ms(i) for i in range(len(recorder.records))],

@@ -33,7 +33,7 @@ from planner.capture.step import LossFn, default_loss, untouched
 from planner.errors import ProfileError
 from planner.profiling.memory_pass import StepTimes, check_trainable, device_of
 from planner.profiling.runner import SEEN_KEY
-from planner.profiling.timing import Timer, checkpoint_overhead_ms
+from planner.profiling.timing import TIMING_RUNS, Timer, checkpoint_overhead_ms
 
 Piece = tuple[int, int]
 """``[lo, hi)`` over graph node indices (the loss is node ``node_count``, in the last piece)."""
@@ -178,12 +178,12 @@ def time_in_pieces(
     pieces: Sequence[Piece],
     loss_fn: LossFn | None = None,
     device: torch.device | None = None,
-    runs: int = 3,
+    runs: int = TIMING_RUNS,
 ) -> StepTimes:
     """Per-node forward and backward times of one training step of ``captured``, measured in pieces.
 
     One warm-up step (which also learns which crossing values a later piece differentiates), then
-    ``runs`` timed steps; each time is the median over them. Nothing of the model changes: buffers
+    ``runs`` timed steps; each time is the fastest of them. Nothing of the model changes: buffers
     (BatchNorm statistics), gradients, RNG state and train/eval flags are restored.
 
     Args:

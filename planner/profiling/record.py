@@ -54,7 +54,7 @@ class NodeCost:
     scope: tuple[str, ...]
     """Module calls enclosing the node, outermost first, each ``path#call_index``."""
     fwd_ms: float
-    """Forward time of the node in milliseconds (median over timing runs)."""
+    """Forward time of the node in milliseconds (the fastest of the timed steps)."""
     bwd_ms: float
     """Backward time of the autograd nodes this node created, in milliseconds."""
     fwd_start_bytes: int
