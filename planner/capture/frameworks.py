@@ -23,9 +23,9 @@ from torch import nn
 
 FLAGS = ("gradient_checkpointing", "grad_checkpointing")
 """Module attributes by which Hugging Face / diffusers and timm layers checkpoint themselves when True."""
-ENABLERS = {"gradient_checkpointing_enable": "Hugging Face", "activation_checkpointing_enable": "Hugging Face",
-            "enable_gradient_checkpointing": "diffusers", "set_grad_checkpointing": "timm"}
-"""The methods that turn a framework's checkpointing on, and whose framework they are."""
+ENABLERS = {"gradient_checkpointing_enable": "Hugging Face's", "activation_checkpointing_enable": "Hugging Face's",
+            "enable_gradient_checkpointing": "diffusers'", "set_grad_checkpointing": "timm's"}
+"""The methods that turn a framework's checkpointing on, and whose it is (as the warning says it)."""
 
 
 def _flagged(model: nn.Module) -> list[tuple[nn.Module, str]]:
@@ -55,9 +55,8 @@ class _Refusal:
     def __call__(self, *args: Any, **kwargs: Any) -> None:
         if self.name == "set_grad_checkpointing" and not (args[0] if args else kwargs.get("enable", True)):
             return getattr(type(self.root), self.name)(self.root, *args, **kwargs)  # turning it off: let it
-        framework = ENABLERS[self.name]
-        warnings.warn(f"ckplan: {type(self.root).__name__}.{self.name}() left {framework}'s checkpointing off: the "
-                      "model runs a ckplan plan and would checkpoint twice; to use it instead, call "
+        warnings.warn(f"ckplan: {type(self.root).__name__}.{self.name}() left {ENABLERS[self.name]} checkpointing "
+                      "off: the model runs a ckplan plan and would checkpoint twice; to use it instead, call "
                       "planner.disable(model) first", stacklevel=2)
         return None
 
