@@ -33,3 +33,20 @@ def test_plan_matches_original_and_fits(name, budget, restore_buffers):
     assert (plan.segments == ()) == (budget == "100%")
 
     assert_plan_is_exact(model, plan, inputs, loss_fn, restore_buffers)
+
+
+@pytest.mark.slow
+def test_the_diffusers_fine_tuning_example_runs_as_a_script():
+    """``python examples/diffusers_finetune.py``: the plan's summary, then five training steps of the planned UNet."""
+    import subprocess
+    import sys
+
+    from conftest import EXAMPLES as FOLDER
+
+    pytest.importorskip("diffusers")
+    result = subprocess.run([sys.executable, str(FOLDER / "diffusers_finetune.py")], capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr
+    losses = [float(line.split()[-1]) for line in result.stdout.splitlines() if line.startswith("step ")]
+    assert "checkpointed segment" in result.stdout and len(losses) == 5, result.stdout
+    assert losses[-1] < losses[0]
