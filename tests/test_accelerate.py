@@ -136,6 +136,7 @@ def ddp_worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
                   predicted=plan.predicted_peak_bytes, baseline=plan.baseline_peak_bytes,
                   same_plan=same_on_all_ranks([s.chain for s in plan.segments]), planned=run(plan.module))
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
+    accelerator.free_memory()  # the DDP wrappers go before their process group (one outliving gloo's can hang)
     accelerator.end_training()
 
 
