@@ -66,8 +66,9 @@ def train(accelerator: Accelerator, module: torch.nn.Module, data: list[dict]) -
 @pytest.mark.parametrize("how", ["optimize", "enable"])
 def test_a_planned_model_trains_through_accelerator_prepare(how, fresh_accelerate_state):
     """``optimize(...).module`` or a model planned in place by ``enable``, then ``accelerator.prepare(model,
-    optimizer, dataloader)``: the losses are the unplanned model's, every step's peak within the budget and at
-    most 1% under the prediction."""
+    optimizer, dataloader)``: the losses are the unplanned model's, every step's peak within the budget and within 1%
+    of the prediction (2 KiB over it: the collated labels are a storage of their own, where the example's share
+    input_ids')."""
     accelerator = Accelerator(cpu=True)
     data = rows(12, 64)
     expected, _ = train(accelerator, model(), data)
@@ -82,7 +83,7 @@ def test_a_planned_model_trains_through_accelerator_prepare(how, fresh_accelerat
     losses, peaks = train(accelerator, module, data)
     assert losses == expected
     for peak in peaks:
-        assert plan.predicted_peak_bytes * 0.99 <= peak <= plan.budget_bytes, (peak, plan.predicted_peak_bytes)
+        assert abs(peak - plan.predicted_peak_bytes) <= 0.01 * peak and peak <= plan.budget_bytes, (peak, plan)
 
 
 def ddp_worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
