@@ -31,11 +31,14 @@ reads (not ``profile()`` nor ``Plan.apply``), options that plan for another devi
 nor ``optimize_compiled``), options for several shapes (not ``optimize_compiled``)."""
 
 
-def _option(default: Any, *, prepared: bool, refused: Mapping[str, str] | None = None) -> Any:
+def _option(default: Any, *, prepared: bool, refused: Mapping[str, str] | None = None,
+            neutral: tuple[Any, ...] = ()) -> Any:
     """A ``PlanOptions`` field: ``prepared``, whether it is fixed when a model is prepared (captured and
     profiled; ``plan_for`` then refuses a different value); ``refused``, the entry points it does not apply to
-    (``resolve``'s ``where``), each with why."""
-    return field(default=default, metadata={"prepared": prepared, "refused": dict(refused or {})})
+    (``resolve``'s ``where``), each with why; ``neutral``, values besides the default that ask those entry points
+    for nothing they do not do anyway (``follow_batch=False``)."""
+    return field(default=default, metadata={"prepared": prepared, "refused": dict(refused or {}),
+                                            "neutral": neutral})
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -83,11 +86,14 @@ class PlanOptions:
     """FSDP2's ``MixedPrecisionPolicy`` the job trains with (``param_dtype``, ``reduce_dtype``,
     ``cast_forward_inputs``): the step is profiled in ``param_dtype`` and the budget counts fp32 shards and
     optimizer state, gathered units in ``param_dtype`` and gradients reduced in ``reduce_dtype``."""
-    follow_batch: bool = _option(False, prepared=True, refused={**_ONE_SHAPE, **_PLANNING})
+    follow_batch: bool | None = _option(None, prepared=True, refused={**_ONE_SHAPE, **_PLANNING}, neutral=(False,))
     """Each training call runs the plan of its own shape's group (``planner.follow.family``): no checkpoint where the
     un-checkpointed step fits, lighter plans for smaller batches, groups planned when first seen. The plan
     runs the model's own forward (module hooks). On a DDP rank (``parallel="ddp"``) each rank runs the plan
-    of its own batch's group; not on FSDP ranks."""
+    of its own batch's group; not on FSDP ranks. None (default): follow wherever it costs nothing to say so and
+    nothing can go wrong (``planner.pipeline.follows``: a plan already run by module hooks, such as every
+    Hugging Face model's and ``enable``'s, whose loss is the model's own output, on one process or DDP
+    ranks); False: one plan, made for the example's shape, runs on every call."""
     shapes: tuple[Any, ...] | None = _option(None, prepared=True, refused={**_ONE_SHAPE, **_PLANNING})
     """Shapes of calls to plan ahead, when following the batch (implied): each a shape such as ``(4, 128)``,
     given to every tensor argument shaped like the example's largest, or a ``{argument: shape}`` dict.
@@ -121,12 +127,17 @@ class PlanOptions:
                 specs = [tuple(specs)]  # one shape given bare: shapes=(4, 128)
             object.__setattr__(self, "shapes", tuple(check_spec(spec) for spec in specs))
             object.__setattr__(self, "follow_batch", True)
-        if self.follow_batch and (self.parallel == "fsdp" or (self.parallel is None and self.world_size > 1)):
+        if self.follow_batch and self.sharded:
             raise OptionError(f"follow_batch cannot follow the batch on the ranks of an FSDP job (world_size="
                               f"{self.world_size}): plan for one shape, or follow the batch with parallel='ddp'")
         limit = self.time_limit_s
         if isinstance(limit, bool) or not isinstance(limit, int | float) or not 0 <= limit < float("inf"):
             raise OptionError(f"time_limit_s must be a number of seconds >= 0 (got {limit!r}); e.g. time_limit_s=60")
+
+    @property
+    def sharded(self) -> bool:
+        """Whether the plan is for the ranks of an FSDP job (``parallel="fsdp"``, the default past one rank)."""
+        return self.parallel == "fsdp" or (self.parallel is None and self.world_size > 1)
 
 
 class OptionArgs(TypedDict, total=False):
@@ -148,7 +159,7 @@ class OptionArgs(TypedDict, total=False):
     units: Sequence[str] | None
     optimizer: str | int | None
     mixed_precision: Any
-    follow_batch: bool
+    follow_batch: bool | None
     shapes: Sequence[Any] | None
     progress: Callable[[str], None] | None
 
@@ -177,6 +188,7 @@ def resolve(options: PlanOptions | None, overrides: Mapping[str, Any], *, where:
     named = {option.name: option for option in fields(PlanOptions)}
     for name in dict.fromkeys([*overrides, *NAMES]):  # the options given by name first (shapes= sets follow_batch)
         why = named[name].metadata["refused"].get(where)
-        if why is not None and getattr(resolved, name) != named[name].default:
+        value = getattr(resolved, name)
+        if why is not None and value != named[name].default and value not in named[name].metadata["neutral"]:
             raise OptionError(f"{where}() does not take {name}=: {why}")
     return resolved

@@ -31,6 +31,7 @@ from planner.planning.chunkings import save_options_for, solve_budget, solve_pre
 from planner.planning.prepared import Prepared, chunked, prepared_from
 from planner.profiling.api import capture_inputs, profile_for
 from planner.profiling.devices import load_device
+from planner.profiling.memtrack import dtensor_class
 from planner.profiling.record import Profile
 from planner.rewrite.modules import PlannedShapes
 from planner.rewrite.segment import Segment, segments_of
@@ -211,7 +212,20 @@ def plan_for(prepared: Prepared, budget: int | str, *, options: PlanOptions | No
     solution = replace(solution, solve_time_s=time.perf_counter() - started)  # the whole stage, widening included
     stage("rewrite")
     return plan_from_solution(prepared, solution, budget_bytes, target=target,
-                              follow=opts if opts.follow_batch else None)
+                              follow=opts if follows(prepared, opts) else None)
+
+
+def follows(prepared: Prepared, options: PlanOptions) -> bool:
+    """Whether the plan follows the batch: as ``follow_batch`` says; when it is None, wherever that costs the
+    plan nothing and cannot go wrong: the plan already runs by module hooks (the model's own forward: Hugging
+    Face models, ``enable``), its loss is the model's own output (no ``loss_fn``: one holding the example
+    batch's targets cannot run at another shape), its ranks (if any) are DDP's (not FSDP's, nor tensor-parallel
+    ones, which must all run one plan), and the example has a tensor argument to follow."""
+    if options.follow_batch is not None:
+        return options.follow_batch
+    return (prepared.executor.kind is ExecutorKind.HOOKS and options.loss_fn is None and not options.sharded
+            and options.tensor_parallel == 1 and not _holds_dtensors(prepared.model)
+            and bool(shaped(bind(prepared.model, prepared.example.args, prepared.example.kwargs) or {})))
 
 
 def _family(prepared: Prepared, segments: tuple[Segment, ...], predicted: Timeline, recompute_ms: float,
@@ -301,3 +315,9 @@ def _setting(prepared: Prepared) -> str:
     elif prof.pieces > 1:
         parts.append(f"profiled in {prof.pieces} pieces, the whole step does not fit on {prof.device}")
     return "; ".join(parts)
+
+
+def _holds_dtensors(model: nn.Module) -> bool:
+    """Whether any parameter of ``model`` is a DTensor (tensor parallelism: every rank runs one plan)."""
+    dtensor = dtensor_class()
+    return dtensor is not None and any(isinstance(p, dtensor) for p in model.parameters())

@@ -113,7 +113,12 @@ def test_the_grid_groups_shapes_up_to_lines_through_the_example():
     assert grid.group({"input_ids": (8, 481)}) == (("input_ids", (8, 512)),)
     assert grid.group({"input_ids": (8, 480)}) == (("input_ids", (8, 480)),)
     assert grid.group({"input_ids": (3, 513)}) == (("input_ids", (3, 544)),)
-    assert grid.group({"input_ids": (8,)}) is None and grid.group({"other": (8, 512)}) is None
+    assert grid.group({"input_ids": (8,)}) is None  # another number of dims: refused with its name
+    assert grid.group({"other": (8, 500)}) == (("other", (8, 500)),)  # an argument the example lacks: as it is
+    two = ShapeGrid.around({"input_ids": (8, 512), "attention_mask": (8, 512)})
+    assert two.group({"input_ids": (8, 500)}) == (("input_ids", (8, 512)),)  # without the mask: its own group
+    masked = grid.group({"input_ids": (8, 500), "attention_mask": (8, 500)})  # a mask the example lacked
+    assert masked == (("attention_mask", (8, 512)), ("input_ids", (8, 512)))  # rounded as input_ids is
 
 
 def test_a_range_is_planned_as_every_group_that_covers_it():
@@ -373,3 +378,44 @@ def test_plot_shapes_draws_each_group_of_a_plan_that_follows_the_batch():
     assert list(peaks.lines[1].get_ydata()) == [r["predicted_peak_bytes"] / 2**20 for r in rows]
     with pytest.raises(ValueError, match="does not follow the batch"):
         plot_shapes(optimize(model, "90%", inputs=(torch.randn(512, 64),), time_limit_s=10))
+
+
+def test_a_hugging_face_plan_follows_the_batch_by_default_and_says_when_it_plans(capsys):
+    """No follow_batch given: a plan run by module hooks whose loss is the model's own output follows the batch.
+    A training call of a new shape group plans it, with one line on stderr that names the group and what it
+    planned; the next call of that group plans nothing and prints nothing."""
+    model = make_model("qwen2")
+    plan = optimize(model, "70%", inputs=batch(4, 128), keep_output=False, time_limit_s=10, selective=False)
+    assert plan.family is not None and len(plan.family.groups) == 1
+    capsys.readouterr()
+    for _ in range(2):
+        plan.module(**batch(2, 16)).loss.backward()
+    lines = capsys.readouterr().err.splitlines()
+    said = [line for line in lines if line.startswith("ckplan: planning a new shape group")]
+    assert len(said) == 1 and "input_ids (2, 16)" in said[0] and "predicted peak" in said[0], lines
+    assert len(plan.family.groups) == 2
+
+
+@pytest.mark.parametrize("how", ["follow_batch=False", "loss_fn", "fx graph"])
+def test_one_plan_runs_every_shape_where_following_is_turned_off_or_could_go_wrong(how):
+    """follow_batch=False, a loss function of the user's own (it may hold the example batch's targets), or a plan
+    run as a rewritten graph (made for one shape): no family, unless asked for."""
+    if how == "fx graph":
+        from models import tower, tower_inputs
+
+        plan = optimize(tower(), "70%", inputs=tower_inputs(), time_limit_s=10)
+    else:
+        model, inputs = make_model("qwen2"), batch(4, 64)
+        options = {"follow_batch": False} if how == "follow_batch=False" else {"loss_fn": lambda out: out.loss}
+        plan = optimize(model, "70%", inputs=inputs, keep_output=False, time_limit_s=10, selective=False,
+                        **options)
+    assert plan.family is None
+
+
+def test_follow_batch_false_is_taken_where_following_does_not_apply():
+    """follow_batch=False asks an entry point that plans one shape for nothing it does not do anyway."""
+    from planner.options import resolve
+
+    assert resolve(None, {"follow_batch": False}, where="optimize_compiled").follow_batch is False
+    with pytest.raises(ValueError, match="follow_batch"):
+        resolve(None, {"follow_batch": True}, where="optimize_compiled")

@@ -132,14 +132,20 @@ def test_the_call_signature_and_its_errors_are_the_models_own(planned):
 
 
 def test_larger_inputs_than_planned_warn_once_with_a_peak(planned):
-    _, _, plan = planned
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        for _ in range(2):
-            _loss(plan.module(**lm_batch(rows=8, length=64))).backward()
-    plan.module.zero_grad(set_to_none=True)
-    larger = [w for w in caught if "larger than the inputs this plan was made for" in str(w.message)]
-    assert len(larger) == 1 and "input_ids [8, 64]" in str(larger[0].message)
+    """A batch larger than the example that no plan fits in the budget: a plan that follows the batch (the
+    default here) runs the example's plan with one warning naming the group and why; a plan for one shape
+    (follow_batch=False) warns once with the peak it estimates there."""
+    _, model, plan = planned
+    single = optimize(model, "50%", inputs=lm_batch(), follow_batch=False)
+    for module, says, names in ((plan.module, "run the plan made for the example's shape", "input_ids (8, 64)"),
+                                (single.module, "larger than the inputs this plan was made for", "input_ids [8, 64]")):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(2):
+                _loss(module(**lm_batch(rows=8, length=64))).backward()
+        module.zero_grad(set_to_none=True)
+        said = [w for w in caught if says in str(w.message)]
+        assert len(said) == 1 and names in str(said[0].message), [str(w.message) for w in caught]
 
 
 def test_trainer_trains_the_plan_with_the_models_losses(tmp_path):

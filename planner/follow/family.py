@@ -22,6 +22,9 @@ from __future__ import annotations
 
 import math
 import statistics
+import sys
+import time
+import warnings
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, replace
 from typing import Any
@@ -36,6 +39,7 @@ from planner.capture.inputs import Inputs, bind
 from planner.capture.method import ExecutorKind
 from planner.capture.tree import private_copy
 from planner.common.checked_json import as_list, check_record, record_from_json
+from planner.common.units import format_bytes
 from planner.distributed.memory import setup
 from planner.errors import CaptureError, InfeasibleBudget, OptionError, ProfileError
 from planner.follow.shapes import ShapeGrid, Shapes, ShapeSpec, fitted, realize, shaped, spread
@@ -99,6 +103,11 @@ class Family:
         self.reference_roofline = reference_roofline
         """Per node of the reference: its roofline forward and backward ms at the example's shape."""
         self.groups: dict[Shapes, GroupPlan] = dict(groups or {})
+        self.strict = options.follow_batch is not None
+        """Whether a group that cannot be planned raises from the training call (``follow_batch=True``); else
+        (the default) its calls run the example group's plan, with a warning, as a plan for one shape would."""
+        self.unplanned: dict[Shapes, str] = {}
+        """Groups that could not be planned (not strict), with why: they run the example group's plan."""
 
     @classmethod
     def around(cls, prepared: Prepared, budget_bytes: int, options: PlanOptions) -> Family:
@@ -125,6 +134,7 @@ class Family:
         family = Family(model=model, options=options or self.options, budget_bytes=self.budget_bytes, grid=self.grid,
                         reference=self.reference, reference_roofline=self.reference_roofline, example=self.example)
         family.groups = self.groups
+        family.strict, family.unplanned = self.strict, self.unplanned
         return family
 
     def portable(self) -> Family:
@@ -137,7 +147,7 @@ class Family:
         """The family as JSON (``Plan.save``): its grid, options, every group's plan, and the reference profile
         and roofline new groups are scaled from."""
         opts = self.options
-        return {"budget_bytes": self.budget_bytes,
+        return {"budget_bytes": self.budget_bytes, "strict": self.strict,
                 "grid": {"anchors": {k: list(v) for k, v in self.grid.anchors.items()},
                          "steps": {k: list(v) for k, v in self.grid.steps.items()}},
                 "options": {name: list(value) if isinstance(value, tuple) else value
@@ -169,9 +179,11 @@ class Family:
             groups[key] = group
         options = PlanOptions(**{k: v for k, v in data["options"].items() if k in _SAVED_OPTIONS})
         roofline = {str(name): (float(f), float(b)) for name, f, b in data["reference_roofline"]}
-        return cls(model=None, options=options, budget_bytes=int(data["budget_bytes"]), grid=grid,
+        family = cls(model=None, options=options, budget_bytes=int(data["budget_bytes"]), grid=grid,
                    reference=profile_from_dict(data["reference_profile"], source="plan.family.reference_profile"),
                    reference_roofline=roofline, groups=groups)
+        family.strict = bool(data.get("strict", True))
+        return family
 
     def plan_ahead(self, spec: ShapeSpec) -> list[GroupPlan]:
         """The plans of the groups of calls shaped ``spec`` (``planner.follow.shapes.realize``; a range: every group
@@ -205,24 +217,55 @@ class Family:
         """The group of a training call with these arguments (by name) and its plan's segments, planned now if
         the group is new (``planner.rewrite.switching.Chooser``).
 
-        Raises:
-            OptionError: the call's tensor arguments are not those of the example call.
+        Raises (only where the user asked to follow the batch, ``strict``; else the call runs the example group's
+        plan, with a warning when its own could not be made):
+            OptionError: a tensor argument of the call has another number of dims than the example's.
             InfeasibleBudget: no plan of the new group fits the budget.
+            CaptureError, ProfileError: the model cannot be captured or replayed at the group's shape.
         """
         shapes = shaped(values)
         key = self.grid.group(shapes)
+        if (key is None and not self.strict) or key in self.unplanned:  # the model's own forward says what is wrong
+            return self.example_group, self.groups[self.example_group].segments
         if key is None:
-            raise OptionError(f"this call's tensor arguments {sorted(shapes)} are not those the plan follows "
-                              f"({sorted(self.grid.steps)}); plan with a batch like this call's")
-        return key, self.plan_of(key, values).segments
+            odd = next(f"{name} {shape}" for name, shape in shapes.items()
+                       if name in self.grid.anchors and len(shape) != len(self.grid.anchors[name]))
+            raise OptionError(f"this call's {odd} has another number of dims than the example's; plan with a batch "
+                              "like this call's")
+        try:
+            return key, self.plan_of(key, values).segments
+        except (CaptureError, ProfileError, InfeasibleBudget) as exc:
+            if self.strict:
+                raise
+            self.unplanned[key] = str(exc).splitlines()[0]
+            warnings.warn(f"ckplan: calls shaped {', '.join(f'{n} {tuple(s)}' for n, s in key)} run the plan made "
+                          f"for the example's shape, as a plan that does not follow the batch would: their own could "
+                          f"not be made ({self.unplanned[key]})", stacklevel=2)
+            return self.example_group, self.groups[self.example_group].segments
 
     def plan_of(self, key: Shapes, values: Mapping[str, Any]) -> GroupPlan:
         """The group's plan, planned now (for its upper shapes, from this call's own tensor arguments) if it is
         new."""
         found = self.groups.get(key)
         if found is None:
-            found = self.groups[key] = self._plan_group(key, values)
+            found = self.groups[key] = self._announced(key, values)
         return found
+
+    def _announced(self, key: Shapes, values: Mapping[str, Any]) -> GroupPlan:
+        """``_plan_group`` with one progress line on stderr: the group, then how long it took and what it plans
+        (the training call that met the group waits for it, so the user sees why)."""
+        shapes = ", ".join(f"{name} {tuple(shape)}" for name, shape in key)
+        print(f"ckplan: planning a new shape group ({shapes}) ...", end="", file=sys.stderr, flush=True)
+        started = time.perf_counter()
+        try:
+            group = self._plan_group(key, values)
+        except BaseException:
+            print(" failed", file=sys.stderr, flush=True)
+            raise
+        what = f"{len(group.segments)} segments" if group.segments else "no checkpoint (its step fits)"
+        print(f" {time.perf_counter() - started:.1f} s: {what}, predicted peak "
+              f"{format_bytes(group.predicted_peak_bytes)}", file=sys.stderr, flush=True)
+        return group
 
     def _plan_group(self, key: Shapes, values: Mapping[str, Any]) -> GroupPlan:
         """Plans a new group for its upper shapes, as ``optimize`` plans: capture, memory from a meta replay,

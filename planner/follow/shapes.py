@@ -82,13 +82,27 @@ class ShapeGrid:
                    steps={name: tuple(max(1, math.ceil(d / groups)) for d in shape) for name, shape in shapes.items()})
 
     def group(self, shapes: Mapping[str, tuple[int, ...]]) -> Shapes | None:
-        """The group of a call with these tensor shapes (its upper shapes); None when its tensor arguments are
-        not the ones the grid was made for (other names or ranks)."""
-        if set(shapes) != set(self.steps) or any(len(shapes[k]) != len(s) for k, s in self.steps.items()):
+        """The group of a call with these tensor shapes (its upper shapes). A call may leave out tensor
+        arguments the example had (a batch without ``attention_mask``: its own group) or pass ones it did not
+        (rounded as an argument of the example shaped like them, else grouped by their exact shape); None when
+        an argument has another number of dims than the example's."""
+        if any(name in self.steps and len(shape) != len(self.steps[name]) for name, shape in shapes.items()):
             return None
-        return tuple((name, tuple(a + math.ceil((d - a) / s) * s
-                                  for d, a, s in zip(shapes[name], self.anchors[name], self.steps[name])))
-                     for name in sorted(shapes))
+        return tuple((name, self._upper(self._like(name, shapes), tuple(shapes[name]))) for name in sorted(shapes))
+
+    def _like(self, name: str, shapes: Mapping[str, tuple[int, ...]]) -> str | None:
+        """The argument whose grid lines ``name``'s shape is rounded to: its own, else (an argument the example
+        lacked, such as an ``attention_mask`` beside ``input_ids``) one of the example's shaped as it is in this
+        call, else None (grouped by its exact shape)."""
+        if name in self.steps:
+            return name
+        return next((other for other in sorted(self.steps) if other in shapes and shapes[other] == shapes[name]), None)
+
+    def _upper(self, name: str | None, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """``shape`` rounded up to the grid lines of argument ``name`` (as it is for None)."""
+        if name is None:
+            return shape
+        return tuple(a + math.ceil((d - a) / s) * s for d, a, s in zip(shape, self.anchors[name], self.steps[name]))
 
     def covering(self, name: str, span: ShapeRange) -> list[tuple[int, ...]]:
         """The upper shapes, for argument ``name``, of the groups that cover every shape in ``span``: in each

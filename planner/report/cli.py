@@ -88,8 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "does (default: a plain loop that keeps it; docs/huggingface.md)")
     p.add_argument("--whole-segments", action="store_true",
                    help="re-run whole segments (no op-level saves inside them; docs/selective.md)")
-    p.add_argument("--follow-batch", action="store_true",
-                   help="each training call runs the plan of its own shape's group: none where the step fits")
+    p.add_argument("--follow-batch", action=argparse.BooleanOptionalAction, default=None,
+                   help="each training call runs the plan of its own shape's group: none where the step fits "
+                        "(default: where the plan runs by module hooks and the loss is the model's own output)")
     p.add_argument("--shapes", type=_shapes, metavar="SHAPE,...",
                    help="shapes to plan ahead when following the batch (implies --follow-batch), e.g. 4x64,4x128, "
                         "or every group of a range, 4x64..4x512: each given to the inputs shaped like the largest")
@@ -278,7 +279,7 @@ def _options(args: argparse.Namespace, found: ModelFile, stage: Callable[[str], 
                        world_size=args.world_size, parallel=args.parallel, optimizer=args.optimizer,
                        tensor_parallel=args.tensor_parallel,
                        mixed_precision=_mixed_precision(args.mixed_precision),
-                       follow_batch=args.follow_batch or args.shapes is not None, shapes=args.shapes,
+                       follow_batch=_follows(args), shapes=args.shapes,
                        device=args.device if isinstance(args.device, str) else None, progress=stage)
 
 
@@ -287,6 +288,14 @@ def _load(args: argparse.Namespace, stage: Callable[[str], None]) -> ModelFile:
     stage("load")
     found = load_model_file(args.model_file, model=args.model, inputs=args.inputs, loss=args.loss)
     return found if not isinstance(args.device, torch.device) else to_device(found, args.device)
+
+
+def _follows(args: argparse.Namespace) -> bool | None:
+    """``follow_batch`` from the flags: asked for (``--follow-batch``, ``--shapes``), refused (``--no-follow-batch``,
+    or ``--emit``, which writes one plan's source), else the default (None: where it costs nothing)."""
+    if args.follow_batch or args.shapes is not None:
+        return True
+    return False if args.follow_batch is False or args.emit else None
 
 
 _EAGER_ONLY = ("--save", "--emit", "--profile", "--save-profile", "--verify", "--explain", "--whole-segments",
