@@ -59,7 +59,7 @@ def _time(monkeypatch, rounds: list[list[float]]) -> tuple[list[warnings.Warning
 
     given = iter(rounds)
     monkeypatch.setattr(timing, "plain_step_samples",
-                        lambda gm, inputs, loss_fn, device, runs: [(t / 2, t / 2) for t in next(given)])
+                        lambda gm, inputs, loss_fn, device, runs, min_s=0.0: [(t / 2, t / 2) for t in next(given)])
     model = tower()
     gm = torch.fx.symbolic_trace(model)
     with warnings.catch_warnings(record=True) as caught:

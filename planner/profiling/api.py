@@ -26,6 +26,9 @@ from planner.profiling.meta import estimate, memory_on_meta, to_meta
 from planner.profiling.record import LOSS_NODE, Profile
 from planner.profiling.timing import TIMING_RUNS
 
+BUSY_TIMING_S = 0.5
+"""On a busy machine, each kind of timed step of a profile runs for at least this long (``timing.time_step``)."""
+
 Device = str | torch.device | None
 
 
@@ -60,11 +63,13 @@ def measured(captured: Captured, model: nn.Module, example: Inputs, *, loss_fn: 
     made the profiled step 2-4x slower than one thread did)."""
     with threads_for_timing(device_of(model, example)) as timing:
         return measured_here(captured, model, example, loss_fn=loss_fn, keep_output=keep_output, budget=budget,
-                             runs=2 * TIMING_RUNS if timing.busy else TIMING_RUNS)
+                             runs=2 * TIMING_RUNS if timing.busy else TIMING_RUNS,
+                             min_timing_s=BUSY_TIMING_S if timing.busy else 0.0)
 
 
 def measured_here(captured: Captured, model: nn.Module, example: Inputs, *, loss_fn: LossFn | None = None,
-                  keep_output: bool = True, budget: int | str | None = None, runs: int = TIMING_RUNS) -> Profile:
+                  keep_output: bool = True, budget: int | str | None = None, runs: int = TIMING_RUNS,
+                  min_timing_s: float = 0.0) -> Profile:
     """The profile measured where the model is. Where going past what the device has left makes an
     allocation fail (``hard_limit``: a GPU, a capped process), the step's memory is first replayed on meta
     tensors (exact sizes, nothing allocated): when it needs more than ``FIT_SHARE`` of what is left
@@ -84,6 +89,7 @@ def measured_here(captured: Captured, model: nn.Module, example: Inputs, *, loss
                                    keep_output=keep_output, replay=replay, runs=runs)
     try:
         return measure(captured, model, example, loss_fn=loss_fn, keep_output=keep_output, timing_runs=runs,
+                       min_timing_s=min_timing_s,
                        limit_bytes=None if room is None else int(room * FIT_SHARE))
     except (ProfileError, RuntimeError) as exc:
         if not out_of_memory(exc):

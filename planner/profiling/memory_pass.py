@@ -56,6 +56,7 @@ def profile(
     timing_runs: int = TIMING_RUNS,
     keep_output: bool = True,
     limit_bytes: int | None = None,
+    min_timing_s: float = 0.0,
 ) -> Profile:
     """Profiles one training step of ``captured`` (a trace of ``model``) where the model is.
 
@@ -68,6 +69,7 @@ def profile(
         keep_output: the output stays referenced through backward (False: dropped before it).
         limit_bytes: the most bytes the step may allocate beyond what is live when it starts; past it
             ``OverLimit`` is raised at once (the caller profiles in pieces instead).
+        min_timing_s: each kind of timed step runs for at least this long (``timing.time_step``; a busy machine).
 
     Returns:
         The step's ``Profile``.
@@ -86,7 +88,8 @@ def profile(
         recorder.step(inputs, loss_fn)
         recorder.tracker.limit_bytes = None
         excess = eager_excess_of(recorder, captured, model, inputs)
-        timer, step_fwd, step_bwd = time_step(captured.graph_module, inputs, loss_fn, device, timing_runs)
+        timer, step_fwd, step_bwd = time_step(captured.graph_module, inputs, loss_fn, device, timing_runs,
+                                              min_s=min_timing_s)
         ops = sum(rec["ops"][1] - rec["ops"][0] for rec in recorder.records if rec["kind"] != LOSS_NODE)
         times = StepTimes(fwd_ms=[timer.fwd_ms(i) for i in range(len(recorder.records))],
                           bwd_ms=[timer.bwd_ms(i) for i in range(len(recorder.records))],

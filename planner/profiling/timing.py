@@ -8,6 +8,7 @@ import statistics
 import time
 import warnings
 from collections import defaultdict
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -64,25 +65,28 @@ TIMING_RUNS = 3
 """Timed steps of each kind a profile takes on a quiet machine (twice as many on a busy one: ``cores``)."""
 STEADY = 1.5
 """Plain steps whose slowest takes more than this times their fastest were timed on a busy machine: timed again."""
+NOISE_MS = 2.0
+"""Plain steps that differ by no more than this are steady whatever their ratio (a step of a few ms jitters)."""
 ATTEMPTS = 2
 """Rounds of timed steps at most (``time_step``)."""
 
 
 def time_step(gm: fx.GraphModule, inputs: Inputs, loss_fn: LossFn, device: torch.device,
-              runs: int) -> tuple[Timer, float, float]:
+              runs: int, *, min_s: float = 0.0) -> tuple[Timer, float, float]:
     """Per-node times (a ``Timer`` over ``runs`` instrumented steps) and the fastest forward and backward ms of
-    ``runs`` plain steps. Where the plain steps' times vary by more than ``STEADY`` (other processes took the
-    cores for part of them), as many again are timed and each time is the fastest over both rounds; a warning
-    says so when the second round varies as much."""
+    ``runs`` plain steps; each kind of step runs for at least ``min_s`` seconds (more steps of a short one, up to
+    ``MAX_RUNS``: on a busy machine, the fastest of many short steps is one no other process interrupted).
+    Where the plain steps' times vary by more than ``STEADY`` (other processes took the cores for part of
+    them), as many again are timed and each time is the fastest over both rounds; a warning says so when the
+    second round varies as much."""
     timer = Timer(gm, device)
     samples: list[tuple[float, float]] = []
     for _ in range(ATTEMPTS):
-        for _ in range(runs):
-            timer.step(inputs, loss_fn)
-        latest = plain_step_samples(gm, inputs, loss_fn, device, runs)
+        repeated(lambda: timer.step(inputs, loss_fn), runs, min_s)
+        latest = plain_step_samples(gm, inputs, loss_fn, device, runs, min_s=min_s)
         samples += latest
         totals = [f + b for f, b in latest]
-        if max(totals) <= STEADY * min(totals):
+        if max(totals) <= STEADY * min(totals) or max(totals) - min(totals) <= NOISE_MS:
             break
     else:
         warnings.warn(f"ckplan: the profiled step took from {min(totals):,.0f} to {max(totals):,.0f} ms from run to "
@@ -92,11 +96,26 @@ def time_step(gm: fx.GraphModule, inputs: Inputs, loss_fn: LossFn, device: torch
     return timer, min(f for f, _ in samples), min(b for _, b in samples)
 
 
+MAX_RUNS = 64
+"""The most steps of one kind ``min_s`` can ask for."""
+
+
+def repeated(step: Callable[[], Any], runs: int, min_s: float) -> None:
+    """Runs ``step`` ``runs`` times, and on until ``min_s`` seconds have passed (at most ``MAX_RUNS`` times)."""
+    started = time.perf_counter()
+    done = 0
+    while done < max(1, runs) or (time.perf_counter() - started < min_s and done < MAX_RUNS):
+        step()
+        done += 1
+
+
 def plain_step_samples(gm: fx.GraphModule, inputs: Inputs, loss_fn: LossFn, device: torch.device,
-                       runs: int) -> list[tuple[float, float]]:
-    """Forward and backward time (ms) of each of ``runs`` un-instrumented steps of the graph."""
+                       runs: int, *, min_s: float = 0.0) -> list[tuple[float, float]]:
+    """Forward and backward time (ms) of each of ``runs`` un-instrumented steps of the graph (more, to fill
+    ``min_s`` seconds: ``repeated``)."""
     samples = []
-    for _ in range(max(1, runs)):
+
+    def step() -> None:
         sync(device)
         start = time.perf_counter()
         loss = loss_fn(gm(*inputs.args, **inputs.kwargs))
@@ -105,6 +124,8 @@ def plain_step_samples(gm: fx.GraphModule, inputs: Inputs, loss_fn: LossFn, devi
         backward(loss)
         sync(device)
         samples.append(((mid - start) * 1e3, (time.perf_counter() - mid) * 1e3))
+
+    repeated(step, runs, min_s)
     for p in gm.parameters():
         p.grad = None
     return samples
