@@ -3,7 +3,7 @@
     python bench/busy.py                          # gpt_large, writes bench/results/busy.md
     python bench/busy.py --example gpt --runs 1 --out /tmp/busy.md
 
-Each row plans the example (``optimize`` at half its un-checkpointed peak) in a fresh process and reports
+Each row plans the example (``optimize`` at ``--budget`` of its un-checkpointed peak) in a fresh process and reports
 the wall time of the whole call (capture, profile, solve) and the profile's step (forward + backward, ms):
 
 - quiet: nothing else runs;
@@ -78,7 +78,7 @@ def run_row(example: str, budget: str, hogs: int, torch_threads: bool) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--example", default="gpt_large")
-    p.add_argument("--budget", default="50%")
+    p.add_argument("--budget", default="65%")
     p.add_argument("--runs", type=int, default=2)
     p.add_argument("--hogs", type=int, default=len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
                    else os.cpu_count() or 1)
