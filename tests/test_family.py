@@ -419,3 +419,21 @@ def test_follow_batch_false_is_taken_where_following_does_not_apply():
     assert resolve(None, {"follow_batch": False}, where="optimize_compiled").follow_batch is False
     with pytest.raises(ValueError, match="follow_batch"):
         resolve(None, {"follow_batch": True}, where="optimize_compiled")
+
+
+def test_a_forward_set_on_the_instance_runs_the_copy_it_was_cloned_into():
+    """accelerate sets ``model.forward`` on the instance, bound to the model (its autocast wrapper): a copy ckplan
+    plans a shape group on calls its own modules through it, never the user's model."""
+    from types import MethodType
+
+    from planner.capture.tree import clone_tree, private_copy
+
+    model = make_model("qwen2")
+    plain = type(model).forward
+
+    def wrapped(self, *args, **kwargs):
+        return plain(self, *args, **kwargs)
+
+    model.forward = MethodType(wrapped, model)
+    for copy in (clone_tree(model)[0], private_copy(model)[0]):
+        assert copy.forward.__self__ is copy and model.forward.__self__ is model

@@ -12,6 +12,7 @@ none of the hooks ckplan put on the model, so an error or a Ctrl-C half-way leav
 from __future__ import annotations
 
 from collections.abc import Callable, Collection
+from types import MethodType
 
 import torch
 from torch import nn
@@ -22,7 +23,8 @@ _CONTAINERS = tuple(key for key, value in vars(nn.Module()).items() if isinstanc
 
 def clone_tree(*roots: nn.Module) -> tuple[nn.Module, ...]:
     """Each root's modules as new objects of their classes with their own containers, sharing every
-    parameter, buffer and other attribute; a module reachable twice (within or across the roots) is
+    parameter, buffer and other attribute but methods bound to the module on the instance (rebound to the new
+    object: accelerate sets ``model.forward`` so); a module reachable twice (within or across the roots) is
     cloned once, so the clones share what the originals share."""
     memo: dict[int, nn.Module] = {}
 
@@ -34,6 +36,9 @@ def clone_tree(*roots: nn.Module) -> tuple[nn.Module, ...]:
         for key in _CONTAINERS:
             if key in state:
                 state[key] = state[key].copy()
+        for key, value in state.items():  # a forward set on the instance (accelerate's autocast wrapper) bound to
+            if isinstance(value, MethodType) and value.__self__ is module:  # the module runs the clone, not it
+                state[key] = MethodType(value.__func__, new)
         new.__dict__.update(state)
         memo[id(module)] = new
         for name, child in module._modules.items():

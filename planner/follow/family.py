@@ -273,7 +273,8 @@ class Family:
         if self.model is None:
             raise OptionError("this plan was read from a file: apply it to a model (plan.apply(model)) first")
         example = Inputs(args=(), kwargs={name: fitted(value, dict(key).get(name)) for name, value in values.items()
-                                          if isinstance(value, torch.Tensor)})
+                                          if isinstance(value, torch.Tensor)})  # not the call's flags: TRL's
+        # fused_lm_head=True runs a loss kernel that cannot be captured; without it the logits are counted whole
         setting = f"calls shaped {', '.join(f'{name} {tuple(shape)}' for name, shape in key)} (a group of the plan " \
                   "that follows the batch)"
         model = private_copy(self.model, drop_hooks=own_hooks(self.model))[0]  # never the user's own tree
