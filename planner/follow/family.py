@@ -279,7 +279,7 @@ class Family:
                   "that follows the batch)"
         model = private_copy(self.model, drop_hooks=own_hooks(self.model))[0]  # never the user's own tree
         try:
-            with no_cache(model), switched_off(model):
+            with no_cache(model), switched_off(model), outside_autocast(self.reference.device):
                 captured = capture(model, example, runs=ExecutorKind.HOOKS)
                 profile = scaled_profile(captured, model, example, self.reference, self.reference_roofline,
                                          options=self.options)
@@ -348,3 +348,11 @@ def scaled_profile(captured: Any, model: nn.Module, example: Inputs, reference: 
                          checkpoint_overhead_ms=reference.checkpoint_overhead_ms, sac_op_us=reference.sac_op_us)
     return assemble(recorder, captured, model, replay.example, times=times_ms, excess=replay.excess,
                     device=reference.device)
+
+
+def outside_autocast(device: str) -> Any:
+    """No autocast on ``device`` while a group is planned: the training call that meets the group may run under
+    the trainer's (Trainer and accelerate wrap the step in ``torch.autocast`` for ``bf16=True``), and the group is
+    planned as the example batch was profiled, in the parameters' own dtype (an upper bound on the memory of
+    the step in a lower one)."""
+    return torch.autocast(device_type=torch.device(device).type, enabled=False)
