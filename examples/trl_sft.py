@@ -46,7 +46,8 @@ def build() -> transformers.Qwen2ForCausalLM:
 def main() -> None:
     model = build()
     longest = torch.randint(0, WORDS, (ROWS, LENGTH), generator=torch.Generator().manual_seed(1))
-    plan = enable(model, "60%", inputs={"input_ids": longest, "labels": longest}, keep_output=False)
+    batch = {"input_ids": longest, "attention_mask": torch.ones_like(longest), "labels": longest}  # as the collator
+    plan = enable(model, "60%", inputs=batch, keep_output=False)                                 # makes it
     print(plan.summary())
     args = SFTConfig(output_dir="/tmp/ckplan-trl-sft", max_steps=4, per_device_train_batch_size=ROWS,
                      logging_steps=1, use_cpu=True, save_strategy="no", report_to=[], seed=0, disable_tqdm=True)
