@@ -15,6 +15,18 @@ if os.environ.get("PYTEST_XDIST_WORKER"):  # one worker per core: no intra-op th
     torch.set_num_threads(1)
 
 
+class Calls:
+    """Counts the training calls of a module (its forward and every re-run of it)."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.count = 0
+        self.handle = module.register_forward_pre_hook(self)
+
+    def __call__(self, module, args) -> None:
+        if module.training and torch.is_grad_enabled():
+            self.count += 1
+
+
 def load_example(name: str) -> dict:
     """Runs ``examples/<name>.py`` and returns its namespace (model, inputs, loss_fn)."""
     return runpy.run_path(str(EXAMPLES / f"{name}.py"))

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import training_step
+from conftest import Calls, training_step
 from torch.utils.flop_counter import FlopCounterMode
 
 from planner import disable, enable, optimize
@@ -183,18 +183,6 @@ def test_at_the_peak_of_diffusers_checkpointing_the_plan_re_runs_less(name):
     plain = _rerun_flops(model, family)
     ours, diffusers_own = _rerun_flops(plan.module, family) - plain, _rerun_flops(theirs, family) - plain
     assert 0 < ours < diffusers_own, (ours, diffusers_own)
-
-
-class Calls:
-    """Counts the training calls of a module (its forward and every re-run of it)."""
-
-    def __init__(self, module: torch.nn.Module) -> None:
-        self.count = 0
-        self.handle = module.register_forward_pre_hook(self)
-
-    def __call__(self, module, args) -> None:
-        if module.training and torch.is_grad_enabled():
-            self.count += 1
 
 
 def _calls_per_step(module: torch.nn.Module, family: Family, path: str) -> int:

@@ -10,6 +10,7 @@ import warnings
 
 import pytest
 import torch
+from conftest import Calls
 
 from planner import disable, enable, optimize
 
@@ -47,18 +48,6 @@ def model() -> torch.nn.Module:
 def batch(rows: int = 4, length: int = 64) -> dict:
     ids = torch.randint(0, 120, (rows, length), generator=torch.Generator().manual_seed(1))
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}  # as a collator makes it
-
-
-class Calls:
-    """Counts the training calls of a module (its forward and every re-run of it)."""
-
-    def __init__(self, module: torch.nn.Module) -> None:
-        self.count = 0
-        self.handle = module.register_forward_pre_hook(self)
-
-    def __call__(self, module, args) -> None:
-        if module.training and torch.is_grad_enabled():
-            self.count += 1
 
 
 def sft(module: torch.nn.Module, **config) -> tuple[list[float], int]:
