@@ -20,7 +20,7 @@ from planner.capture.method import ExecutorKind
 from planner.capture.step import parameters_in
 from planner.common.budget import check_budget, format_bytes, parse_budget
 from planner.distributed.memory import setup, split_at_units
-from planner.distributed.tensor import local_model, with_collectives
+from planner.distributed.tensor import local_model, tensor_parallel_degree, with_collectives
 from planner.errors import InfeasibleBudget, OptionError
 from planner.follow.family import Family, GroupPlan
 from planner.follow.shapes import ShapeGrid, realize, shaped, spread
@@ -31,7 +31,6 @@ from planner.planning.chunkings import save_options_for, solve_budget, solve_pre
 from planner.planning.prepared import Prepared, chunked, prepared_from
 from planner.profiling.api import capture_inputs, profile_for
 from planner.profiling.devices import load_device
-from planner.profiling.memtrack import dtensor_class
 from planner.profiling.record import Profile
 from planner.rewrite.modules import PlannedShapes
 from planner.rewrite.segment import Segment, segments_of
@@ -224,7 +223,7 @@ def follows(prepared: Prepared, options: PlanOptions) -> bool:
     if options.follow_batch is not None:
         return options.follow_batch
     return (prepared.executor.kind is ExecutorKind.HOOKS and options.loss_fn is None and not options.sharded
-            and options.tensor_parallel == 1 and not _holds_dtensors(prepared.model)
+            and options.tensor_parallel == 1 and tensor_parallel_degree(prepared.model) == 1
             and bool(shaped(bind(prepared.model, prepared.example.args, prepared.example.kwargs) or {})))
 
 
@@ -315,9 +314,3 @@ def _setting(prepared: Prepared) -> str:
     elif prof.pieces > 1:
         parts.append(f"profiled in {prof.pieces} pieces, the whole step does not fit on {prof.device}")
     return "; ".join(parts)
-
-
-def _holds_dtensors(model: nn.Module) -> bool:
-    """Whether any parameter of ``model`` is a DTensor (tensor parallelism: every rank runs one plan)."""
-    dtensor = dtensor_class()
-    return dtensor is not None and any(isinstance(p, dtensor) for p in model.parameters())

@@ -24,11 +24,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from typing_extensions import Unpack
 
 from planner.capture.fsdp_units import resolve_units
+from planner.distributed.tensor import tensor_parallel_degree
 from planner.errors import InfeasibleBudget, PlannerError
 from planner.options import OptionArgs, PlanOptions, resolve
 from planner.pipeline import optimize, plan_for, prepare
 from planner.plan import Plan
-from planner.profiling.memtrack import dtensor_class
 
 COLLECTIVES = ("all_gather_single", "all_gather_into_tensor", "reduce_scatter_single", "reduce_scatter_tensor",
                "all_reduce")
@@ -80,15 +80,6 @@ def plan_on_rank0(model: nn.Module, budget: int | str, *, src: int = 0, group: d
     if plan is not None:
         return plan
     return replace(value, module=value.apply(model, inputs=inputs, units=opts.units, loss_fn=opts.loss_fn))
-
-
-def tensor_parallel_degree(model: nn.Module) -> int:
-    """How many ranks share each of ``model``'s parameters by tensor parallelism: the largest device mesh of a
-    DTensor parameter (1 when none is one)."""
-    dtensor = dtensor_class()
-    if dtensor is None:
-        return 1
-    return max((p.device_mesh.size() for p in model.parameters() if isinstance(p, dtensor)), default=1)
 
 
 def _prepare_together(model: nn.Module, inputs: Any, options: PlanOptions, group: dist.ProcessGroup | None) -> Any:

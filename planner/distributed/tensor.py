@@ -24,6 +24,7 @@ from torch import nn
 from planner.common.patterns import matches
 from planner.errors import OptionError
 from planner.profiling.devices import DeviceSpec
+from planner.profiling.memtrack import dtensor_class
 from planner.profiling.record import Profile
 
 SPLIT = ("num_attention_heads", "num_key_value_heads", "intermediate_size")
@@ -109,3 +110,12 @@ def with_collectives(profile: Profile, plan: TensorPlan, spec: DeviceSpec | None
                 added_bwd += ms(size)
     return replace(profile, nodes=tuple(nodes), step_fwd_ms=profile.step_fwd_ms + added_fwd,
                    step_bwd_ms=profile.step_bwd_ms + added_bwd)
+
+
+def tensor_parallel_degree(model: nn.Module) -> int:
+    """How many ranks share each of ``model``'s parameters by tensor parallelism: the largest device mesh of a
+    DTensor parameter (1 when none is one)."""
+    dtensor = dtensor_class()
+    if dtensor is None:
+        return 1
+    return max((p.device_mesh.size() for p in model.parameters() if isinstance(p, dtensor)), default=1)
