@@ -17,7 +17,7 @@ from models import tower, tower_inputs
 from planner.capture.inputs import as_inputs
 from planner.capture.step import default_loss
 from planner.profiling import cores
-from planner.profiling.timing import ATTEMPTS, time_step
+from planner.profiling.timing import ATTEMPTS, Steps, time_step
 
 
 @pytest.mark.parametrize(("free", "current", "expected"), [
@@ -64,7 +64,8 @@ def _time(monkeypatch, rounds: list[list[float]]) -> tuple[list[warnings.Warning
     gm = torch.fx.symbolic_trace(model)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        timer, fwd, bwd = time_step(gm, as_inputs(model, tower_inputs()), default_loss, torch.device("cpu"), 3)
+        timer, fwd, bwd = time_step(gm, as_inputs(model, tower_inputs()), default_loss, torch.device("cpu"),
+                                    Steps(runs=3))
     return [w for w in caught if "ckplan" in str(w.message)], len(timer._fwd[0]), fwd + bwd
 
 
@@ -83,6 +84,35 @@ def test_timings_that_vary_are_measured_again_then_named_in_one_line(monkeypatch
 def test_one_stall_is_measured_again_and_a_steady_second_round_says_nothing(monkeypatch):
     said, node_runs, step_ms = _time(monkeypatch, [[10.0, 11.0, 200.0], [12.0, 11.0, 12.0]])
     assert node_runs == 3 * ATTEMPTS and said == [] and step_ms == 10.0
+
+
+def test_lockstep_timing_takes_its_count_even_when_the_steps_vary(monkeypatch):
+    """A tensor-parallel rank must not time a second round its peers skip (their collectives would never pair)."""
+    from planner.profiling import timing
+
+    monkeypatch.setattr(timing, "plain_step_samples",
+                        lambda gm, inputs, loss_fn, device, runs, min_s=0.0: [(5.0, 5.0), (50.0, 50.0), (5.0, 5.0)])
+    model = tower()
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        timer, _, _ = time_step(torch.fx.symbolic_trace(model), as_inputs(model, tower_inputs()), default_loss,
+                                torch.device("cpu"), Steps.lockstep())
+    assert len(timer._fwd[0]) == Steps.lockstep().runs
+
+
+def test_a_tensor_parallel_model_is_profiled_in_lockstep_however_busy_the_machine(monkeypatch):
+    from planner.capture.api import capture
+    from planner.profiling import api
+
+    model = tower()
+    captured = capture(model, as_inputs(model, tower_inputs()))
+    taken: list[Steps] = []
+    monkeypatch.setattr(cores, "free_cores", lambda window_s=0.2: 0.0)  # busy
+    monkeypatch.setattr(api, "measured_here", lambda *args, steps, **kwargs: taken.append(steps))
+    api.measured(captured, model, as_inputs(model, tower_inputs()))
+    monkeypatch.setattr(api, "dtensor_class", lambda: torch.nn.Parameter)  # every parameter stands for a DTensor
+    api.measured(captured, model, as_inputs(model, tower_inputs()))
+    assert taken == [Steps.for_machine(busy=True), Steps.lockstep()]
 
 
 _HOG = """

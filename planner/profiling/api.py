@@ -21,13 +21,10 @@ from planner.profiling.fitting import FIT_SHARE, fitting_profile, resident_bytes
 from planner.profiling.headroom import hard_limit, headroom_bytes
 from planner.profiling.memory_pass import device_of
 from planner.profiling.memory_pass import profile as measure
-from planner.profiling.memtrack import OverLimit
+from planner.profiling.memtrack import OverLimit, dtensor_class
 from planner.profiling.meta import estimate, memory_on_meta, to_meta
 from planner.profiling.record import LOSS_NODE, Profile
-from planner.profiling.timing import TIMING_RUNS
-
-BUSY_TIMING_S = 0.5
-"""On a busy machine, each kind of timed step of a profile runs for at least this long (``timing.time_step``)."""
+from planner.profiling.timing import QUIET, Steps
 
 Device = str | torch.device | None
 
@@ -60,16 +57,19 @@ def measured(captured: Captured, model: nn.Module, example: Inputs, *, loss_fn: 
              keep_output: bool = True, budget: int | str | None = None) -> Profile:
     """The profile measured where the model is (``measured_here``), its steps run with no more intra-op threads
     than the machine has cores free (``planner.profiling.cores``: on a busy CPU, threads waiting for each other
-    made the profiled step 2-4x slower than one thread did)."""
+    made the profiled step 2-4x slower than one thread did), twice as many and for longer where it is busy. A
+    tensor-parallel model (DTensor parameters) takes the same count on every rank, whatever each rank's load
+    (``Steps.lockstep``): its forward runs collectives, which a rank timing one step more would wait on forever."""
+    dtensor = dtensor_class()
+    lockstep = dtensor is not None and any(isinstance(p, dtensor) for p in model.parameters())
     with threads_for_timing(device_of(model, example)) as timing:
+        steps = Steps.lockstep() if lockstep else Steps.for_machine(timing.busy)
         return measured_here(captured, model, example, loss_fn=loss_fn, keep_output=keep_output, budget=budget,
-                             runs=2 * TIMING_RUNS if timing.busy else TIMING_RUNS,
-                             min_timing_s=BUSY_TIMING_S if timing.busy else 0.0)
+                             steps=steps)
 
 
 def measured_here(captured: Captured, model: nn.Module, example: Inputs, *, loss_fn: LossFn | None = None,
-                  keep_output: bool = True, budget: int | str | None = None, runs: int = TIMING_RUNS,
-                  min_timing_s: float = 0.0) -> Profile:
+                  keep_output: bool = True, budget: int | str | None = None, steps: Steps = QUIET) -> Profile:
     """The profile measured where the model is. Where going past what the device has left makes an
     allocation fail (``hard_limit``: a GPU, a capped process), the step's memory is first replayed on meta
     tensors (exact sizes, nothing allocated): when it needs more than ``FIT_SHARE`` of what is left
@@ -86,10 +86,9 @@ def measured_here(captured: Captured, model: nn.Module, example: Inputs, *, loss
         if replay is not None and replay.recorder.tracker.peak_bytes - resident_bytes(model, example) > \
                 room * FIT_SHARE:
             return fitting_profile(captured, model, example, room_bytes=room, budget=budget, loss_fn=loss_fn,
-                                   keep_output=keep_output, replay=replay, runs=runs)
+                                   keep_output=keep_output, replay=replay, runs=steps.runs)
     try:
-        return measure(captured, model, example, loss_fn=loss_fn, keep_output=keep_output, timing_runs=runs,
-                       min_timing_s=min_timing_s,
+        return measure(captured, model, example, loss_fn=loss_fn, keep_output=keep_output, steps=steps,
                        limit_bytes=None if room is None else int(room * FIT_SHARE))
     except (ProfileError, RuntimeError) as exc:
         if not out_of_memory(exc):
@@ -98,7 +97,7 @@ def measured_here(captured: Captured, model: nn.Module, example: Inputs, *, loss
     if here.type == "cuda":
         torch.cuda.empty_cache()
     return fitting_profile(captured, model, example, room_bytes=headroom_bytes(here), budget=budget,
-                           loss_fn=loss_fn, keep_output=keep_output, runs=runs)
+                           loss_fn=loss_fn, keep_output=keep_output, runs=steps.runs)
 
 
 _OUT_OF_MEMORY = ("can't allocate memory", "out of memory")

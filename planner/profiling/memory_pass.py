@@ -31,7 +31,7 @@ from planner.profiling.eager import eager_excess, eager_forward_trace
 from planner.profiling.memtrack import LiveStorages, local_of, storage_key
 from planner.profiling.record import LOSS_NODE, NodeCost, Profile, StorageCost
 from planner.profiling.runner import StepRunner
-from planner.profiling.timing import TIMING_RUNS, checkpoint_overhead_ms, measure_sac_op_us, time_step
+from planner.profiling.timing import QUIET, Steps, checkpoint_overhead_ms, measure_sac_op_us, time_step
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -53,10 +53,9 @@ def profile(
     inputs: Inputs,
     *,
     loss_fn: LossFn | None = None,
-    timing_runs: int = TIMING_RUNS,
+    steps: Steps = QUIET,
     keep_output: bool = True,
     limit_bytes: int | None = None,
-    min_timing_s: float = 0.0,
 ) -> Profile:
     """Profiles one training step of ``captured`` (a trace of ``model``) where the model is.
 
@@ -65,11 +64,10 @@ def profile(
         model: the model itself (its buffers, gradients and RNG state are restored).
         inputs: example inputs.
         loss_fn: ``output -> scalar``; default ``default_loss``.
-        timing_runs: how many timed steps each time is the fastest of.
+        steps: how many timed steps each time is the fastest of (``timing.Steps``).
         keep_output: the output stays referenced through backward (False: dropped before it).
         limit_bytes: the most bytes the step may allocate beyond what is live when it starts; past it
             ``OverLimit`` is raised at once (the caller profiles in pieces instead).
-        min_timing_s: each kind of timed step runs for at least this long (``timing.time_step``; a busy machine).
 
     Returns:
         The step's ``Profile``.
@@ -88,8 +86,7 @@ def profile(
         recorder.step(inputs, loss_fn)
         recorder.tracker.limit_bytes = None
         excess = eager_excess_of(recorder, captured, model, inputs)
-        timer, step_fwd, step_bwd = time_step(captured.graph_module, inputs, loss_fn, device, timing_runs,
-                                              min_s=min_timing_s)
+        timer, step_fwd, step_bwd = time_step(captured.graph_module, inputs, loss_fn, device, steps)
         ops = sum(rec["ops"][1] - rec["ops"][0] for rec in recorder.records if rec["kind"] != LOSS_NODE)
         times = StepTimes(fwd_ms=[timer.fwd_ms(i) for i in range(len(recorder.records))],
                           bwd_ms=[timer.bwd_ms(i) for i in range(len(recorder.records))],

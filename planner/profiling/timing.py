@@ -9,6 +9,7 @@ import time
 import warnings
 from collections import defaultdict
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -69,21 +70,53 @@ NOISE_MS = 2.0
 """Plain steps that differ by no more than this are steady whatever their ratio (a step of a few ms jitters)."""
 ATTEMPTS = 2
 """Rounds of timed steps at most (``time_step``)."""
+BUSY_TIMING_S = 0.5
+"""On a busy machine, each kind of timed step of a profile runs for at least this long (``time_step``)."""
+
+
+@dataclass(frozen=True)
+class Steps:
+    """How many timed steps of each kind a profile takes.
+
+    Attributes:
+        runs: steps of each kind at least; each time is the fastest of them.
+        min_s: each kind runs for at least this long (more steps of a short one, up to ``MAX_RUNS``).
+        attempts: rounds at most; another round is timed while the plain steps' times vary (``time_step``).
+    """
+
+    runs: int = TIMING_RUNS
+    min_s: float = 0.0
+    attempts: int = ATTEMPTS
+
+    @classmethod
+    def for_machine(cls, busy: bool) -> Steps:
+        """Twice the steps, for at least ``BUSY_TIMING_S`` each, on a busy machine."""
+        return cls(runs=2 * TIMING_RUNS, min_s=BUSY_TIMING_S) if busy else cls()
+
+    @classmethod
+    def lockstep(cls) -> Steps:
+        """A count every rank of a tensor-parallel model takes alike, whatever its own clock and load says: its
+        forward runs collectives, so a rank that timed one step more than another would wait for it forever."""
+        return cls(runs=TIMING_RUNS, min_s=0.0, attempts=1)
+
+
+QUIET = Steps()
+"""The steps of a profile on a quiet machine."""
 
 
 def time_step(gm: fx.GraphModule, inputs: Inputs, loss_fn: LossFn, device: torch.device,
-              runs: int, *, min_s: float = 0.0) -> tuple[Timer, float, float]:
-    """Per-node times (a ``Timer`` over ``runs`` instrumented steps) and the fastest forward and backward ms of
-    ``runs`` plain steps; each kind of step runs for at least ``min_s`` seconds (more steps of a short one, up to
-    ``MAX_RUNS``: on a busy machine, the fastest of many short steps is one no other process interrupted).
-    Where the plain steps' times vary by more than ``STEADY`` (other processes took the cores for part of
-    them), as many again are timed and each time is the fastest over both rounds; a warning says so when the
-    second round varies as much."""
+              steps: Steps = QUIET) -> tuple[Timer, float, float]:
+    """Per-node times (a ``Timer`` over ``steps.runs`` instrumented steps) and the fastest forward and backward
+    ms of ``steps.runs`` plain steps; each kind of step runs for at least ``steps.min_s`` seconds (more steps of
+    a short one, up to ``MAX_RUNS``: on a busy machine, the fastest of many short steps is one no other process
+    interrupted). Where the plain steps' times vary by more than ``STEADY`` (other processes took the cores for
+    part of them), as many again are timed, up to ``steps.attempts`` rounds, and each time is the fastest over
+    all rounds; a warning says so when the last round varies as much."""
     timer = Timer(gm, device)
     samples: list[tuple[float, float]] = []
-    for _ in range(ATTEMPTS):
-        repeated(lambda: timer.step(inputs, loss_fn), runs, min_s)
-        latest = plain_step_samples(gm, inputs, loss_fn, device, runs, min_s=min_s)
+    for _ in range(steps.attempts):
+        repeated(lambda: timer.step(inputs, loss_fn), steps.runs, steps.min_s)
+        latest = plain_step_samples(gm, inputs, loss_fn, device, steps.runs, min_s=steps.min_s)
         samples += latest
         totals = [f + b for f, b in latest]
         if max(totals) <= STEADY * min(totals) or max(totals) - min(totals) <= NOISE_MS:
