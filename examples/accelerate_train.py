@@ -41,7 +41,8 @@ def main() -> None:
     else:
         plan = optimize(model, BUDGET, inputs=example, keep_output=False)
     accelerator.print(plan.summary())
-    print(f"rank {accelerator.process_index} losses:", train(accelerator, plan.module, rows))
+    losses = train(accelerator, plan.module, rows)
+    print(f"rank {accelerator.process_index} losses: {losses}", flush=True)  # one write: the ranks share stdout
     accelerator.free_memory()  # drops the DDP wrapper before its process group: one outliving gloo's can hang at exit
     accelerator.end_training()
 
