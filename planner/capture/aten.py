@@ -22,12 +22,22 @@ Where the forward reads a tensor's value (``bool(mask.all())`` choosing a path, 
 has the read (``aten.item``) and the graph module's ``meta[SCALAR_READS_KEY]`` has the values it read, in
 order: a replay on meta tensors, which have no values, answers them from there (``profiling.meta``).
 
+A custom ``torch.autograd.Function`` of the model's own code or a library's (TRL's chunked LM-head loss,
+bitsandbytes' 4-bit matmul) is one node that calls the Function (``function_node``), not the ATen ops of its
+forward: those run under no grad inside it, saving only what its ``ctx.save_for_backward`` keeps, and its own
+backward runs, so the profile must run the Function itself. Inlined, a replay would run them with gradients on
+(TRL's ``mm(out=...)`` then fails) and count every chunk of its logits as kept for a backward that never comes.
+torch's own Functions (DTensor's, FSDP2's, reentrant checkpoint's) stay inlined, as tested.
+
 Models on the meta device cannot run for real: they go through ``torch.export`` (``export.py``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -35,7 +45,8 @@ from torch import nn
 from torch.fx.experimental import proxy_tensor
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.graph import _PyTreeCodeGen, _PyTreeInfo
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._python_dispatch import _disable_current_modes
+from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 
 from planner.capture.calls import SCOPE_KEY, entry, entry_path
 from planner.capture.step import untouched
@@ -84,7 +95,7 @@ def aten_graph(model: nn.Module, args: tuple, kwargs: dict) -> fx.GraphModule:
         # training mode; BatchNorm statistics, gradients and the RNG put back after. Autograd saves nothing:
         # it would keep every activation of the forward alive until the graph is made, and a model whose
         # step does not fit would not be captured (no backward ever runs on this forward)
-        with untouched(model), torch.autograd.graph.saved_tensors_hooks(_drop, _never):
+        with untouched(model), torch.autograd.graph.saved_tensors_hooks(_drop, _never), functions_as_nodes():
             gm = make_fx(flat_forward, tracing_mode="real", pre_dispatch=True, record_module_stack=True,
                          _error_on_data_dependent_ops=False)(*leaves)
     finally:
@@ -100,6 +111,46 @@ def aten_graph(model: nn.Module, args: tuple, kwargs: dict) -> fx.GraphModule:
     _add_keep_nodes(gm.graph, calls)
     gm.recompile()
     return gm
+
+
+@functools.cache
+def function_node(cls: type[torch.autograd.Function]) -> Any:
+    """The graph's call of the custom ``torch.autograd.Function`` ``cls`` (one target per class, named after it)."""
+    def apply(*args: Any) -> Any:
+        return cls.apply(*args)
+
+    apply.__name__ = apply.__qualname__ = f"apply_{cls.__name__}"
+    return apply
+
+
+@contextlib.contextmanager
+def functions_as_nodes() -> Iterator[None]:
+    """While ``make_fx`` traces: each custom ``autograd.Function`` outside torch runs untraced, for real, and
+    is recorded as one ``function_node`` call with its tensor arguments and constants."""
+    original = torch.autograd.Function.apply.__func__  # type: ignore[attr-defined]
+
+    def apply(cls: type[torch.autograd.Function], *args: Any, **kwargs: Any) -> Any:
+        mode = proxy_tensor.get_proxy_mode()
+        if mode is None or kwargs or cls.__module__.split(".")[0] == "torch":
+            return original(cls, *args, **kwargs)
+        tracer = mode.tracer
+        with _disable_current_modes(), torch._C.DisableTorchFunction():
+            out = original(cls, *args)
+        proxies = tree_map_only(torch.Tensor, lambda t: proxy_tensor.get_proxy_slot(t, tracer, t, lambda x: x.proxy),
+                                args)
+        proxy = tracer.create_proxy("call_function", function_node(cls), tuple(proxies), {})
+        node = proxy.node
+        proxy_tensor.track_tensor_tree(out, proxy, constant=None, tracer=tracer)
+        for stray in list(tracer.graph.nodes)[list(tracer.graph.nodes).index(node) + 1:]:
+            if not stray.users and isinstance(stray.target, torch._ops.OpOverload):  # the tracker's own allocations
+                tracer.graph.erase_node(stray)
+        return out
+
+    torch.autograd.Function.apply = classmethod(apply)  # type: ignore[assignment, method-assign]
+    try:
+        yield
+    finally:
+        torch.autograd.Function.apply = classmethod(original)  # type: ignore[assignment, method-assign]
 
 
 class _ReadsOnly(fx.Interpreter):

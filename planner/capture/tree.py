@@ -7,15 +7,19 @@ user's class, methods and weights, and nothing done to it (``train()``, hooks) r
 training goes on): own buffers, parameters that alias the user's storage but hold their own ``.grad``, and
 none of the hooks ckplan put on the model, so an error or a Ctrl-C half-way leaves the model as it was.
 ``meta_copy`` gives the same tree with every tensor on the meta device, for replays that allocate nothing.
+``copy_runs_alone`` checks that a copy's forward never reaches the model it was made from.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
+import contextlib
+from collections.abc import Callable, Collection, Iterator
 from types import MethodType
 
 import torch
 from torch import nn
+
+from planner.errors import CaptureError
 
 _CONTAINERS = tuple(key for key, value in vars(nn.Module()).items() if isinstance(value, (dict, set)))
 """nn.Module's own per-instance containers (parameters, buffers, children, every hook dict)."""
@@ -93,3 +97,25 @@ def _retensor(roots: tuple[nn.Module, ...], convert: Callable[[torch.Tensor], to
                         if id(value) not in done:
                             done[id(value)] = convert(value)
                         store[key] = done[id(value)]
+
+
+@contextlib.contextmanager
+def copy_runs_alone(original: nn.Module) -> Iterator[None]:
+    """While a copy of ``original`` runs: a module of ``original`` itself running raises ``CaptureError``. A
+    forward wrapper can hold the original's bound forward in a closure, which no copy rebinds (TRL's fused LM
+    head calls it when ``fused_lm_head`` is not passed); the copy's graph would then be the user's model's, with
+    its plan's hooks, not the copy's."""
+    paths = {id(module): path for path, module in original.named_modules()}
+
+    def refuse(module: nn.Module, args: object) -> None:
+        path = paths.get(id(module))
+        if path is not None:
+            raise CaptureError(f"the copy of the model ckplan plans on ran the model's own {path or 'root'} module (a "
+                               "forward wrapper holding the model's bound forward, such as TRL's fused LM head "
+                               "called without fused_lm_head=True): plan with the arguments the training calls pass")
+
+    handle = nn.modules.module.register_module_forward_pre_hook(refuse)
+    try:
+        yield
+    finally:
+        handle.remove()

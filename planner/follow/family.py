@@ -37,7 +37,7 @@ from planner.capture.cache import no_cache
 from planner.capture.frameworks import switched_off
 from planner.capture.inputs import Inputs, bind
 from planner.capture.method import ExecutorKind
-from planner.capture.tree import private_copy
+from planner.capture.tree import copy_runs_alone, private_copy
 from planner.common.checked_json import as_list, check_record, record_from_json
 from planner.common.units import format_bytes
 from planner.distributed.memory import setup
@@ -272,14 +272,15 @@ class Family:
         the reference's times scaled (``scaled_profile``), the solve stage under the family's budget."""
         if self.model is None:
             raise OptionError("this plan was read from a file: apply it to a model (plan.apply(model)) first")
-        example = Inputs(args=(), kwargs={name: fitted(value, dict(key).get(name)) for name, value in values.items()
-                                          if isinstance(value, torch.Tensor)})  # not the call's flags: TRL's
-        # fused_lm_head=True runs a loss kernel that cannot be captured; without it the logits are counted whole
+        example = Inputs(args=(), kwargs={name: fitted(value, dict(key).get(name))  # the call's flags too:
+                                          for name, value in values.items()})
+        # its forward as training runs it (TRL's fused_lm_head=True, a custom autograd.Function: capture.aten)
         setting = f"calls shaped {', '.join(f'{name} {tuple(shape)}' for name, shape in key)} (a group of the plan " \
                   "that follows the batch)"
         model = private_copy(self.model, drop_hooks=own_hooks(self.model))[0]  # never the user's own tree
         try:
-            with no_cache(model), switched_off(model), outside_autocast(self.reference.device):
+            with no_cache(model), switched_off(model), outside_autocast(self.reference.device), \
+                    copy_runs_alone(self.model):
                 captured = capture(model, example, runs=ExecutorKind.HOOKS)
                 profile = scaled_profile(captured, model, example, self.reference, self.reference_roofline,
                                          options=self.options)
