@@ -20,12 +20,14 @@ WIDTH, VOCAB, ROWS = 64, 1024, 512
 class ChunkedSquares(torch.autograd.Function):
     """Per-row mean square of ``x @ w.T`` in tiles written with ``mm(out=...)`` (autograd refuses that with
     gradients on), keeping only ``x`` and ``w`` for a backward that recomputes each tile, as TRL's chunked
-    log-prob head does."""
+    log-prob head does, in the autocast dtype of its tensors' device."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, w: torch.Tensor, chunk: int) -> torch.Tensor:
-        out = x.new_empty(x.shape[0])
-        tile = x.new_empty(chunk, w.shape[0])
+        device = x.device.type  # asked of the tensors' device, as TRL asks (a meta replay's tensors are on meta)
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+        out = x.new_empty(x.shape[0], dtype=dtype)
+        tile = x.new_empty(chunk, w.shape[0], dtype=dtype)
         for start in range(0, x.shape[0], chunk):
             rows = x[start:start + chunk]
             torch.mm(rows, w.t(), out=tile[:rows.shape[0]])
@@ -147,3 +149,16 @@ def test_a_forward_wrapper_that_holds_the_models_own_forward_is_refused_when_a_g
     with pytest.raises(CaptureError, match="ran the model's own blocks.0 module"):
         model(torch.randn(300, WIDTH))
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+def test_a_group_planned_in_training_replays_the_functions_on_meta_exactly():
+    """A new shape group's memory comes from a meta replay, which runs each Function on meta tensors."""
+    model = _model()
+    plan = enable(model, "60%", inputs=_inputs(), loss_fn=_loss, follow_batch=True, time_limit_s=10)
+    x = torch.randn(320, WIDTH, generator=torch.Generator().manual_seed(2))
+    model(x).backward()  # plans the group of 320 rows
+    group = next(g for key, g in plan.family.groups.items() if key != plan.family.example_group)
+    for p in model.parameters():
+        p.grad = None
+    measured = measure_peak(model, as_inputs(model, (x,)), _loss)
+    assert measured <= group.predicted_peak_bytes <= 1.01 * measured

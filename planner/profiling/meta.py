@@ -10,8 +10,9 @@ step is ever allocated.
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -96,7 +97,7 @@ def memory_on_meta(captured: Captured, model: nn.Module, inputs: Inputs, *, loss
     home = device_of(model, inputs)
     graph, tree = meta_copy(captured.graph_module, model, convert=to_meta)  # the model itself is never touched
     assert isinstance(graph, fx.GraphModule)  # a clone keeps its class
-    with untouched(tree), FlashAttention(), MovesStayOnMeta(), StrayTensorsToMeta(home):
+    with untouched(tree), FlashAttention(), MovesStayOnMeta(), StrayTensorsToMeta(home), autocast_asked_of(home):
         copies: dict[int, Any] = {}  # one copy per tensor: labels=input_ids is one tensor, counted once
         args, kwargs = tree_map(lambda v: copies.setdefault(id(v), to_meta(v)), (inputs.args, inputs.kwargs))
         example = Inputs(args=args, kwargs=kwargs)
@@ -123,6 +124,30 @@ def to_meta(value: Any, *, keep_grad: bool = True) -> Any:
     if isinstance(value, nn.Parameter):
         return nn.Parameter(meta, requires_grad=value.requires_grad)
     return meta.requires_grad_(value.requires_grad) if keep_grad and value.requires_grad else meta
+
+
+@contextlib.contextmanager
+def autocast_asked_of(home: torch.device) -> Iterator[None]:
+    """``torch.is_autocast_enabled`` and ``torch.get_autocast_dtype`` asked of the meta device answer for
+    ``home``, where the replayed step runs: torch has no autocast state for meta and raises, and code that asks
+    of its tensors' device (TRL's chunked LM-head Function) would fail on meta copies. No torch function mode
+    sees these calls, so the two functions are swapped for the replay and put back after."""
+    enabled, dtype = torch.is_autocast_enabled, torch.get_autocast_dtype
+    home_type = "cpu" if home.type == "meta" else home.type
+
+    def is_enabled(*args: Any) -> bool:
+        if args and str(args[0]) == "meta":
+            return enabled(home_type)
+        return enabled(*args)
+
+    def autocast_dtype(device_type: str) -> torch.dtype:
+        return dtype(home_type if device_type == "meta" else device_type)
+
+    torch.is_autocast_enabled, torch.get_autocast_dtype = is_enabled, autocast_dtype  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        torch.is_autocast_enabled, torch.get_autocast_dtype = enabled, dtype
 
 
 class AnsweredReads(TorchDispatchMode):
