@@ -92,7 +92,7 @@ def test_hugging_face_plans_train_on_two_ranks_within_their_budget(tmp_path, kin
         assert r["planned"]["losses"] == r["unplanned"]["losses"]  # the same numbers, checkpointed or not
         assert r["planned"]["grads"] == r["unplanned"]["grads"]
         assert r["planned"]["all_gathers"] == r["unplanned"]["all_gathers"]  # recomputation gathers nothing more
-        # measured on this rank, step 2, less the heap's bookkeeping and what the unplanned job holds beyond its own
+        # measured on this rank, steps 2-4, less the heap's bookkeeping and what the unplanned job holds beyond its own
         # prediction (gloo's all-reduce scratch under DDP, which the model leaves out; none under FSDP2). Under DDP
         # that scratch can meet a plan's peak where it missed the unplanned one's: up to 0.8 MiB (1.4%) on these ranks
         scratch = max(0, r["unplanned"]["peak"] - r["bookkeeping"] - r["baseline"]) if parallel == "ddp" else 0
