@@ -162,3 +162,35 @@ def test_a_group_planned_in_training_replays_the_functions_on_meta_exactly():
         p.grad = None
     measured = measure_peak(model, as_inputs(model, (x,)), _loss)
     assert measured <= group.predicted_peak_bytes <= 1.01 * measured
+
+
+class Switchable(Net):
+    """``Net`` whose head is a plain matmul unless the call passes ``fused=True`` (as TRL's forward takes
+    ``fused_lm_head=True``): the fused head keeps only its input, the plain one its logits."""
+
+    def forward(self, x: torch.Tensor, fused: bool = False) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        if fused:
+            return ChunkedSquares.apply(x, self.head.weight, 128).mean()
+        return self.head(x).pow(2).mean()
+
+
+def test_calls_with_other_flags_than_the_examples_replan_its_group_for_the_forward_they_run():
+    torch.manual_seed(0)
+    model = Switchable()
+    plan = enable(model, "90%", inputs=_inputs(), loss_fn=_loss, follow_batch=True, time_limit_s=10)
+    example_plan = plan.family.groups[plan.family.example_group]
+    (x,) = _inputs()
+    model(x, fused=True).backward()  # the example's shape, another forward: its group planned again, once
+    for p in model.parameters():
+        p.grad = None
+    replanned = plan.family.groups[plan.family.example_group]
+    assert replanned is not example_plan and len(plan.family.groups) == 1
+    from planner.rewrite.switching import Switching
+
+    switching = next(h for h in model._forward_pre_hooks.values() if isinstance(h, Switching))
+    assert switching.segments == replanned.segments  # its chains, not the example plan's: the key is the same
+    measured = measure_peak(model, as_inputs(model, {"x": x, "fused": True}), _loss)
+    assert measured <= replanned.predicted_peak_bytes <= 1.01 * measured
+    assert measured <= plan.budget_bytes

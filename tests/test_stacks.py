@@ -83,7 +83,11 @@ def test_trls_default_checkpointing_is_left_off_on_a_model_planned_in_place():
         warnings.simplefilter("always")
         sft(planned, gradient_checkpointing=False)  # plans the shape groups of TRL's padded batches (first sight:
     planned.load_state_dict(initial)                # the capture of a private copy runs the layer's hooks too)
-    assert not [w for w in caught if "could not be made" in str(w.message)]  # every group planned
+    # each group is planned for the forward TRL runs (its fused LM head, a custom autograd.Function): the example's
+    # group again, as its calls pass fused_lm_head=True. On CPU that head's tile buffer alone outgrows this tiny
+    # model's budget, which the warning says: a verdict on the budget, never a capture or replay failure
+    unplanned = [str(w.message) for w in caught if "could not be made" in str(w.message)]
+    assert all("is below the smallest peak any checkpointing plan reaches" in m for m in unplanned), unplanned
     alone, alone_calls = sft(planned, gradient_checkpointing=False)
     planned.load_state_dict(initial)  # trained in place: from the same weights again
     with pytest.warns(UserWarning, match="left Hugging Face's checkpointing off: the model runs a ckplan plan"):

@@ -108,6 +108,9 @@ class Family:
         (the default) its calls run the example group's plan, with a warning, as a plan for one shape would."""
         self.unplanned: dict[Shapes, str] = {}
         """Groups that could not be planned (not strict), with why: they run the example group's plan."""
+        self.flags_seen = False
+        """Whether a call of the example's group with other flags than the example's has been met (its group is
+        then planned again, once, for the forward those calls run: ``choose``)."""
 
     @classmethod
     def around(cls, prepared: Prepared, budget_bytes: int, options: PlanOptions) -> Family:
@@ -233,6 +236,9 @@ class Family:
             raise OptionError(f"this call's {odd} has another number of dims than the example's; plan with a batch "
                               "like this call's")
         try:
+            if key == self.example_group and not self.flags_seen and other_flags(values, self.example):
+                self.flags_seen = True  # e.g. TRL's fused_lm_head=True: a forward the example did not run
+                self.groups[key] = self._announced(key, values)
             return key, self.plan_of(key, values).segments
         except (CaptureError, ProfileError, InfeasibleBudget) as exc:
             if self.strict:
@@ -299,6 +305,18 @@ class Family:
                                                           solution.plan, solution.saves),
                          predicted_peak_bytes=timeline.peak_bytes, baseline_peak_bytes=prepared.baseline.peak_bytes,
                          recompute_ms=solution.recompute_us / 1000, step_ms=profile.step_ms)
+
+
+def other_flags(values: Mapping[str, Any], example: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The call's flags (plain values that choose what the forward runs: ``fused_lm_head=True``) that the
+    example did not pass alike; ``use_cache=False`` is how every step is planned (``no_cache``), and None is
+    an argument left out."""
+    if example is None:
+        return {}
+    plain = (bool, int, float, str)
+    return {name: value for name, value in values.items()
+            if isinstance(value, plain) and not (name == "use_cache" and value is False)
+            and (name not in example or example[name] != value)}
 
 
 def roofline_of(device: str) -> Roofline:

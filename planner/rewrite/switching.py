@@ -42,6 +42,8 @@ class Switching:
         self.root = root
         self.chooser = chooser
         self.current: Hashable | None = None
+        self.segments: tuple[Segment, ...] = ()
+        """The segments of the plan installed now (``current``'s)."""
         self.installed: Installed | None = None
         self.handles = [root.register_forward_pre_hook(self, with_kwargs=True, prepend=True)]
         cache = install_no_cache(root, warn=True)
@@ -54,18 +56,18 @@ class Switching:
         if not training_with_grad(module):
             return
         key, segments = self.chooser.choose(bind(module, args, kwargs) or {})
-        if key != self.current:
+        if key != self.current or tuple(segments) != self.segments:  # a group planned again keeps its key
             self._switch(key, segments)
 
     def _switch(self, key: Hashable, segments: Sequence[Segment]) -> None:
         self._uninstall()
         self.installed = install(self.root, [Chain.of(s) for s in segments])
-        self.current = key
+        self.current, self.segments = key, tuple(segments)
 
     def _uninstall(self) -> None:
         if self.installed is not None:
             self.installed.remove()
-        self.installed, self.current = None, None
+        self.installed, self.current, self.segments = None, None, ()
 
     def hook_ids(self) -> frozenset[int]:
         """Ids of every hook this plan has on the module tree now (``planner.capture.tree.private_copy``
