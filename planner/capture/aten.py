@@ -139,11 +139,13 @@ def functions_as_nodes() -> Iterator[None]:
         proxies = tree_map_only(torch.Tensor, lambda t: proxy_tensor.get_proxy_slot(t, tracer, t, lambda x: x.proxy),
                                 args)
         proxy = tracer.create_proxy("call_function", function_node(cls), tuple(proxies), {})
-        node = proxy.node
         proxy_tensor.track_tensor_tree(out, proxy, constant=None, tracer=tracer)
-        for stray in list(tracer.graph.nodes)[list(tracer.graph.nodes).index(node) + 1:]:
-            if not stray.users and isinstance(stray.target, torch._ops.OpOverload):  # the tracker's own allocations
+        stray = proxy.node.next
+        while stray.op != "root":  # the nodes tracking the outputs added: drop the tracker's own allocations
+            following = stray.next
+            if not stray.users and isinstance(stray.target, torch._ops.OpOverload):
                 tracer.graph.erase_node(stray)
+            stray = following
         return out
 
     torch.autograd.Function.apply = classmethod(apply)  # type: ignore[assignment, method-assign]

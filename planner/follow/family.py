@@ -137,7 +137,7 @@ class Family:
         family = Family(model=model, options=options or self.options, budget_bytes=self.budget_bytes, grid=self.grid,
                         reference=self.reference, reference_roofline=self.reference_roofline, example=self.example)
         family.groups = self.groups
-        family.strict, family.unplanned = self.strict, self.unplanned
+        family.strict, family.unplanned, family.flags_seen = self.strict, self.unplanned, self.flags_seen
         return family
 
     def portable(self) -> Family:
