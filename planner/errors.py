@@ -59,6 +59,11 @@ class PlanMismatch(PlannerError, ValueError):
     """A plan was applied to a model that does not trace to the graph it was made for."""
 
 
+class TorchVersionError(PlannerError, ImportError):
+    """The installed torch lacks a private entry point ckplan relies on (``planner.compat``): the message
+    names the torch version, what is missing and the range of torch releases ckplan is tested on."""
+
+
 class OutOfTime(PlannerError):
     """The solve stage's time limit (``time_limit_s``, ``ckplan --time-limit``) ran out before any plan
     that fits was found. Nothing is proven about the budget: a larger limit may find one."""

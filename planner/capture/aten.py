@@ -36,20 +36,30 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 import torch.fx as fx
 from torch import nn
-from torch.fx.experimental import proxy_tensor
-from torch.fx.experimental.proxy_tensor import make_fx
-from torch.fx.graph import _PyTreeCodeGen, _PyTreeInfo
-from torch.utils._python_dispatch import _disable_current_modes
-from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 
 from planner.capture.calls import SCOPE_KEY, entry, entry_path
 from planner.capture.step import untouched
+from planner.compat.torch_private import (
+    OpOverload,
+    disable_current_modes,
+    disable_torch_function,
+    function_apply_replaced,
+    last_node,
+    make_fx_real,
+    set_pytree_calling,
+    traced_node,
+    traced_proxies,
+    tracing_graph,
+    track_outputs,
+    tree_flatten,
+    tree_unflatten,
+)
 
 SCALAR_READS_KEY = "ckplan_scalar_reads"
 """``GraphModule.meta`` key: the values the forward's reads of tensor values returned, in graph order."""
@@ -96,14 +106,13 @@ def aten_graph(model: nn.Module, args: tuple, kwargs: dict) -> fx.GraphModule:
         # it would keep every activation of the forward alive until the graph is made, and a model whose
         # step does not fit would not be captured (no backward ever runs on this forward)
         with untouched(model), torch.autograd.graph.saved_tensors_hooks(_drop, _never), functions_as_nodes():
-            gm = make_fx(flat_forward, tracing_mode="real", pre_dispatch=True, record_module_stack=True,
-                         _error_on_data_dependent_ops=False)(*leaves)
+            gm = make_fx_real(flat_forward, pre_dispatch=True, record_module_stack=True)(*leaves)
     finally:
         for hook in hooks:
             hook.remove()
     _note_scalar_reads(gm, model, leaves)
     names = [f"arg{i}" for i in range(len(args))] + list(kwargs)  # the call's own argument names
-    gm.graph._codegen = _PyTreeCodeGen(_PyTreeInfo(orig_args=names, in_spec=in_spec, out_spec=out_specs[-1]))
+    set_pytree_calling(gm, names, in_spec, out_specs[-1])
     gm.recompile()
     for node in gm.graph.nodes:
         stack = node.meta.get("nn_module_stack") or {}
@@ -127,32 +136,26 @@ def function_node(cls: type[torch.autograd.Function]) -> Any:
 def functions_as_nodes() -> Iterator[None]:
     """While ``make_fx`` traces: each custom ``autograd.Function`` outside torch runs untraced, for real, and
     is recorded as one ``function_node`` call with its tensor arguments and constants."""
-    original = torch.autograd.Function.apply.__func__  # type: ignore[attr-defined]
 
-    def apply(cls: type[torch.autograd.Function], *args: Any, **kwargs: Any) -> Any:
-        mode = proxy_tensor.get_proxy_mode()
-        if mode is None or kwargs or cls.__module__.split(".")[0] == "torch":
+    def apply(cls: type[torch.autograd.Function], original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        tracing = tracing_graph()
+        if tracing is None or kwargs or cls.__module__.split(".")[0] == "torch":
             return original(cls, *args, **kwargs)
-        tracer = mode.tracer
-        with _disable_current_modes(), torch._C.DisableTorchFunction():
+        tracer, graph = tracing
+        with disable_current_modes(), disable_torch_function():
             out = original(cls, *args)
-        proxies = tree_map_only(torch.Tensor, lambda t: proxy_tensor.get_proxy_slot(t, tracer, t, lambda x: x.proxy),
-                                args)
-        proxy = tracer.create_proxy("call_function", function_node(cls), tuple(proxies), {})
-        proxy_tensor.track_tensor_tree(out, proxy, constant=None, tracer=tracer)
+        proxy = tracer.create_proxy("call_function", function_node(cls), tuple(traced_proxies(args, tracer)), {})
+        track_outputs(out, proxy, tracer)
         stray = proxy.node.next
         while stray.op != "root":  # the nodes tracking the outputs added: drop the tracker's own allocations
             following = stray.next
-            if not stray.users and isinstance(stray.target, torch._ops.OpOverload):
-                tracer.graph.erase_node(stray)
+            if not stray.users and isinstance(stray.target, OpOverload):
+                graph.erase_node(stray)
             stray = following
         return out
 
-    torch.autograd.Function.apply = classmethod(apply)  # type: ignore[assignment, method-assign]
-    try:
+    with function_apply_replaced(apply):
         yield
-    finally:
-        torch.autograd.Function.apply = classmethod(original)  # type: ignore[assignment, method-assign]
 
 
 class _ReadsOnly(fx.Interpreter):
@@ -192,17 +195,14 @@ def _note_scalar_reads(gm: fx.GraphModule, model: nn.Module, leaves: list) -> No
 
 def _note_call(calls: list, path: str, module: nn.Module, args: tuple, kwargs: dict) -> None:
     """Pre-hook while tracing: the call's path, the graph's last node before it, its tensor arguments."""
-    mode = proxy_tensor.get_proxy_mode()
-    if mode is None:
+    tracing = tracing_graph()
+    if tracing is None:
         return
-    graph = mode.tracer.graph
-    found = []
-    for leaf in tree_flatten((args, kwargs))[0]:
-        slot = proxy_tensor.get_proxy_slot(leaf, mode.tracer, None) if isinstance(leaf, torch.Tensor) else None
-        if slot is not None:
-            found.append(slot.proxy.node)
+    tracer, graph = tracing
+    found = [node for leaf in tree_flatten((args, kwargs))[0] if isinstance(leaf, torch.Tensor)
+             for node in [traced_node(leaf, tracer)] if node is not None]
     if found:
-        calls.append((path, graph._root.prev, found))
+        calls.append((path, last_node(graph), found))
 
 
 def _add_keep_nodes(graph: fx.Graph, calls: list) -> None:

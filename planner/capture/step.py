@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_leaves
 
+from planner.compat.torch_private import tree_leaves
 from planner.errors import ProfileError
 
 LossFn = Callable[[Any], torch.Tensor]

@@ -86,7 +86,7 @@ def _retensor(roots: tuple[nn.Module, ...], convert: Callable[[torch.Tensor], to
     done: dict[int, torch.Tensor] = {}
     seen: set[int] = set()
     for root in roots:
-        for module in root.modules(remove_duplicate=False):
+        for module in root.modules():
             if id(module) in seen:
                 continue
             seen.add(id(module))

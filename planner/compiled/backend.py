@@ -5,11 +5,10 @@ from __future__ import annotations
 import inspect
 
 import torch
-import torch._functorch.config as functorch_config
 from torch import nn
-from torch._inductor.compile_fx import compile_fx
 
 from planner.capture.cache import cache_owner, training_with_grad
+from planner.compat.torch_private import activation_memory_budget, compile_fx
 
 
 class BudgetBackend:
@@ -23,7 +22,7 @@ class BudgetBackend:
         self.fraction = fraction
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list) -> object:
-        with functorch_config.patch(activation_memory_budget=self.fraction):
+        with activation_memory_budget(self.fraction):
             return compile_fx(gm, example_inputs)
 
 

@@ -16,11 +16,11 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
-import torch._dynamo.config as dynamo_config
 from torch import nn
 
 from planner.capture.inputs import Inputs
 from planner.capture.step import backward, default_loss, untouched
+from planner.compat.torch_private import recompile_limits_raised
 from planner.compiled.backend import CompiledModule
 from planner.profiling.measure import measure_allocated_peak, step_samples_ms
 
@@ -83,8 +83,7 @@ def _recompile_room(entries: int):
     rather than silently falling back to eager after eight."""
     global _PROBES
     _PROBES += entries
-    return dynamo_config.patch(recompile_limit=dynamo_config.recompile_limit + _PROBES,
-                               accumulated_recompile_limit=dynamo_config.accumulated_recompile_limit + _PROBES)
+    return recompile_limits_raised(_PROBES)
 
 
 _PROBES = 0

@@ -20,10 +20,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 from typing_extensions import Unpack
 
 from planner.capture.fsdp_units import resolve_units
+from planner.compat.torch_private import TorchDispatchMode
 from planner.distributed.tensor import tensor_parallel_degree
 from planner.errors import InfeasibleBudget, PlannerError
 from planner.options import OptionArgs, PlanOptions, resolve

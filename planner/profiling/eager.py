@@ -14,9 +14,9 @@ import difflib
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_leaves
 
 from planner.capture.inputs import Inputs
+from planner.compat.torch_private import tree_leaves
 from planner.profiling.memtrack import LiveStorages
 
 

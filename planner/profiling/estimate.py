@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 from torch.utils import flop_counter
-from torch.utils._pytree import tree_leaves
 
+from planner.compat.torch_private import tree_leaves
 from planner.profiling.devices import DeviceSpec
 
 aten = torch.ops.aten

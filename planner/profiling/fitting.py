@@ -13,13 +13,13 @@ from __future__ import annotations
 import numpy as np
 import torch
 from torch import nn
-from torch.utils._pytree import tree_leaves
 
 from planner.capture.api import Captured
 from planner.capture.inputs import Inputs
 from planner.capture.step import LossFn, default_loss, sync, untouched
 from planner.common.budget import parse_budget
 from planner.common.units import format_bytes
+from planner.compat.torch_private import storage_id, tree_leaves
 from planner.errors import ProfileError
 from planner.profiling.memory_pass import StepTimes, assemble, device_of
 from planner.profiling.memtrack import LiveStorages
@@ -149,7 +149,7 @@ def pieces_peak_bytes(captured: Captured, model: nn.Module, inputs: Inputs, *, p
 def resident_bytes(model: nn.Module, inputs: Inputs) -> int:
     """Bytes already on the device before a step: the model's parameters and buffers and the inputs, each
     storage once (what the profile's live bytes start from)."""
-    sizes = {t.untyped_storage()._cdata: t.untyped_storage().nbytes()
+    sizes = {storage_id(t.untyped_storage()): t.untyped_storage().nbytes()
              for t in [*model.parameters(), *model.buffers(), *tree_leaves((inputs.args, inputs.kwargs))]
              if isinstance(t, torch.Tensor) and not t.is_meta}
     return sum(sizes.values())

@@ -15,11 +15,11 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_leaves
 
 from planner.capture.inputs import Inputs
 from planner.capture.step import backward, default_loss, untouched
 from planner.capture.step import sync as _sync
+from planner.compat.torch_private import storage_id, tree_leaves
 from planner.profiling.memtrack import LiveStorages
 
 
@@ -128,7 +128,7 @@ def measure_allocated_peak(module: nn.Module, inputs: Inputs, loss_fn: Callable[
     device = next(module.parameters()).device
     if device.type == "cuda":
         return measure_peak(module, inputs, loss_fn, keep_output=keep_output)
-    resident = {t.untyped_storage()._cdata: t.untyped_storage().nbytes()
+    resident = {storage_id(t.untyped_storage()): t.untyped_storage().nbytes()
                 for t in _resident(module, inputs) if t.device == device}
     with untouched(module), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         _step(module, inputs, loss_fn, keep_output=keep_output)

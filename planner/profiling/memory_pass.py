@@ -18,14 +18,13 @@ from typing import Any
 import torch
 import torch.fx as fx
 from torch import nn
-from torch.utils._python_dispatch import _disable_current_modes
-from torch.utils._pytree import tree_leaves
 
 from planner.capture.api import Captured, target_text
 from planner.capture.calls import SCOPE_KEY
 from planner.capture.inputs import Inputs
 from planner.capture.ops import kernel_name, writes_new_memory
 from planner.capture.step import LossFn, default_loss, sync, untouched
+from planner.compat.torch_private import disable_current_modes, tree_leaves
 from planner.errors import ProfileError
 from planner.profiling.eager import eager_excess, eager_forward_trace
 from planner.profiling.memtrack import LiveStorages, local_of, storage_key
@@ -250,7 +249,7 @@ class MemoryRecorder(StepRunner):
             assert isinstance(node.target, str)  # a call_module node's target is the module's path
             names |= {self._buffer_of[storage_key(b)] for b in self.module.get_submodule(node.target).buffers()
                       if storage_key(b) in self._buffer_of}
-        with _disable_current_modes():  # profiling's own copies are not the model's memory
+        with disable_current_modes():  # profiling's own copies are not the model's memory
             return [(name, self.model.get_buffer(name).detach().clone()) for name in sorted(names)]
 
     def _here(self, value: Any) -> bool:
@@ -289,7 +288,7 @@ class MemoryRecorder(StepRunner):
             self._current["saves"].add(index)
         if self._current is not None:  # where a re-run ending at this node stops (parameters count)
             self._current["stop_peak"] = self.tracker.window_peak_bytes
-        with _disable_current_modes():  # not an op of the step
+        with disable_current_modes():  # not an op of the step
             return tensor.detach()  # not the tensor: a node saving its own output would hold itself through it
 
     def _storages(self, values: list) -> set[int]:
@@ -328,7 +327,7 @@ class MemoryRecorder(StepRunner):
         record["ops"] = (first_op, len(self._trace()))
         record["outputs"] = set(range(first_new, len(self.storages)))
         record["mutates"] = {self._index_of[k] for k in self._writes if k in self._index_of} - record["outputs"]
-        with _disable_current_modes():
+        with disable_current_modes():
             changed = {name for name, before in touchable  # meta tensors have no values to compare
                        if not before.is_meta and not torch.equal(self.model.get_buffer(name), before)}
         record["buffers"] = sorted(changed | {self._buffer_of[k] for k in self._writes if k in self._buffer_of})

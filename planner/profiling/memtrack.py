@@ -14,9 +14,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
+from planner.compat.torch_private import TorchDispatchMode, storage_id, tree_leaves
 from planner.errors import ProfileError
 
 
@@ -39,7 +38,7 @@ def local_of(tensor: torch.Tensor) -> torch.Tensor:
 
 def storage_key(tensor: torch.Tensor) -> int:
     """Identity of the storage behind ``tensor`` (its local shard's for a DTensor; valid while it is alive)."""
-    return local_of(tensor).untyped_storage()._cdata
+    return storage_id(local_of(tensor).untyped_storage())
 
 
 @functools.cache
@@ -90,7 +89,7 @@ class LiveStorages(TorchDispatchMode):
         storage = tensor.untyped_storage()
         if storage.device.type != self.device.type:
             return False
-        key = storage._cdata
+        key = storage_id(storage)
         if key in self._sizes:
             return False
         nbytes = storage.nbytes()

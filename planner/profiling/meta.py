@@ -21,14 +21,13 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
-from torch.utils._pytree import tree_leaves, tree_map
 
 from planner.capture.api import Captured
 from planner.capture.aten import SCALAR_READS_KEY
 from planner.capture.inputs import Inputs
 from planner.capture.step import LossFn, default_loss, untouched
 from planner.capture.tree import meta_copy
+from planner.compat.torch_private import TorchDispatchMode, disable_current_modes, parse_to, tree_leaves, tree_map
 from planner.profiling.devices import DeviceSpec
 from planner.profiling.estimate import Roofline
 from planner.profiling.memory_pass import (
@@ -114,7 +113,7 @@ def to_meta(value: Any, *, keep_grad: bool = True) -> Any:
     requires_grad); any other value as it is."""
     if not isinstance(value, torch.Tensor) or value.is_meta:
         return value
-    with _disable_current_modes():  # a conversion is not memory of the step
+    with disable_current_modes():  # a conversion is not memory of the step
         nbytes, itemsize = value.untyped_storage().nbytes(), value.element_size()
         if nbytes % itemsize == 0:  # a view keeps the size of the whole storage it views
             meta = torch.empty(nbytes // itemsize, dtype=value.dtype, device=META).as_strided(
@@ -206,7 +205,7 @@ class MovesStayOnMeta(TorchFunctionMode):
         kwargs = kwargs or {}
         if args and isinstance(args[0], torch.Tensor) and args[0].is_meta:
             if func is torch.Tensor.to:
-                device, dtype, non_blocking, memory_format = torch._C._nn._parse_to(*args[1:], **kwargs)
+                device, dtype, non_blocking, memory_format = parse_to(*args[1:], **kwargs)
                 if device is not None and device.type != "meta":
                     return args[0].to(device=META, dtype=dtype, non_blocking=non_blocking,
                                       copy=bool(kwargs.get("copy", False)),

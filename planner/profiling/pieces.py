@@ -25,11 +25,11 @@ from typing import Any
 import torch
 import torch.fx as fx
 from torch import nn
-from torch.utils._pytree import tree_leaves, tree_map_only
 
 from planner.capture.api import Captured
 from planner.capture.inputs import Inputs
 from planner.capture.step import LossFn, default_loss, untouched
+from planner.compat.torch_private import tree_leaves, tree_map_only
 from planner.errors import ProfileError
 from planner.profiling.memory_pass import StepTimes, check_trainable, device_of
 from planner.profiling.runner import SEEN_KEY

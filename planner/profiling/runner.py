@@ -14,11 +14,10 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-import torch.fx._pytree as fx_pytree
-from torch.utils._pytree import tree_leaves
 
 from planner.capture.inputs import Inputs
 from planner.capture.step import LossFn, backward, sync
+from planner.compat.torch_private import flatten_with_spec, pytree_specs, tree_leaves
 from planner.errors import ProfileError, in_library, user_frame
 
 
@@ -104,13 +103,12 @@ class StepRunner(fx.Interpreter):
             self._handles = []
 
     def _specs(self):
-        in_spec, out_spec = getattr(self.module, "_in_spec", None), getattr(self.module, "_out_spec", None)
-        return (in_spec, out_spec) if in_spec is not None and out_spec is not None else None
+        return pytree_specs(self.module)
 
     def _run_pytree(self, inputs: Inputs) -> Any:
         """Graphs from torch.export take flattened inputs (the Interpreter rebuilds the outputs)."""
         in_spec, _ = self._specs()
-        return self.run(*fx_pytree.tree_flatten_spec((inputs.args, inputs.kwargs), in_spec))
+        return self.run(*flatten_with_spec((inputs.args, inputs.kwargs), in_spec))
 
     def _run_kwargs(self, inputs: Inputs) -> Any:
         placeholders = [n for n in self.graph.nodes if n.op == "placeholder"]

@@ -20,9 +20,9 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_map
 
 from planner.capture.inputs import as_inputs
+from planner.compat.torch_private import tree_map
 from planner.errors import InputError, PlannerError
 
 MODEL_MODULE = "__ckplan_model__"

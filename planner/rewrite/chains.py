@@ -36,15 +36,11 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_flatten, tree_unflatten
-from torch.utils.checkpoint import (
-    CheckpointPolicy,
-    _checkpoint_without_reentrant_generator,
-    create_selective_checkpoint_contexts,
-)
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from planner.capture.cache import training_with_grad
 from planner.capture.ops import draws_random, kernel_name, writes_new_memory
+from planner.compat.torch_private import checkpoint_region, tree_flatten, tree_unflatten
 from planner.errors import PlannerError
 from planner.rewrite.graph import restore_buffers
 from planner.rewrite.segment import Segment
@@ -216,8 +212,7 @@ class _Runner:
         state = _Open(region=None)
         replay = functools.partial(self._replay, state.records, rebuild)
         # preserve_rng_state: dropout inside the chain draws the same numbers when re-run
-        state.region = _checkpoint_without_reentrant_generator(replay, True, self._contexts, "default", False, True,
-                                                               *tensors)
+        state.region = checkpoint_region(replay, *tensors, preserve_rng_state=True, context_fn=self._contexts)
         next(state.region)
         if not self.checked:
             state.watch = _Watch()

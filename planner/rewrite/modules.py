@@ -25,6 +25,7 @@ from planner.capture.cache import install_no_cache, training_with_grad
 from planner.capture.frameworks import guard, unguard
 from planner.capture.inputs import bind
 from planner.common.budget import format_bytes
+from planner.compat.torch_private import forward_hooks
 from planner.rewrite.chains import Chain, Installed, install
 from planner.rewrite.segment import Segment
 from planner.rewrite.switching import Chooser, Switching
@@ -118,10 +119,11 @@ def _plan_on(root: nn.Module) -> Installed | Switching | None:
     itself, so that no registry keeps a planned model alive: a ``Switching`` is a forward pre-hook, an
     ``Installed`` closes the forward with ``_closed`` (a ``Switching``'s current plan does too, so the
     ``Switching`` is looked for first). A clone sharing the hooks of another tree finds none of its own."""
-    for hook in root._forward_pre_hooks.values():
+    pre_hooks, hooks = forward_hooks(root)
+    for hook in pre_hooks:
         if isinstance(hook, Switching) and hook.root is root:
             return hook
-    for hook in root._forward_hooks.values():
+    for hook in hooks:
         owner = getattr(hook, "__self__", None)
         if isinstance(owner, Installed) and owner.root is root:
             return owner

@@ -35,6 +35,7 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from planner.capture.ops import draws_random, writes_new_memory
+from planner.compat.torch_private import OpOverload
 
 _state = threading.local()
 
@@ -106,7 +107,7 @@ def is_single_op(node: fx.Node, root: nn.Module) -> bool:
         return node.target in _METHODS
     if node.op != "call_function":
         return False
-    if isinstance(node.target, torch._ops.OpOverload):  # ATen graphs: nodes are ATen ops already
+    if isinstance(node.target, OpOverload):  # ATen graphs: nodes are ATen ops already
         return writes_new_memory(node.target) and not draws_random(node.target, node.args, node.kwargs)
     if node.target is F.scaled_dot_product_attention:
         return bool(node.kwargs.get("dropout_p", 0.0) == 0.0) and len(node.args) < 5
