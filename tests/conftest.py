@@ -11,6 +11,11 @@ import torch
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
+# One timed step of each kind per profile, in this process and the ones it starts (CLI runs, gloo ranks, example
+# scripts): what the tests check does not depend on timing noise, and a busy machine (the other worker) would
+# otherwise time six steps and more of every kind. Tests of the timing itself set their own steps.
+os.environ.setdefault("CKPLAN_TIMING_RUNS", "1")
+
 if os.environ.get("PYTEST_XDIST_WORKER"):  # one worker per core: no intra-op threads competing
     torch.set_num_threads(1)
 

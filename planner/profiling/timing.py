@@ -4,6 +4,7 @@ cost of one checkpoint call on the device, and what selective checkpointing adds
 from __future__ import annotations
 
 import functools
+import os
 import statistics
 import time
 import warnings
@@ -17,6 +18,7 @@ import torch.fx as fx
 
 from planner.capture.inputs import Inputs
 from planner.capture.step import LossFn, backward, sync
+from planner.errors import OptionError
 from planner.profiling.runner import StepRunner
 
 
@@ -62,7 +64,23 @@ class Timer(StepRunner):
         return min(self._bwd[index]) if self._bwd[index] else 0.0
 
 
-TIMING_RUNS = 3
+RUNS_VARIABLE = "CKPLAN_TIMING_RUNS"
+"""Environment variable that sets how many timed steps of each kind every profile takes, busy machine or not,
+in one round (``Steps.for_machine``): fewer profile faster with noisier times (the test suite takes 1)."""
+
+
+def _runs_from_environment() -> int | None:
+    value = os.environ.get(RUNS_VARIABLE)
+    if value is None:
+        return None
+    if not value.isdigit() or int(value) < 1:
+        raise OptionError(f"{RUNS_VARIABLE}={value!r}: set it to a number of timed steps >= 1, or unset it")
+    return int(value)
+
+
+SET_RUNS = _runs_from_environment()
+"""``CKPLAN_TIMING_RUNS`` when set (read once, at import), else None."""
+TIMING_RUNS = SET_RUNS or 3
 """Timed steps of each kind a profile takes on a quiet machine (twice as many on a busy one: ``cores``)."""
 STEADY = 1.5
 """Plain steps whose slowest takes more than this times their fastest were timed on a busy machine: timed again."""
@@ -90,7 +108,10 @@ class Steps:
 
     @classmethod
     def for_machine(cls, busy: bool) -> Steps:
-        """Twice the steps, for at least ``BUSY_TIMING_S`` each, on a busy machine."""
+        """Twice the steps, for at least ``BUSY_TIMING_S`` each, on a busy machine; ``CKPLAN_TIMING_RUNS`` steps in
+        one round wherever it is set."""
+        if SET_RUNS is not None:
+            return cls(runs=SET_RUNS, min_s=0.0, attempts=1)
         return cls(runs=2 * TIMING_RUNS, min_s=BUSY_TIMING_S) if busy else cls()
 
     @classmethod
@@ -195,12 +216,16 @@ def measure_sac_op_us(gm: fx.GraphModule, inputs: Inputs, loss_fn: LossFn, devic
     """``Profile.sac_op_us``: the model's own measurement (``sac_op_overhead_us``), never below the tiny-op
     floor on the same device (``dispatch_overhead_us``: a noisy machine can make the model's measurement
     small); None when the model's cannot be measured."""
-    measured = sac_op_overhead_us(gm, inputs, loss_fn, device, ops)
+    measured = sac_op_overhead_us(gm, inputs, loss_fn, device, ops, runs=SET_RUNS or SAC_RUNS)
     return None if measured is None else max(measured, dispatch_overhead_us(str(device)))
 
 
+SAC_RUNS = 4
+"""Checkpointed steps with and without selective checkpointing's modes ``sac_op_overhead_us`` takes the fastest of."""
+
+
 def sac_op_overhead_us(gm: fx.GraphModule, inputs: Inputs, loss_fn: LossFn, device: torch.device, ops: int,
-                       runs: int = 4) -> float | None:
+                       runs: int = SAC_RUNS) -> float | None:
     """What selective checkpointing's dispatch modes (caching in forward, cached in the re-run) add per
     ATen op of this graph: the whole graph as one checkpointed segment with SAC (saving nothing) minus
     without, the fastest of ``runs`` steps of each (alternated) minus each other, over its ``ops``. The
