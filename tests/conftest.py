@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import runpy
 from pathlib import Path
@@ -30,6 +31,26 @@ class Calls:
     def __call__(self, module, args) -> None:
         if module.training and torch.is_grad_enabled():
             self.count += 1
+
+
+@pytest.fixture
+def timed_as_users_are(monkeypatch):
+    """Profiles in the test time as many steps as users' do, where what it checks depends on small differences of
+    time (which of two equal layers a plan picks): the suite times one step of each kind (``CKPLAN_TIMING_RUNS``)."""
+    from planner.profiling import timing
+
+    monkeypatch.setattr(timing, "SET_RUNS", None)
+    monkeypatch.setattr(timing, "TIMING_RUNS", 3)
+
+
+@functools.cache
+def random_graph(n: int, seed: int, skips: bool = False) -> tuple:
+    """The memory model of ``random_profile(n, seed)`` and its ``PlanTable`` (every plan simulated once): brute
+    force that the budgets of a test, and the solvers compared in one file, share."""
+    from planner.memory.synthetic import PlanTable, memory_model, random_profile
+
+    model = memory_model(random_profile(n, seed, skip_connections=skips))
+    return model, PlanTable.of(model)
 
 
 def load_example(name: str) -> dict:

@@ -2,9 +2,10 @@
 
 import pytest
 import torch
+from conftest import random_graph
 
 from planner.memory.simulate import simulate
-from planner.memory.synthetic import brute_force, memory_model, min_peak_brute, random_profile
+from planner.memory.synthetic import memory_model, random_profile
 from planner.solve.baselines import every_block, no_checkpointing, sqrt_n
 from planner.solve.deadline import Deadline
 from planner.solve.default import solve
@@ -16,10 +17,10 @@ from planner.solve.rotor import rotor
 @pytest.mark.slow
 @pytest.mark.parametrize("seed", range(8))
 def test_rotor_is_exact_on_small_chains(seed):
-    model = memory_model(random_profile(9, seed))
-    lowest, highest = min_peak_brute(model), simulate(model, ()).peak_bytes
+    model, table = random_graph(9, seed)
+    lowest, highest = table.min_peak, simulate(model, ()).peak_bytes
     for budget in (lowest, (lowest + highest) // 2, highest - 1):
-        assert rotor(model, budget, deadline=Deadline.after(30)).recompute_us == brute_force(model, budget)
+        assert rotor(model, budget, deadline=Deadline.after(30)).recompute_us == table.least_recompute(budget)
     with pytest.raises(NoSolution):
         rotor(model, lowest - 1, deadline=Deadline.after(30))
 
@@ -39,15 +40,15 @@ def test_rotor_equals_cpsat_on_50_node_chains(seed):
 @pytest.mark.slow
 @pytest.mark.parametrize("seed", range(4))
 def test_rotor_is_feasible_and_never_beats_cpsat_with_skip_connections(seed):
-    model = memory_model(random_profile(10, seed, skip_connections=True))
-    lowest, highest = min_peak_brute(model), simulate(model, ()).peak_bytes
+    model, table = random_graph(10, seed, True)
+    lowest, highest = table.min_peak, simulate(model, ()).peak_bytes
     budget = (lowest + highest) // 2
     try:
         plan = rotor(model, budget, deadline=Deadline.after(30))
     except NoSolution:
         return  # conservative on storages that span chunks: may miss tight budgets
     assert simulate(model, plan.plan).peak_bytes <= budget
-    assert plan.recompute_us >= brute_force(model, budget)
+    assert plan.recompute_us >= table.least_recompute(budget)
 
 
 def test_fixed_placements():

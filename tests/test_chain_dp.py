@@ -3,9 +3,10 @@ exact smallest peak, and a lower bound that never exceeds the optimum."""
 
 import numpy as np
 import pytest
+from conftest import random_graph
 
 from planner.memory.simulate import simulate
-from planner.memory.synthetic import brute_force, memory_model, min_peak_brute, random_profile, transformer_profile
+from planner.memory.synthetic import transformer_profile
 from planner.solve import chain_dp as chain
 from planner.solve.deadline import Deadline
 from planner.solve.result import NoSolution
@@ -18,10 +19,10 @@ CASES = [pytest.param(n, seed, skips, marks=pytest.mark.slow if n >= 8 else ())
 
 @pytest.mark.parametrize(("n", "seed", "skips"), CASES)
 def test_dp_is_exact_on_small_dags(n, seed, skips):
-    model = memory_model(random_profile(n, seed, skip_connections=skips))
-    lowest, highest = min_peak_brute(model), simulate(model, ()).peak_bytes
+    model, table = random_graph(n, seed, skips)
+    lowest, highest = table.min_peak, simulate(model, ()).peak_bytes
     for budget in range(lowest - 1, highest + 1, max(1, (highest - lowest) // 5)):
-        expected = brute_force(model, budget)
+        expected = table.least_recompute(budget)
         if expected is None:
             assert relaxed(model, budget) is None
             with pytest.raises(NoSolution):
@@ -35,10 +36,10 @@ def test_dp_is_exact_on_small_dags(n, seed, skips):
 
 @pytest.mark.parametrize(("n", "seed", "skips"), CASES)
 def test_smallest_peak_is_exact(n, seed, skips):
-    model = memory_model(random_profile(n, seed, skip_connections=skips))
+    model, table = random_graph(n, seed, skips)
     plan, exact = smallest_peak(model)
     assert exact
-    assert simulate(model, plan).peak_bytes == min_peak_brute(model)
+    assert simulate(model, plan).peak_bytes == table.min_peak
 
 
 @pytest.mark.slow
@@ -47,10 +48,10 @@ def test_untracked_storages_keep_plans_feasible_and_bounds_valid(monkeypatch):
     and the optimistic one still bounds it from below."""
     monkeypatch.setattr(chain, "MAX_OPEN", 0)
     for seed, skips in [(1, True), (2, True), (3, False)]:
-        model = memory_model(random_profile(9, seed, skip_connections=skips))
-        lowest, highest = min_peak_brute(model), simulate(model, ()).peak_bytes
+        model, table = random_graph(9, seed, skips)
+        lowest, highest = table.min_peak, simulate(model, ()).peak_bytes
         for budget in range(lowest, highest, max(1, (highest - lowest) // 4)):
-            expected = brute_force(model, budget)
+            expected = table.least_recompute(budget)
             try:
                 found = rotor(model, budget, deadline=Deadline.after(30))
             except NoSolution:

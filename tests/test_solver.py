@@ -4,10 +4,11 @@ import dataclasses
 import random
 
 import pytest
+from conftest import random_graph
 
 from planner.memory.excess import excess_of
 from planner.memory.simulate import simulate
-from planner.memory.synthetic import all_plans, brute_force, memory_model, min_peak_brute, random_profile
+from planner.memory.synthetic import PlanTable, all_plans, memory_model, random_profile
 from planner.solve.cpsat import search
 from planner.solve.deadline import Deadline
 from planner.solve.default import solve
@@ -26,10 +27,10 @@ def cases(slow_from: int) -> list:
 @pytest.mark.parametrize("engine", [solve, search], ids=["solve", "cpsat-alone"])
 @pytest.mark.parametrize(("n", "seed", "skips"), cases(slow_from=8))
 def test_binding_budget_matches_brute_force(n, seed, skips, engine):
-    model = memory_model(random_profile(n, seed, skip_connections=skips))
-    lowest, highest = min_peak_brute(model), simulate(model, ()).peak_bytes
+    model, table = random_graph(n, seed, skips)
+    lowest, highest = table.min_peak, simulate(model, ()).peak_bytes
     for budget in (lowest, (lowest + highest) // 2, highest - 1):
-        expected = brute_force(model, budget)
+        expected = table.least_recompute(budget)
         solution = engine(model, budget, deadline=Deadline.after(20))
         assert solution.status == "OPTIMAL"
         assert solution.bound_us == expected
@@ -46,8 +47,8 @@ def test_slack_budget_needs_no_checkpointing(n, seed, skips):
 
 @pytest.mark.parametrize(("n", "seed", "skips"), cases(slow_from=9))
 def test_infeasible_budget_is_proven_and_min_peak_is_exact(n, seed, skips):
-    model = memory_model(random_profile(n, seed, skip_connections=skips))
-    lowest = min_peak_brute(model)
+    model, table = random_graph(n, seed, skips)
+    lowest = table.min_peak
     for engine in (solve, search):
         with pytest.raises(NoSolution) as info:
             engine(model, lowest - 1, deadline=Deadline.after(20))
@@ -85,9 +86,10 @@ def test_eager_locals_encoding_equals_simulator_and_solvers_are_optimal(seed):
     assert len({int(excess_of(model, plan).sum()) for plan in all_plans(model)}) > 2  # the plan decides
     for plan in rng.sample(all_plans(model), 12):
         assert encoded_peak(model, plan, deadline=Deadline.after(30)) == simulate(model, plan).peak_bytes, plan
-    lowest, highest = min_peak_brute(model), simulate(model, ()).peak_bytes
+    table = PlanTable.of(model)
+    lowest, highest = table.min_peak, simulate(model, ()).peak_bytes
     for budget in (lowest, (lowest + highest) // 2, highest - 1):
-        expected = brute_force(model, budget)
+        expected = table.least_recompute(budget)
         for engine in (solve, search):
             solution = engine(model, budget, deadline=Deadline.after(20))
             assert solution.status == "OPTIMAL" and solution.recompute_us == expected, (engine, budget)

@@ -66,7 +66,7 @@ def sft(module: torch.nn.Module, **config) -> tuple[list[float], int]:
     return [h["loss"] for h in trainer.state.log_history if "loss" in h], calls.count
 
 
-def test_trls_default_checkpointing_is_left_off_on_a_model_planned_in_place():
+def test_trls_default_checkpointing_is_left_off_on_a_model_planned_in_place(timed_as_users_are):
     """SFTConfig turns Hugging Face's checkpointing on by default: on a model ckplan planned in place it stays off,
     with a warning; the layers run as often as under the plan alone (no double re-run), the losses are the
     unplanned run's."""

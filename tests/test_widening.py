@@ -64,7 +64,7 @@ def _coarse(prepared, budget):
 
 
 @pytest.mark.parametrize("share", [0.25, 0.5, 0.75])
-def test_finer_chunks_are_solved_when_they_re_run_less(peaks, share, restore_buffers):
+def test_finer_chunks_are_solved_when_they_re_run_less(peaks, share, restore_buffers, timed_as_users_are):
     """Refinement (``solving.refine``): 4 chunks hold coarse plans; plan_for solves at a finer chunking
     and returns a plan that re-runs less, within the budget, with exact gradients; selective plans
     are solved at the same chunking and never re-run more."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from planner.capture.calls import entry_path
 from planner.memory.build import build_model
@@ -178,21 +179,40 @@ def all_plans(model: MemoryModel) -> list[ChunkPlan]:
     return extend(0)
 
 
+@dataclass(frozen=True, slots=True)
+class PlanTable:
+    """Every plan of a model with its simulated peak and recompute time: brute force, simulated once and then
+    asked for any budget."""
+
+    peaks: tuple[int, ...]
+    recompute: tuple[int, ...]
+
+    @classmethod
+    def of(cls, model: MemoryModel) -> PlanTable:
+        timelines = [simulate(model, plan) for plan in all_plans(model)]
+        return cls(peaks=tuple(t.peak_bytes for t in timelines), recompute=tuple(t.recompute_us for t in timelines))
+
+    @property
+    def min_peak(self) -> int:
+        return min(self.peaks)
+
+    def least_recompute(self, budget_bytes: int) -> int | None:
+        """Least recompute time (µs) of any plan whose peak fits, or None."""
+        fits = [us for peak, us in zip(self.peaks, self.recompute) if peak <= budget_bytes]
+        return min(fits) if fits else None
+
+
 def brute_force(model: MemoryModel, budget_bytes: int) -> int | None:
     """Least recompute time (µs) of any plan whose simulated peak fits, or None."""
-    best = None
-    for plan in all_plans(model):
-        timeline = simulate(model, plan)
-        if timeline.peak_bytes <= budget_bytes and (best is None or timeline.recompute_us < best):
-            best = timeline.recompute_us
-    return best
+    return PlanTable.of(model).least_recompute(budget_bytes)
 
 
 def min_peak_brute(model: MemoryModel) -> int:
-    return min(simulate(model, plan).peak_bytes for plan in all_plans(model))
+    return PlanTable.of(model).min_peak
 
 
 __all__ = [
+    "PlanTable",
     "all_plans",
     "brute_force",
     "graph_profile",
