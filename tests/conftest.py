@@ -53,6 +53,32 @@ def random_graph(n: int, seed: int, skips: bool = False) -> tuple:
     return model, PlanTable.of(model)
 
 
+_PREPARED: dict = {}
+
+
+def prepared_once(key: str, build):
+    """``(model, inputs, loss_fn, Prepared)`` of ``build() -> (model, inputs, loss_fn)``, captured and profiled once
+    per ``key`` in this worker: the budgets of a test plan one profile (``optimize`` is ``prepare`` then
+    ``plan_for``, so each plan is the one ``optimize`` returns)."""
+    from planner import prepare
+
+    if key not in _PREPARED:
+        model, inputs, loss_fn = build()
+        _PREPARED[key] = (model, inputs, loss_fn, prepare(model, inputs=inputs, loss_fn=loss_fn))
+    return _PREPARED[key]
+
+
+def plan_at(prepared, budget):
+    """``plan_for(prepared, budget)``; ``"smallest"``: at the smallest peak the infeasible budget of 1 byte names."""
+    from planner import InfeasibleBudget, plan_for
+
+    if budget == "smallest":
+        with pytest.raises(InfeasibleBudget) as info:
+            plan_for(prepared, 1)
+        budget = info.value.min_peak_bytes
+    return plan_for(prepared, budget)
+
+
 def load_example(name: str) -> dict:
     """Runs ``examples/<name>.py`` and returns its namespace (model, inputs, loss_fn)."""
     return runpy.run_path(str(EXAMPLES / f"{name}.py"))

@@ -10,30 +10,26 @@ import sys
 
 import pytest
 from conftest import EXAMPLES as FOLDER
-from conftest import assert_plan_is_exact, load_example
+from conftest import assert_plan_is_exact, load_example, plan_at, prepared_once
 
-from planner import InfeasibleBudget, optimize
+from planner import InfeasibleBudget
 
 EXAMPLES = ["seed_cnn", "gpt", "resnet"]
 BUDGETS = ["100%", "70%", "50%", "smallest"]
 
 
-def _plan(model, budget, inputs, loss_fn):
-    if budget != "smallest":
-        return optimize(model, budget, inputs=inputs, loss_fn=loss_fn)
-    with pytest.raises(InfeasibleBudget) as info:
-        optimize(model, 1, inputs=inputs, loss_fn=loss_fn)
-    return optimize(model, info.value.min_peak_bytes, inputs=inputs, loss_fn=loss_fn)
+def _example(name: str):
+    example = load_example(name)
+    return example["model"], example["inputs"], example["loss_fn"]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("budget", BUDGETS)
 @pytest.mark.parametrize("name", EXAMPLES)
 def test_plan_matches_original_and_fits(name, budget, restore_buffers):
-    example = load_example(name)
-    model, inputs, loss_fn = example["model"], example["inputs"], example["loss_fn"]
+    model, inputs, loss_fn, prepared = prepared_once(name, lambda: _example(name))
     try:
-        plan = _plan(model, budget, inputs, loss_fn)
+        plan = plan_at(prepared, budget)
     except InfeasibleBudget as exc:  # a real regime for small models: say how low it can go
         assert exc.min_peak_bytes > exc.budget_bytes
         assert budget in ("70%", "50%") and name == "seed_cnn", f"{name} at {budget}: {exc}"

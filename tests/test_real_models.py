@@ -2,9 +2,8 @@
 
 import pytest
 import torch
-from conftest import assert_plan_is_exact
+from conftest import assert_plan_is_exact, plan_at, prepared_once
 
-from planner import InfeasibleBudget, optimize
 from planner.capture.api import ATEN
 
 transformers = pytest.importorskip("transformers")
@@ -39,14 +38,14 @@ def _loss(output):
 @pytest.mark.parametrize("build", [_gpt2, _llama, _bert], ids=["gpt2", "llama", "bert"])
 @pytest.mark.parametrize("budget", ["50%", "smallest"])
 def test_hugging_face_model(build, budget, restore_buffers):
-    torch.manual_seed(0)
-    model, inputs = build()
+    def made():
+        torch.manual_seed(0)
+        model, inputs = build()
+        return model.train(), inputs, None
+
+    model, inputs, _, prepared = prepared_once(build.__name__, made)
     model.train()
-    if budget == "smallest":
-        with pytest.raises(InfeasibleBudget) as info:
-            optimize(model, 1, inputs=inputs)
-        budget = info.value.min_peak_bytes
-    plan = optimize(model, budget, inputs=inputs)
+    plan = plan_at(prepared, budget)
     assert plan.capture_method == ATEN and plan.capture_notes and "symbolic_trace failed" in plan.capture_notes[0]
     assert plan.segments and all(seg.chain for seg in plan.segments)
     assert type(plan.module) is type(model)

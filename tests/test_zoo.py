@@ -2,10 +2,10 @@
 
 import pytest
 import torch
-from conftest import assert_plan_is_exact
+from conftest import assert_plan_is_exact, plan_at, prepared_once
 from zoo import MobileNetV2, ResNet18, ViT, images, labels_loss
 
-from planner import InfeasibleBudget, optimize
+from planner import InfeasibleBudget, optimize, plan_for
 from planner.capture.api import FX
 
 # (builder, batch, image size, reaches 50%): ResNet-18's stride-2 stem makes its first activations and
@@ -22,18 +22,18 @@ MODELS = {
 @pytest.mark.parametrize("name", list(MODELS))
 def test_zoo_model(name, budget, restore_buffers):
     build, batch, size, reaches_half = MODELS[name]
-    torch.manual_seed(0)
-    model, inputs, loss_fn = build(), images(batch, size), labels_loss(batch)
+
+    def made():
+        torch.manual_seed(0)
+        return build(), images(batch, size), labels_loss(batch)
+
+    model, inputs, loss_fn, prepared = prepared_once(name, made)
     if budget == "50%" and not reaches_half:
         with pytest.raises(InfeasibleBudget) as info:
-            optimize(model, budget, inputs=inputs, loss_fn=loss_fn)
+            plan_for(prepared, budget)
         assert info.value.min_peak_bytes > info.value.budget_bytes
         return
-    if budget == "smallest":
-        with pytest.raises(InfeasibleBudget) as info:
-            optimize(model, 1, inputs=inputs, loss_fn=loss_fn)
-        budget = info.value.min_peak_bytes
-    plan = optimize(model, budget, inputs=inputs, loss_fn=loss_fn)
+    plan = plan_at(prepared, budget)
     assert plan.capture_method == FX and plan.segments
     assert_plan_is_exact(model, plan, inputs, loss_fn, restore_buffers)
 
@@ -55,7 +55,7 @@ def test_autocast_bf16_profile_sees_the_saved_bf16_activations(restore_buffers):
         saved = [sum(p.storages[s].nbytes for n in p.nodes for s in n.saves if p.storages[s].producer >= 0)
                  for p in (full.profile, half.profile)]
         assert 0.4 < saved[1] / saved[0] < 0.75, saved
-        plan = optimize(model, "70%", inputs=inputs, loss_fn=loss_fn)
+        plan = plan_for(half, "70%")  # optimize under the same autocast: prepare, then plan_for
         assert not any(s.saved_nodes for s in plan.segments)  # SAC + autocast's cast cache: pytorch#193338
         assert_plan_is_exact(model, plan, inputs, loss_fn, restore_buffers)
 

@@ -66,7 +66,8 @@ class Timer(StepRunner):
 
 RUNS_VARIABLE = "CKPLAN_TIMING_RUNS"
 """Environment variable that sets how many timed steps of each kind every profile takes, busy machine or not,
-in one round (``Steps.for_machine``): fewer profile faster with noisier times (the test suite takes 1)."""
+in one round (``Steps.for_machine``) and without warm-up steps for selective checkpointing's cost: fewer profile
+faster with noisier times (the test suite takes 1)."""
 
 
 def _runs_from_environment() -> int | None:
@@ -254,7 +255,8 @@ def sac_op_overhead_us(gm: fx.GraphModule, inputs: Inputs, loss_fn: LossFn, devi
     selective = lambda: create_selective_checkpoint_contexts(_recompute_all)
     times: dict[Any, list[float]] = {noop_context_fn: [], selective: []}
     try:
-        step(noop_context_fn), step(selective)  # warm-up
+        if SET_RUNS is None:  # CKPLAN_TIMING_RUNS asks for speed over precision: no warm-up
+            step(noop_context_fn), step(selective)  # warm-up
         for i in range(runs):  # alternate which of the pair goes first
             for context_fn in (noop_context_fn, selective) if i % 2 else (selective, noop_context_fn):
                 times[context_fn].append(step(context_fn))
