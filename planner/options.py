@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any, TypedDict
 
 from planner.capture.step import LossFn
+from planner.common.loop import OptimizerState, TrainingLoop, ZeroGrad
 from planner.errors import OptionError
 from planner.follow.shapes import ShapeRange, check_spec
 from planner.profiling.record import Profile
@@ -80,8 +81,21 @@ class PlanOptions:
     parallelised with ``parallelize_module``, plan on its ranks with ``plan_on_rank0`` instead."""
     units: tuple[str, ...] | None = _option(None, prepared=True, refused={**_COMPILED, **_PROFILE})
     """FSDP units (module paths or globs); default the model's repeated blocks."""
-    optimizer: str | int | None = _option(None, prepared=True, refused={**_COMPILED, **_PLANNING})
-    """Count its state in the budget: ``adamw``, ``adam``, ``sgd``, ``sgd-momentum``, or its bytes."""
+    optimizer: Any = _option(None, prepared=True, refused={**_COMPILED, **_PLANNING})
+    """Count its state and its step in the budget: the optimizer object itself (its kind, hyperparameters and the
+    parameters it holds are read, its step measured on meta tensors: ``planner.profiling.optimizer``), a name
+    (``adamw``, ``adam``, ``sgd``, ``sgd-momentum``), or the bytes of its state."""
+    gradient_accumulation_steps: int = _option(1, prepared=True, refused={**_COMPILED, **_PLANNING})
+    """Micro-steps per optimizer step (Trainer's and accelerate's ``gradient_accumulation_steps``, Lightning's
+    ``accumulate_grad_batches``): from the second on, the earlier gradients are alive through forward and backward."""
+    zero_grad: ZeroGrad = _option(ZeroGrad.BEFORE_FORWARD, prepared=True, refused={**_COMPILED, **_PLANNING})
+    """Where the loop clears the last step's gradients: ``before_forward`` (after ``optimizer.step()``, plain
+    loops, Trainer) or ``before_backward`` (Lightning: the last step's gradients are alive through the forward)."""
+    set_to_none: bool = _option(True, prepared=True, refused={**_COMPILED, **_PLANNING})
+    """The loop's ``zero_grad(set_to_none=...)``: False keeps zero-filled gradients alive through every step."""
+    autocast: Any = _option(None, prepared=True, refused={**_COMPILED, **_APPLY})
+    """The ``torch.autocast`` dtype the training step runs under (``"bf16"``, ``"fp16"`` or the dtype): capture and
+    profile run under it; None: as the caller runs them (inside its own ``torch.autocast`` or not)."""
     mixed_precision: Any = _option(None, prepared=True, refused={**_ENABLE, **_COMPILED, **_PLANNING})
     """FSDP2's ``MixedPrecisionPolicy`` the job trains with (``param_dtype``, ``reduce_dtype``,
     ``cast_forward_inputs``): the step is profiled in ``param_dtype`` and the budget counts fp32 shards and
@@ -130,9 +144,35 @@ class PlanOptions:
         if self.follow_batch and self.sharded:
             raise OptionError(f"follow_batch cannot follow the batch on the ranks of an FSDP job (world_size="
                               f"{self.world_size}): plan for one shape, or follow the batch with parallel='ddp'")
+        steps = self.gradient_accumulation_steps
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise OptionError(f"gradient_accumulation_steps must be an integer >= 1 (micro-steps per optimizer step), "
+                              f"got {steps!r}")
+        if steps > 1 and self.sharded:
+            raise OptionError("gradient_accumulation_steps > 1 is not modelled on the ranks of an FSDP job: plan each "
+                              "micro-step's budget without it, or accumulate under parallel='ddp'")
+        if not isinstance(self.zero_grad, ZeroGrad):
+            choices = ", ".join(repr(z.value) for z in ZeroGrad)
+            try:
+                object.__setattr__(self, "zero_grad", ZeroGrad(self.zero_grad))
+            except ValueError:
+                raise OptionError(f"zero_grad must be one of {choices} (where the loop clears the gradients), got "
+                                  f"{self.zero_grad!r}") from None
+        if not isinstance(self.set_to_none, bool):
+            raise OptionError(f"set_to_none must be True or False (the loop's zero_grad(set_to_none=...)), got "
+                              f"{self.set_to_none!r}")
+        if self.autocast is not None:
+            object.__setattr__(self, "autocast", autocast_dtype(self.autocast))
         limit = self.time_limit_s
         if isinstance(limit, bool) or not isinstance(limit, int | float) or not 0 <= limit < float("inf"):
             raise OptionError(f"time_limit_s must be a number of seconds >= 0 (got {limit!r}); e.g. time_limit_s=60")
+
+    def loop(self, *, optimizer: OptimizerState | None, autocast: Any) -> TrainingLoop:
+        """The training loop these options describe, with the optimizer's state as measured for the model and the
+        autocast dtype the step runs under (the option's, or the caller's own)."""
+        return TrainingLoop(keep_output=self.keep_output, gradient_accumulation_steps=self.gradient_accumulation_steps,
+                            zero_grad=self.zero_grad, set_to_none=self.set_to_none, optimizer=optimizer,
+                            autocast=str(autocast).removeprefix("torch.") if autocast is not None else None)
 
     @property
     def sharded(self) -> bool:
@@ -157,7 +197,11 @@ class OptionArgs(TypedDict, total=False):
     parallel: str | None
     tensor_parallel: int
     units: Sequence[str] | None
-    optimizer: str | int | None
+    optimizer: Any
+    gradient_accumulation_steps: int
+    zero_grad: ZeroGrad | str
+    set_to_none: bool
+    autocast: Any
     mixed_precision: Any
     follow_batch: bool | None
     shapes: Sequence[Any] | None
@@ -170,6 +214,27 @@ PREPARED = tuple(f.name for f in fields(PlanOptions) if f.metadata["prepared"])
 """Options fixed when a model is prepared (captured and profiled); the others shape each solve."""
 if set(OptionArgs.__annotations__) != set(NAMES):  # the keyword form is written out for type checkers
     raise AssertionError(f"OptionArgs and PlanOptions differ: {sorted(set(OptionArgs.__annotations__) ^ set(NAMES))}")
+
+
+AUTOCAST_DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16",
+                   "half": "float16"}
+"""What ``autocast=`` takes by name: the dtypes ``torch.autocast`` runs in."""
+
+
+def autocast_dtype(value: Any) -> Any:
+    """The torch dtype ``autocast=`` names (``"bf16"``, ``torch.bfloat16``...).
+
+    Raises:
+        OptionError: anything else, naming the accepted forms.
+    """
+    import torch
+
+    if isinstance(value, str) and value.lower() in AUTOCAST_DTYPES:
+        return getattr(torch, AUTOCAST_DTYPES[value.lower()])
+    if value in (torch.bfloat16, torch.float16):
+        return value
+    raise OptionError(f"autocast must be one of {', '.join(AUTOCAST_DTYPES)} or torch.bfloat16/torch.float16 (the "
+                      f"dtype torch.autocast trains in), got {value!r}")
 
 
 def resolve(options: PlanOptions | None, overrides: Mapping[str, Any], *, where: str) -> PlanOptions:

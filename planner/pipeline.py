@@ -12,14 +12,13 @@ import torch
 from torch import nn
 from typing_extensions import Unpack
 
-from planner.capture.api import capture
-from planner.capture.cache import no_cache
-from planner.capture.frameworks import switched_off
-from planner.capture.inputs import as_inputs, bind, tensor_shapes
+from planner.capture.api import Captured, capture
+from planner.capture.inputs import Inputs, as_inputs, bind, tensor_shapes
 from planner.capture.method import ExecutorKind
-from planner.capture.step import parameters_in
-from planner.common.budget import check_budget, format_bytes, parse_budget
-from planner.distributed.memory import setup, split_at_units
+from planner.capture.setting import ambient_autocast, as_trained
+from planner.common.budget import check_budget, parse_budget
+from planner.common.loop import TrainingLoop
+from planner.distributed.memory import Distributed, setup, split_at_units
 from planner.distributed.tensor import local_model, tensor_parallel_degree, with_collectives
 from planner.errors import InfeasibleBudget, OptionError
 from planner.follow.family import Family, GroupPlan
@@ -29,8 +28,9 @@ from planner.options import PREPARED, OptionArgs, PlanOptions, resolve
 from planner.plan import MemoryTimeline, Plan
 from planner.planning.chunkings import save_options_for, solve_budget, solve_prepared
 from planner.planning.prepared import Prepared, chunked, prepared_from
-from planner.profiling.api import capture_inputs, profile_for
+from planner.profiling.api import capture_inputs, profile_for, step_device_type
 from planner.profiling.devices import load_device
+from planner.profiling.optimizer import optimizer_state
 from planner.profiling.record import Profile
 from planner.rewrite.modules import PlannedShapes
 from planner.rewrite.segment import Segment, segments_of
@@ -106,7 +106,6 @@ def prepare(model: nn.Module, *, inputs: UserInputs = None, options: PlanOptions
     plan must run, whatever torch.fx can trace (``ExecutorKind.HOOKS``: the model's own forward, for ``enable``);
     a plan that follows the batch always runs by hooks."""
     opts = resolve(options, overrides, where="prepare")
-    stage = opts.progress or (lambda name: None)
     example = as_inputs(model, inputs)
     tensor = None
     if opts.tensor_parallel > 1:  # one rank's share of every layer, on meta: what that rank holds and computes
@@ -116,25 +115,39 @@ def prepare(model: nn.Module, *, inputs: UserInputs = None, options: PlanOptions
                               "ranks with plan_on_rank0")
         model, tensor = local_model(model, opts.tensor_parallel)
     dist = setup(model, world_size=opts.world_size, parallel=opts.parallel, units=opts.units,
-                 optimizer=opts.optimizer, mixed_precision=opts.mixed_precision)
+                 mixed_precision=opts.mixed_precision)
     check_shapes(opts, bind(model, example.args, example.kwargs) or {})
-    dtype = dist.param_dtype if dist else None
-    with no_cache(model), switched_off(model), parameters_in(model, dtype):  # use_cache=False in training calls,
-        stage("capture")  # as Hugging Face's checkpointing does, its checkpointing off; the dtype FSDP2 computes in
-        step_inputs = example.cast(dtype) if dist and dist.cast_forward_inputs else example
+    shards = dist.world_size if dist is not None and dist.parallel == "fsdp" else 1
+    loop = opts.loop(optimizer=optimizer_state(opts.optimizer, model, device_type=step_device_type(model, opts.device),
+                                               shards=shards),  # what the loop holds besides the step
+                     autocast=opts.autocast or ambient_autocast(model))
+    captured, measured = captured_and_profiled(model, example, opts, loop=loop, distributed=dist, budget=budget,
+                                               runs=runs)
+    if tensor is not None:  # the all-reduces the local model does not run
+        assert opts.device is not None  # refused above without a device spec
+        measured = with_collectives(measured, tensor, load_device(opts.device))
+    return prepared_from(model, example, captured, measured, options=opts, loop=loop, distributed=dist)
+
+
+def captured_and_profiled(model: nn.Module, example: Inputs, opts: PlanOptions, *, loop: TrainingLoop,
+                          distributed: Distributed | None = None, budget: int | str | None = None,
+                          runs: ExecutorKind | None = None) -> tuple[Captured, Profile]:
+    """The step of ``prepare`` and ``profile`` captured and profiled as a planned model trains
+    (``planner.capture.setting.as_trained``: under the loop's autocast, in the dtype FSDP2 computes in)."""
+    stage = opts.progress or (lambda name: None)
+    dtype = distributed.param_dtype if distributed else None
+    with as_trained(model, autocast=loop.autocast_dtype, param_dtype=dtype):
+        stage("capture")
+        step_inputs = example.cast(dtype) if distributed and distributed.cast_forward_inputs else example
         captured = capture(model, capture_inputs(model, step_inputs),   # graph + module calls (meta inputs for a
-                           units=dist.opaque if dist else frozenset(),  # meta model); a plan that follows the
-                           whole_units=not opts.selective,              # batch runs by hooks; under FSDP, whole
-                           runs=ExecutorKind.HOOKS if opts.follow_batch else runs)  # units compile as calls
+                           units=distributed.opaque if distributed else frozenset(),  # meta model); a plan that
+                           whole_units=not opts.selective,              # follows the batch runs by hooks; under
+                           runs=ExecutorKind.HOOKS if opts.follow_batch else runs)  # FSDP, whole units are calls
         stage("profile")
         measured = profile_for(captured, model, step_inputs, loss_fn=opts.loss_fn,  # one real step node by node,
                                device=opts.device, saved=opts.profile,              # or a saved or estimated
                                keep_output=opts.keep_output, budget=budget)         # profile; in pieces if it
-    # does not fit where the model is
-    if tensor is not None:  # the all-reduces the local model does not run
-        assert opts.device is not None  # refused above without a device spec
-        measured = with_collectives(measured, tensor, load_device(opts.device))
-    return prepared_from(model, example, captured, measured, options=opts, distributed=dist)
+    return captured, measured                                                       # does not fit where it is
 
 
 def profile(model: nn.Module, *, inputs: UserInputs = None, options: PlanOptions | None = None,
@@ -159,14 +172,8 @@ def profile(model: nn.Module, *, inputs: UserInputs = None, options: PlanOptions
         >>> prof.save("profiles/mymodel-h100.json")                 # doctest: +SKIP
     """
     opts = resolve(options, overrides, where="profile")
-    stage = opts.progress or (lambda name: None)
-    example = as_inputs(model, inputs)
-    with no_cache(model):  # use_cache=False in training calls, as in a plan
-        stage("capture")
-        captured = capture(model, capture_inputs(model, example))
-        stage("profile")
-        return profile_for(captured, model, example, loss_fn=opts.loss_fn, device=opts.device,
-                           keep_output=opts.keep_output)
+    loop = opts.loop(optimizer=None, autocast=opts.autocast or ambient_autocast(model))
+    return captured_and_profiled(model, as_inputs(model, inputs), opts, loop=loop)[1]
 
 
 def plan_for(prepared: Prepared, budget: int | str, *, options: PlanOptions | None = None,
@@ -282,6 +289,7 @@ def plan_from_solution(prepared: Prepared, solution: Solution, budget_bytes: int
         peak_breakdown=predicted.breakdown,
         largest_kept=predicted.largest_kept,
         keep_output=prepared.profile.keep_output,
+        counted=prepared.loop.counted(),
         profile_pieces=prepared.profile.pieces,
         profile_peak_bytes=prepared.profile.profile_peak_bytes,
         planned_inputs=shapes,
@@ -307,8 +315,7 @@ def _setting(prepared: Prepared) -> str:
     elif dist is not None and dist.parallel == "ddp":
         parts.append(f"one rank of DDP over {dist.world_size} ranks: FSDP (parallel='fsdp') shards parameters, "
                      "gradients and optimizer state")
-    if dist is not None and dist.optimizer_bytes:
-        parts.append(f"{format_bytes(dist.optimizer_bytes)} of optimizer state counted")
+    parts += [f"counted: {item}" for item in prepared.loop.counted()[:-1]]  # the last says where the output is
     if prof.estimated_for:
         parts.append(f"memory from shapes and times estimated for {prof.estimated_for}")
     elif prof.pieces > 1:

@@ -115,6 +115,9 @@ class Plan:
     keep_output: bool = True
     """Whether the predicted peak assumes the loop keeps the model's output referenced through
     backward (``optimize(keep_output=...)``)."""
+    counted: tuple[str, ...] = ()
+    """What the predicted peak counts of the training loop besides the step's own tensors, one phrase each
+    (``planner.common.loop.TrainingLoop.counted``: the optimizer's state, gradients alive, autocast, the output)."""
     family: Any = field(default=None, repr=False, compare=False)
     """When the plan follows the batch (``follow_batch``): the ``planner.follow.family.Family`` of its groups' plans;
     ``segments`` are the example batch's group's. None: one plan for every call."""
@@ -175,6 +178,8 @@ class Plan:
             f"(budget {format_bytes(self.budget_bytes)}), recompute {self.recompute_ms:.2f} ms per step "
             f"= +{100 * self.predicted_overhead:.1f}% of a {self.step_ms:.2f} ms step",
         ]
+        if self.counted:
+            lines.append(f"  counted: {'; '.join(self.counted)}")
         lines += [f"  ({note.splitlines()[0][:160]})" for note in self.capture_notes]
         if self.segments:
             width = max(len(_describe(s)) for s in self.segments)
@@ -195,7 +200,7 @@ class Plan:
         for name in ("budget_bytes", "predicted_peak_bytes", "baseline_peak_bytes", "predicted_overhead",
                      "recompute_ms", "step_ms", "solver_status", "solve_time_s", "recompute_bound_ms", "fingerprint",
                      "capture_method", "capture_notes", "device", "source", "sac_op_us", "sac_cost_source",
-                     "planned_inputs", "keep_output", "profile_pieces", "profile_peak_bytes"):
+                     "planned_inputs", "keep_output", "counted", "profile_pieces", "profile_peak_bytes"):
             value = getattr(self, name)
             data[name] = value.value if isinstance(value, enum.Enum) else value  # enums as their short value
         data["peak_breakdown"] = None if self.peak_breakdown is None else self.peak_breakdown.to_dict()

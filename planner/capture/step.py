@@ -6,6 +6,7 @@ all run the user's model for real and must not change it.
 
 from __future__ import annotations
 
+import contextlib
 import reprlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -77,7 +78,10 @@ def backward(loss: torch.Tensor) -> None:
     device = loss.device.type
     if (device != "meta" and torch.is_autocast_enabled(device)) or torch.is_autocast_enabled("cpu"):
         torch.clear_autocast_cache()
-        with torch.autocast(loss.device.type, enabled=False), torch.autocast("cpu", enabled=False):
+        off = [torch.autocast(kind, enabled=False) for kind in dict.fromkeys((device, "cpu")) if kind != "meta"]
+        with contextlib.ExitStack() as stack:
+            for context in off:  # a replay on meta tensors has no autocast of its own to turn off
+                stack.enter_context(context)
             loss.backward()
     else:
         loss.backward()

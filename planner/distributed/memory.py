@@ -1,13 +1,13 @@
 """Planning for one rank of a data-parallel job (FSDP2 or DDP): the per-device memory model.
 
 The profile measures an un-sharded step: full parameters, gradients as autograd creates them,
-no optimizer state. ``memory_offset`` turns that into one rank's memory as a plan-independent
-per-node offset (added to the simulator's constants): under FSDP2 parameters, gradients and
-optimizer state are sharded 1/N, plus the all-gathered parameters of the units in flight and
-the reduce-scattered gradients in flight; under DDP the replicas stay whole and the gradient
-buckets are added. ``docs/distributed.md`` derives it. ``split_at_units`` cuts segments so each
-re-runs at most one FSDP unit: a unit re-run before its own backward stays gathered until then.
-What runs inside the job (rank agreement, sharding, counting) is in ``distributed_rank.py``.
+no optimizer state (the training loop's: ``planner.memory.offset``). ``memory_offset`` turns that
+into one rank's memory as a plan-independent per-node offset (added to the simulator's constants):
+under FSDP2 parameters and gradients are sharded 1/N, plus the all-gathered parameters of the units
+in flight and the reduce-scattered gradients in flight; under DDP the replicas stay whole and the
+gradient buckets are added. ``docs/distributed.md`` derives it. ``split_at_units`` cuts segments so
+each re-runs at most one FSDP unit: a unit re-run before its own backward stays gathered until then.
+What runs inside the job (rank agreement, sharding, counting) is in ``rank.py``.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from torch import nn
 from planner.capture.fsdp_units import resolve_units
 from planner.errors import InfeasibleBudget, OptionError
 from planner.memory.model import ChunkPlan, MemoryModel
+from planner.memory.offset import MemoryOffset
 from planner.memory.simulate import simulate
 from planner.profiling.memtrack import local_of
 from planner.profiling.record import Profile
@@ -33,8 +34,6 @@ from planner.solve.result import Solution, SolverStatus
 
 PARALLEL = ("fsdp", "ddp")
 """Data-parallel engines a plan can budget for."""
-OPTIMIZER_STATES = {"sgd": 0, "sgd-momentum": 1, "adam": 2, "adamw": 2}
-"""Optimizer state kept per parameter, in multiples of the parameter's bytes."""
 ROOT = ""
 """Unit name of the root module: the parameters outside every named unit."""
 
@@ -46,7 +45,7 @@ class Distributed:
     world_size: int
     """Number of ranks N the parameters are sharded over (FSDP) or replicated on (DDP)."""
     parallel: str | None
-    """``fsdp``, ``ddp``, or None on a single device (only the optimizer state is added)."""
+    """``fsdp`` or ``ddp``."""
     units: tuple[str, ...] = ()
     """Module paths of the FSDP units (``fully_shard`` targets besides the root), in model order."""
     unit_bytes: dict[str, int]
@@ -64,8 +63,6 @@ class Distributed:
     """Per unit: the reduce-scatter's input, all of the unit's gradients padded, in the reduce dtype."""
     param_bytes: int
     """All parameters, un-sharded, in the compute dtype, bytes (what the profile counted)."""
-    optimizer_bytes: int
-    """Optimizer state on one rank, bytes (sharded 1/N under FSDP)."""
     param_dtype: torch.dtype | None = None
     """FSDP2's ``MixedPrecisionPolicy.param_dtype``: what the parameters are gathered and computed in (the
     profile is measured with them cast to it); None: their own dtype."""
@@ -79,18 +76,18 @@ class Distributed:
 
 
 def setup(model: nn.Module, *, world_size: int = 1, parallel: str | None = None,
-          units: Sequence[str] | None = None, optimizer: str | int | None = None,
-          mixed_precision: Any = None) -> Distributed | None:
+          units: Sequence[str] | None = None, mixed_precision: Any = None) -> Distributed | None:
     """Checks the distributed arguments of ``optimize`` and measures the model's parameters.
 
     ``mixed_precision``: FSDP2's ``MixedPrecisionPolicy`` (``param_dtype``, ``reduce_dtype``,
     ``cast_forward_inputs``): shards and optimizer state stay in the parameters' dtype, parameters are
     gathered and computed in ``param_dtype``, gradients reduce-scattered in ``reduce_dtype``.
 
-    Returns None for a plain single-device plan (world_size 1, no parallel engine, no optimizer).
+    Returns None for a plain single-device plan (world_size 1, no parallel engine). The optimizer's state is the
+    training loop's (``planner.profiling.optimizer``, sharded there).
 
     Raises:
-        OptionError (a ValueError): world_size below 1, an unknown engine or optimizer, units that name no
+        OptionError (a ValueError): world_size below 1, an unknown engine, units that name no
             module, or a mixed-precision policy without FSDP.
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
@@ -105,14 +102,14 @@ def setup(model: nn.Module, *, world_size: int = 1, parallel: str | None = None,
     if mixed_precision is not None and parallel != "fsdp":
         raise OptionError("mixed_precision= is FSDP2's MixedPrecisionPolicy, but the plan is not for FSDP: pass "
                           "world_size=N (parallel='fsdp') or drop mixed_precision")
-    if parallel is None and optimizer is None:
+    if parallel is None:
         return None
     found = resolve_units(model, units) if parallel == "fsdp" else ()
     n = world_size if parallel == "fsdp" else 1
     param_dtype = getattr(mixed_precision, "param_dtype", None)
     reduce_dtype = getattr(mixed_precision, "reduce_dtype", None)
     sizes: dict[str, dict[str, int]] = {k: dict.fromkeys((ROOT, *found), 0) for k in _SIZES}
-    seen, counted, state = set(), 0, 0
+    seen, counted = set(), 0
     for name, parameter in model.named_parameters():
         if id(parameter) in seen:
             continue
@@ -128,11 +125,9 @@ def setup(model: nn.Module, *, world_size: int = 1, parallel: str | None = None,
             sizes["grad"][owner] += p.numel() * compute
             sizes["sharded_grad"][owner] += padded // n * p.element_size()
             sizes["reduce"][owner] += padded * _size(p, reduce_dtype or param_dtype)
-            state += padded // n * p.element_size()
     return Distributed(world_size=world_size, parallel=parallel, units=found, unit_bytes=sizes["unit"],
                        shard_bytes=sizes["shard"], grad_bytes=sizes["grad"], sharded_grad_bytes=sizes["sharded_grad"],
-                       reduce_bytes=sizes["reduce"], param_bytes=counted,
-                       optimizer_bytes=_optimizer_bytes(optimizer, state, n), param_dtype=param_dtype,
+                       reduce_bytes=sizes["reduce"], param_bytes=counted, param_dtype=param_dtype,
                        cast_forward_inputs=getattr(mixed_precision, "cast_forward_inputs", True))
 
 
@@ -154,17 +149,6 @@ def _padded(p: torch.Tensor, n: int) -> int:
     return math.ceil(p.shape[0] / n) * n * (p.numel() // max(p.shape[0], 1))
 
 
-def _optimizer_bytes(optimizer: str | int | None, trainable_shard_bytes: int, n: int) -> int:
-    if optimizer is None:
-        return 0
-    if isinstance(optimizer, str) and optimizer.lower() in OPTIMIZER_STATES:
-        return OPTIMIZER_STATES[optimizer.lower()] * trainable_shard_bytes
-    if isinstance(optimizer, int) and not isinstance(optimizer, bool) and optimizer >= 0:
-        return -(-optimizer // n)  # a total for all parameters: one rank holds its share
-    raise OptionError(f"unknown optimizer={optimizer!r}: use one of {', '.join(OPTIMIZER_STATES)} or the bytes "
-                      "of its state for the whole model (an int >= 0)")
-
-
 def unit_of_nodes(profile: Profile, units: Sequence[str]) -> list[str]:
     """The FSDP unit each node runs in (``""``: the root's own code)."""
     wanted = set(units)
@@ -174,21 +158,11 @@ def unit_of_nodes(profile: Profile, units: Sequence[str]) -> list[str]:
     return out
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class MemoryOffset:
-    """Plan-independent bytes added to every node's forward and backward constant."""
-
-    fwd_bytes: np.ndarray
-    bwd_bytes: np.ndarray
-    param_bytes: int
-    """Parameter and buffer bytes one rank keeps (shards under FSDP), for the peak's breakdown."""
-
-
 def memory_offset(profile: Profile, dist: Distributed) -> MemoryOffset:
     """One rank's memory minus the profiled un-sharded step's, per node (docs/distributed.md)."""
     n_nodes = len(profile.nodes)
-    resident = sum(dist.shard_bytes.values()) + dist.optimizer_bytes - dist.param_bytes
-    if dist.parallel != "fsdp":  # full replicas; DDP adds its flat gradient buckets
+    resident = sum(dist.shard_bytes.values()) - dist.param_bytes
+    if dist.parallel != "fsdp":  # DDP: full replicas, and its flat gradient buckets
         extra = resident + (sum(dist.grad_bytes.values()) if dist.parallel == "ddp" else 0)
         return MemoryOffset(fwd_bytes=np.full(n_nodes, extra, dtype=np.int64),
                             bwd_bytes=np.full(n_nodes, extra, dtype=np.int64),

@@ -29,16 +29,15 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-import torch
 from torch import nn
 
 from planner.capture.api import capture
-from planner.capture.cache import no_cache
-from planner.capture.frameworks import switched_off
 from planner.capture.inputs import Inputs, bind
 from planner.capture.method import ExecutorKind
+from planner.capture.setting import as_trained
 from planner.capture.tree import copy_runs_alone, private_copy
 from planner.common.checked_json import as_list, check_record, record_from_json
+from planner.common.loop import TrainingLoop
 from planner.common.units import format_bytes
 from planner.distributed.memory import setup
 from planner.errors import CaptureError, InfeasibleBudget, OptionError, ProfileError
@@ -57,8 +56,9 @@ from planner.rewrite.segment import Segment, segments_of
 from planner.solve.deadline import Deadline
 
 _SAVED_OPTIONS = ("keep_output", "solver", "time_limit_s", "max_chunks", "selective", "must_save", "must_recompute",
-                  "optimizer", "world_size", "parallel")
-"""What a saved family plans its new groups with (the loss function is the caller's: ``Plan.apply``)."""
+                  "world_size", "parallel")
+"""What a saved family plans its new groups with (the loss function is the caller's: ``Plan.apply``; the
+optimizer's state as measured is in the saved training loop)."""
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class GroupPlan:
@@ -80,8 +80,8 @@ class GroupPlan:
 class Family:
     """The plans of every group of call shapes seen so far, and how to plan a new group."""
 
-    def __init__(self, *, model: nn.Module | None, options: PlanOptions, budget_bytes: int, grid: ShapeGrid,
-                 reference: Profile, reference_roofline: Mapping[str, tuple[float, float]],
+    def __init__(self, *, model: nn.Module | None, options: PlanOptions, loop: TrainingLoop, budget_bytes: int,
+                 grid: ShapeGrid, reference: Profile, reference_roofline: Mapping[str, tuple[float, float]],
                  groups: dict[Shapes, GroupPlan] | None = None, example: Mapping[str, Any] | None = None) -> None:
         self.model = model
         """The model groups are captured and replayed on; None for a family read from a file, until it is
@@ -91,11 +91,11 @@ class Family:
         None for a family read from a file."""
         self.options = replace(options, follow_batch=False, shapes=None, progress=None)
         """What each group is planned with (it is planned once, so it follows nothing itself)."""
+        self.loop = loop
+        """The training loop every group's step runs in (the optimizer's state, gradients alive...)."""
         self.distributed = None if model is None else setup(model, world_size=self.options.world_size,
-                                                            parallel=self.options.parallel,
-                                                            optimizer=self.options.optimizer)
-        """What every group's step holds besides its own: the optimizer state (``optimizer=``) and DDP's
-        gradient buckets (``parallel="ddp"``); None for neither."""
+                                                            parallel=self.options.parallel)
+        """What every group's step holds on a DDP rank besides its own (gradient buckets); None on one device."""
         self.budget_bytes = budget_bytes
         self.grid = grid
         self.reference = reference
@@ -119,10 +119,11 @@ class Family:
         shapes = shaped(values)
         if not shapes:
             raise OptionError("follow_batch needs a tensor argument in the example inputs to follow")
-        return cls(model=prepared.model, options=options, budget_bytes=budget_bytes, grid=ShapeGrid.around(shapes),
+        return cls(model=prepared.model, options=options, loop=prepared.loop, budget_bytes=budget_bytes,
+                   grid=ShapeGrid.around(shapes),
                    reference=prepared.profile, example=values,
                    reference_roofline=reference_roofline(prepared.captured, prepared.model, prepared.example,
-                                                         prepared.profile, options=options))
+                                                         prepared.profile, options=options, loop=prepared.loop))
 
     @property
     def example_group(self) -> Shapes:
@@ -134,7 +135,8 @@ class Family:
     def bound(self, model: nn.Module, options: PlanOptions | None = None) -> Family:
         """This family planning its new groups on ``model`` (a family read from a file), with ``options``. The
         groups are shared: one planned on ``model`` shows in this family's ``table()`` and is saved with it."""
-        family = Family(model=model, options=options or self.options, budget_bytes=self.budget_bytes, grid=self.grid,
+        family = Family(model=model, options=options or self.options, loop=self.loop, budget_bytes=self.budget_bytes,
+                        grid=self.grid,
                         reference=self.reference, reference_roofline=self.reference_roofline, example=self.example)
         family.groups = self.groups
         family.strict, family.unplanned, family.flags_seen = self.strict, self.unplanned, self.flags_seen
@@ -155,6 +157,7 @@ class Family:
                          "steps": {k: list(v) for k, v in self.grid.steps.items()}},
                 "options": {name: list(value) if isinstance(value, tuple) else value
                             for name in _SAVED_OPTIONS for value in [getattr(opts, name)]},
+                "loop": self.loop.to_dict(),
                 "groups": [{"shapes": [[name, list(shape)] for name, shape in key], "segments":
                             [asdict(s) for s in group.segments], "predicted_peak_bytes": group.predicted_peak_bytes,
                             "baseline_peak_bytes": group.baseline_peak_bytes, "recompute_ms": group.recompute_ms,
@@ -182,7 +185,8 @@ class Family:
             groups[key] = group
         options = PlanOptions(**{k: v for k, v in data["options"].items() if k in _SAVED_OPTIONS})
         roofline = {str(name): (float(f), float(b)) for name, f, b in data["reference_roofline"]}
-        family = cls(model=None, options=options, budget_bytes=int(data["budget_bytes"]), grid=grid,
+        loop = TrainingLoop.from_dict(data.get("loop", {"keep_output": options.keep_output}), "plan.family.loop")
+        family = cls(model=None, options=options, loop=loop, budget_bytes=int(data["budget_bytes"]), grid=grid,
                    reference=profile_from_dict(data["reference_profile"], source="plan.family.reference_profile"),
                    reference_roofline=roofline, groups=groups)
         family.strict = bool(data.get("strict", True))
@@ -285,8 +289,7 @@ class Family:
                   "that follows the batch)"
         model = private_copy(self.model, drop_hooks=own_hooks(self.model))[0]  # never the user's own tree
         try:
-            with no_cache(model), switched_off(model), outside_autocast(self.reference.device), \
-                    copy_runs_alone(self.model):
+            with as_trained(model, autocast=self.loop.autocast_dtype), copy_runs_alone(self.model):
                 captured = capture(model, example, runs=ExecutorKind.HOOKS)
                 profile = scaled_profile(captured, model, example, self.reference, self.reference_roofline,
                                          options=self.options)
@@ -294,7 +297,8 @@ class Family:
             raise type(exc)(f"planning {setting}: {exc}; a plan that follows the batch runs the model and loss_fn at "
                              "each group's shape, so a loss_fn holding the example batch's targets cannot follow it "
                              "(a loss computed in forward, as Hugging Face models compute it, can)") from exc
-        prepared = prepared_from(model, example, captured, profile, options=self.options, distributed=self.distributed)
+        prepared = prepared_from(model, example, captured, profile, options=self.options, loop=self.loop,
+                                 distributed=self.distributed)
         try:
             prepared, solution = solve_prepared(prepared, self.budget_bytes, self.options,
                                                 Deadline.after(self.options.time_limit_s))
@@ -309,7 +313,7 @@ class Family:
 
 def other_flags(values: Mapping[str, Any], example: Mapping[str, Any] | None) -> dict[str, Any]:
     """The call's flags (plain values that choose what the forward runs: ``fused_lm_head=True``) that the
-    example did not pass alike; ``use_cache=False`` is how every step is planned (``no_cache``), and None is
+    example did not pass alike; ``use_cache=False`` is how every step is planned (``as_trained``), and None is
     an argument left out."""
     if example is None:
         return {}
@@ -331,9 +335,9 @@ def node_roofline(profile: Profile, replayed: Any) -> dict[str, tuple[float, flo
 
 
 def reference_roofline(captured: Any, model: nn.Module, example: Inputs, profile: Profile, *,
-                       options: PlanOptions) -> dict[str, tuple[float, float]]:
+                       options: PlanOptions, loop: TrainingLoop) -> dict[str, tuple[float, float]]:
     """The roofline times of the example batch's nodes, to scale its measured times from."""
-    with no_cache(model):  # as the example was profiled
+    with as_trained(model, autocast=loop.autocast_dtype):  # as the example was profiled
         replay = memory_on_meta(captured, model, example, loss_fn=options.loss_fn, keep_output=options.keep_output,
                                 op_ms=roofline_of(profile.device).op_ms, eager=False)
     return node_roofline(profile, replay.recorder)
@@ -369,9 +373,3 @@ def scaled_profile(captured: Any, model: nn.Module, example: Inputs, reference: 
                     device=reference.device)
 
 
-def outside_autocast(device: str) -> Any:
-    """No autocast on ``device`` while a group is planned: the training call that meets the group may run under
-    the trainer's (Trainer and accelerate wrap the step in ``torch.autocast`` for ``bf16=True``), and the group is
-    planned as the example batch was profiled, in the parameters' own dtype (an upper bound on the memory of
-    the step in a lower one)."""
-    return torch.autocast(device_type=torch.device(device).type, enabled=False)

@@ -11,16 +11,18 @@ import numpy as np
 
 from planner.memory.excess import openings
 from planner.memory.model import NEVER, MemoryModel, prefix_by
+from planner.memory.offset import MemoryOffset
 from planner.memory.regions import Regions
 from planner.profiling.record import Profile
 
 
-def build_model(profile: Profile, regions: Regions, *, offset=None, sac_op_us: float = 0.0,
+def build_model(profile: Profile, regions: Regions, *, offset: MemoryOffset | None = None, sac_op_us: float = 0.0,
                 sac_host_us: float | None = None) -> MemoryModel:
     """Precomputes the arrays of the memory model for ``profile`` cut into ``regions``.
 
-    ``offset`` (``planner.distributed.memory.MemoryOffset``): plan-independent bytes added per node to
-    the forward and backward constants, and the resident parameter bytes (one rank of a job).
+    ``offset`` (``planner.memory.offset.MemoryOffset``): plan-independent bytes added per node to the forward
+    and backward constants (the training loop's, one rank's share of a job), the resident parameter bytes, and
+    the live bytes while the optimizer steps.
     ``sac_op_us``: time selective checkpointing adds per ATen op of a segment with saves, microseconds
     (``planner.profiling.devices.sac_op_cost`` decides it; a node of unknown op count counts as one op
     when it reads tensors). ``sac_host_us``: for a device that runs kernels behind the host (a GPU), the
@@ -51,6 +53,7 @@ def build_model(profile: Profile, regions: Regions, *, offset=None, sac_op_us: f
         const_bwd=_const_bwd(profile, uses, has_bwd=has_bwd, kept_bwd=kept_bwd, own_saved=own_saved,
                              rank_bytes=bwd_rank),
         param_bytes=profile.param_bytes if offset is None else offset.param_bytes,
+        step_bytes=0 if offset is None else offset.step_bytes,
         # re-runs
         recompute_at=recompute_at, last_rerun=_last_rerun(recompute_at),
         const_recompute=_const_recompute(profile, recompute_at, kept_bwd=kept_bwd, rank_bytes=bwd_rank),

@@ -107,6 +107,8 @@ class MemoryModel:
     """What opens each module path (``planner.memory.excess.Opening``), path 0 the root."""
     around: tuple[tuple[int, ...], ...] = ()
     """Per node: the module paths whose calls enclose it (indices into ``openers``)."""
+    step_bytes: int = 0
+    """Live bytes while the optimizer steps after backward, which no plan changes (0: not modelled)."""
     stop_rise: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     """Per node: bytes its forward allocates up to its last saved tensor (``NodeCost.stop_peak_bytes``;
     ``fwd_rise`` when unknown). A re-run ending at the node stops there."""

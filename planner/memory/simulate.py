@@ -31,6 +31,9 @@ from planner.memory.model import ChunkPlan, MemoryModel, prefix_by
 from planner.memory.release import release_of
 from planner.memory.saves import NEVER, Saves, bump_relief, check_saves, kept_by_saves, rerun_parts
 
+STEP_PHASE = "optimizer step"
+"""``Timeline.peak_phase`` of a peak at the optimizer's step (``MemoryModel.step_bytes``)."""
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Timeline:
@@ -43,7 +46,7 @@ class Timeline:
     """Predicted peak during each node's backward (-1 where it has none)."""
     peak_bytes: int
     peak_phase: str
-    """``forward`` or ``backward``."""
+    """``forward``, ``backward`` or ``optimizer step`` (``STEP_PHASE``)."""
     peak_node: int
     recompute_us: int
     """Forward time re-run in backward, microseconds."""
@@ -114,6 +117,9 @@ def simulate(model: MemoryModel, plan: ChunkPlan, saves: Saves = frozenset()) ->
         phase, node, peak = "backward", int(bwd.argmax()), bwd_peak
         alive = kept & (release <= node)
         live_kept, bump = int(kept_bwd[node]), int(recomputed[node])
+    if model.step_bytes > peak:  # the optimizer's step after backward: activations gone, its own bytes there
+        phase, node, peak = STEP_PHASE, n - 1, model.step_bytes
+        alive, live_kept, bump = np.zeros_like(kept), 0, 0
     largest = sorted(np.flatnonzero(alive & (model.size > 0)), key=lambda s: -model.size[s])[:3]
     return Timeline(
         plan=tuple(plan), fwd_bytes=fwd, bwd_bytes=bwd, peak_bytes=peak, peak_phase=phase, peak_node=node,

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+import numpy as np
 from torch import nn
 
 from planner.capture.api import Captured
 from planner.capture.inputs import Inputs
+from planner.common.loop import TrainingLoop
 from planner.distributed.memory import Distributed, memory_offset
 from planner.memory.build import build_model
 from planner.memory.model import MemoryModel
+from planner.memory.offset import combined, loop_offset
 from planner.memory.regions import Regions, find_regions
 from planner.memory.rules import SegmentRules
 from planner.memory.simulate import Timeline, simulate
@@ -49,6 +52,8 @@ class Prepared:
     """SAC's per-op cost in ``memory`` and where it comes from (profile, device spec or default)."""
     distributed: Distributed | None = None
     """One rank of a data-parallel job (``world_size``, ``parallel``...), or None for one device."""
+    loop: TrainingLoop
+    """The training loop around the step: what it keeps alive besides the step's own tensors."""
     chunks: Chunked
     """The cost model at the chunking searched first (``chunked`` gives others)."""
 
@@ -66,11 +71,13 @@ class Prepared:
 
 
 def cost_model(profile: Profile, rules: SegmentRules, *, max_chunks: int | None, sac: SacCost,
-               distributed: Distributed | None) -> Chunked:
+               distributed: Distributed | None, loop: TrainingLoop) -> Chunked:
     """The regions (at most ``max_chunks`` chunks) of ``profile`` and the cost model over them."""
     regions = find_regions(profile, max_chunks=max_chunks, rules=rules)  # where segments may start and end
-    memory = build_model(profile, regions,                                # the cost model the solver optimises
-                         offset=distributed and memory_offset(profile, distributed),  # one rank's share of a job
+    has_bwd = np.array([node.bwd_peak_bytes is not None for node in profile.nodes], dtype=bool)
+    rank = memory_offset(profile, distributed) if distributed is not None else None  # one rank's share of a job
+    offset = combined(loop_offset(profile, loop), rank, has_bwd)        # and what the loop keeps alive
+    memory = build_model(profile, regions, offset=offset,                # the cost model the solver optimises
                          sac_op_us=sac.op_us, sac_host_us=sac.host_us)
     return Chunked(regions=regions, memory=memory, baseline=simulate(memory, ()))
 
@@ -78,11 +85,12 @@ def cost_model(profile: Profile, rules: SegmentRules, *, max_chunks: int | None,
 def chunked(prepared: Prepared, max_chunks: int | None) -> Prepared:
     """``prepared`` with its cost model at ``max_chunks`` chunks."""
     return replace(prepared, chunks=cost_model(prepared.profile, prepared.rules, max_chunks=max_chunks,
-                                               sac=prepared.sac_cost, distributed=prepared.distributed))
+                                               sac=prepared.sac_cost, distributed=prepared.distributed,
+                                               loop=prepared.loop))
 
 
 def prepared_from(model: nn.Module, example: Inputs, captured: Captured, profile: Profile, *, options: PlanOptions,
-                  distributed: Distributed | None = None) -> Prepared:
+                  loop: TrainingLoop, distributed: Distributed | None = None) -> Prepared:
     """The ``Prepared`` of a model already captured and profiled: its executor and rules, its cost model."""
     device = options.device
     sac = sac_op_cost(profile, load_device(device) if is_device_spec(device) else None)  # from the profile
@@ -90,6 +98,6 @@ def prepared_from(model: nn.Module, example: Inputs, captured: Captured, profile
     executor = executor_for(captured.method)  # how the plan will run, and so what it allows
     rules = executor.rules(captured, profile, units=distributed.units if distributed else ())
     return Prepared(model=model, example=example, options=options, captured=captured, profile=profile,
-                    executor=executor, rules=rules, sac_cost=sac, distributed=distributed,
+                    executor=executor, rules=rules, sac_cost=sac, distributed=distributed, loop=loop,
                     chunks=cost_model(profile, rules, max_chunks=options.max_chunks, sac=sac,
-                                      distributed=distributed))
+                                      distributed=distributed, loop=loop))

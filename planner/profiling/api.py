@@ -128,6 +128,17 @@ def capture_inputs(model: nn.Module, example: Inputs) -> Inputs:
                   kwargs={k: to_meta(v) for k, v in example.kwargs.items()})
 
 
+def step_device_type(model: nn.Module, device: Device) -> str:
+    """The kind of torch device the training step runs on (``cuda``, ``cpu``): a device spec's, else where the
+    model is."""
+    if is_device_spec(device):
+        return "cuda" if load_device(device).kind == "gpu" else "cpu"
+    if device is not None:
+        return torch.device(device).type
+    first = next(iter(model.parameters()), None)
+    return first.device.type if first is not None else "cpu"
+
+
 def resolve_device(model: nn.Module, device: Device) -> DeviceSpec | None:
     """The device spec to estimate for, or None to measure where the model is.
 

@@ -7,6 +7,7 @@ The module's gradients, buffers and RNG state are restored afterwards.
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -17,8 +18,9 @@ import torch
 from torch import nn
 
 from planner.capture.inputs import Inputs
-from planner.capture.step import backward, default_loss, untouched
+from planner.capture.step import LossFn, backward, default_loss, untouched
 from planner.capture.step import sync as _sync
+from planner.common.loop import TrainingLoop, ZeroGrad
 from planner.compat.torch_private import storage_id, tree_leaves
 from planner.profiling.memtrack import LiveStorages
 
@@ -54,6 +56,61 @@ def measure_peak(module: nn.Module, inputs: Inputs, loss_fn: Callable[[Any], tor
         with tracker:
             _step(module, inputs, loss_fn, keep_output=keep_output)
         return tracker.peak_bytes
+
+
+def measure_loop_peak(module: nn.Module, batches: Sequence[Inputs], loss_fn: LossFn | None = None, *,
+                      loop: TrainingLoop, optimizer: torch.optim.Optimizer | None = None) -> int:
+    """Peak bytes of the training loop ``loop`` describes, run for real over ``batches`` (one per micro-step), from
+    no gradients and no optimizer state: ``optimizer.step()`` after every ``loop.gradient_accumulation_steps``
+    micro-steps, gradients cleared (``set_to_none`` as the loop says) before the first micro-step's forward or, for
+    ``ZeroGrad.BEFORE_BACKWARD``, right before its backward, the output kept through backward and the optimizer's
+    step when the loop keeps it, and released at the end of each micro-step. On CUDA the allocator's peak, else the live storages (parameters,
+    buffers, gradients, optimizer state, inputs and everything the loop allocates). The module's parameters train:
+    pass a copy to keep the model as it was."""
+    device = next(module.parameters()).device
+    every = loop.gradient_accumulation_steps
+
+    def clear() -> None:
+        if optimizer is not None:
+            optimizer.zero_grad(set_to_none=loop.set_to_none)
+        else:
+            module.zero_grad(set_to_none=loop.set_to_none)
+
+    def run() -> None:
+        for i, inputs in enumerate(batches):
+            first = i % every == 0
+            if first and loop.zero_grad is ZeroGrad.BEFORE_FORWARD:
+                clear()
+            output = module(*inputs.args, **inputs.kwargs)
+            loss = (loss_fn or default_loss)(output)
+            if not loop.keep_output:
+                output = None
+            if first and loop.zero_grad is ZeroGrad.BEFORE_BACKWARD:
+                clear()
+            backward(loss)
+            if (i + 1) % every == 0 and optimizer is not None:
+                optimizer.step()
+            del loss, output
+
+    autocast = loop.autocast_dtype
+    context = torch.autocast(device.type, dtype=autocast) if autocast is not None else contextlib.nullcontext()
+    module.train()
+    for p in module.parameters():
+        p.grad = None
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        with context:
+            run()
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device)
+    tracker = LiveStorages(device)
+    for t in [*module.parameters(), *module.buffers(), *(t for b in batches for t in tree_leaves((b.args, b.kwargs)))]:
+        if isinstance(t, torch.Tensor):
+            tracker.track(t)
+    with tracker, context:
+        run()
+    return tracker.peak_bytes
 
 
 def _step(module: nn.Module, inputs: Inputs, loss_fn: Callable[[Any], torch.Tensor] | None, *,

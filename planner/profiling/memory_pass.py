@@ -127,6 +127,7 @@ def assemble(recorder: MemoryRecorder, captured: Captured, model: nn.Module, inp
             fwd_ms=times.fwd_ms[i], bwd_ms=times.bwd_ms[i],
             fwd_start_bytes=rec["fwd_start"], fwd_peak_bytes=rec["fwd_peak"],
             bwd_start_bytes=recorder.bwd_start.get(i), bwd_peak_bytes=recorder.bwd_peak.get(i),
+            bwd_grad_bytes=recorder.bwd_grads.get(i) if i in recorder.bwd_peak else None,
             inputs=tuple(sorted(rec["inputs"])), outputs=tuple(sorted(rec["outputs"])),
             saves=tuple(sorted(rec["saves"])), mutates=tuple(sorted(rec["mutates"])),
             mutated_buffers=tuple(rec["buffers"]), checkpointable=rec["kind"] != LOSS_NODE,
@@ -149,6 +150,7 @@ def assemble(recorder: MemoryRecorder, captured: Captured, model: nn.Module, inp
         step_bwd_ms=times.step_bwd_ms,
         checkpoint_overhead_ms=times.checkpoint_overhead_ms, sac_op_us=times.sac_op_us,
         baseline_peak_bytes=recorder.tracker.peak_bytes,
+        end_bytes=recorder.end_bytes,
         keep_output=recorder.keep_output,
         fingerprint=captured.fingerprint,
         capture_method=captured.method,
@@ -191,6 +193,11 @@ class MemoryRecorder(StepRunner):
         self.records: list[dict] = []
         self.bwd_start: dict[int, int] = {}
         self.bwd_peak: dict[int, int] = {}
+        self.bwd_grads: dict[int, int] = {}
+        """Per node: bytes of parameter gradients alive when its backward started."""
+        self.end_bytes: int | None = None
+        """Live bytes once backward has finished."""
+        self._trainable = [p for p in dict.fromkeys(model.parameters()) if p.requires_grad]
         self._index_of: dict[int, int] = {}
         self._producer = -1
         self._current: dict | None = None
@@ -345,6 +352,17 @@ class MemoryRecorder(StepRunner):
         self._open = index
         live = self.tracker.mark()
         self.bwd_start.setdefault(index, live)
+        self.bwd_grads.setdefault(index, self._grad_bytes())
+
+    def after_backward(self) -> None:
+        self._close_window()
+        self.end_bytes = self.tracker.live_bytes
+
+    def _grad_bytes(self) -> int:
+        """Bytes of the parameters' gradients alive now (each storage once)."""
+        storages = {storage_key(p.grad): local_of(p.grad).untyped_storage().nbytes()
+                    for p in self._trainable if p.grad is not None and self._here(local_of(p.grad))}
+        return sum(storages.values())
 
     def _close_window(self) -> None:
         if self._open is not None:

@@ -65,6 +65,9 @@ class NodeCost:
     """Live bytes just before its backward ran; None when it has no backward."""
     bwd_peak_bytes: int | None
     """Peak live bytes while its backward ran; None when it has no backward."""
+    bwd_grad_bytes: int | None = None
+    """Bytes of parameter gradients alive just before its backward ran (those the backward of the nodes before
+    it made; part of ``bwd_start_bytes``); None when unknown or it has no backward."""
     inputs: tuple[int, ...] = ()
     """Storages (indices into ``Profile.storages``) of the tensors it reads."""
     outputs: tuple[int, ...] = ()
@@ -118,6 +121,9 @@ class Profile:
     """Backward time of a whole un-instrumented step, ms."""
     baseline_peak_bytes: int = field(default=0)
     """Peak live bytes of the profiled un-checkpointed step."""
+    end_bytes: int | None = None
+    """Live bytes right after the step's backward: parameters and buffers, gradients, the inputs, the output
+    when kept (where the optimizer steps); None when unknown."""
     keep_output: bool = True
     """Whether the profiled step kept the model's output referenced through backward (a plain loop:
     ``out = model(x); loss_fn(out).backward()``) or dropped it first (Hugging Face Trainer)."""

@@ -97,6 +97,7 @@ class StepRunner(fx.Interpreter):
             self.before_backward()
             backward(loss)
             sync(self.device)
+            self.after_backward()
         finally:
             for handle in self._handles:
                 handle.remove()
@@ -175,3 +176,6 @@ class StepRunner(fx.Interpreter):
 
     def before_backward(self) -> None:
         """Called once the loss is computed, just before backward."""
+
+    def after_backward(self) -> None:
+        """Called once backward has finished, before the step's tensors are dropped."""

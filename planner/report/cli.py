@@ -26,15 +26,16 @@ import torch
 from rich.console import Console
 
 from planner.capture.inputs import as_inputs
-from planner.common.budget import ACCEPTED_FORMS, check_budget
-from planner.distributed.memory import OPTIMIZER_STATES
+from planner.common.budget import ACCEPTED_FORMS, check_budget, parse_budget
+from planner.common.loop import ZeroGrad
 from planner.errors import BudgetError, InfeasibleBudget, OptionError, PlannerError
 from planner.follow.shapes import ShapeRange
-from planner.options import PlanOptions
+from planner.options import AUTOCAST_DTYPES, PlanOptions
 from planner.pipeline import optimize, profile
 from planner.plan import Plan
 from planner.profiling.devices import device_names
 from planner.profiling.measure import measure_peak, step_times_ms
+from planner.profiling.optimizer import NAMED
 from planner.profiling.record import Profile, load_profile
 from planner.report import render as cli_report
 from planner.report.model_file import ModelFile, UserError, load_model_file, located, to_device
@@ -75,8 +76,19 @@ def build_parser() -> argparse.ArgumentParser:
                         "counts the data-parallel ranks (docs/distributed.md; default: 1)")
     p.add_argument("--parallel", choices=["fsdp", "ddp"],
                    help="data-parallel engine the budget is per rank of (default: fsdp when --world-size > 1)")
-    p.add_argument("--optimizer", type=_optimizer, metavar="NAME",
-                   help=f"count this optimizer's state in the budget: {', '.join(OPTIMIZER_STATES)} (default: none)")
+    p.add_argument("--optimizer", type=_optimizer, metavar="NAME|BYTES",
+                   help=f"count this optimizer's state and step in the budget: {', '.join(NAMED)}, or the bytes of its "
+                        "state (default: none)")
+    p.add_argument("--gradient-accumulation-steps", type=_micro_steps, default=1, metavar="N",
+                   help="micro-steps per optimizer step: the earlier ones' gradients are alive through the next "
+                        "forward and backward (default: 1)")
+    p.add_argument("--zero-grad", choices=[z.value for z in ZeroGrad], default=ZeroGrad.BEFORE_FORWARD.value,
+                   help="where the loop clears the gradients: before_backward is Lightning's order, which keeps the "
+                        "last step's through the forward (default: before_forward)")
+    p.add_argument("--zero-grad-keeps-tensors", action="store_true",
+                   help="the loop calls zero_grad(set_to_none=False): zero-filled gradients alive through every step")
+    p.add_argument("--autocast", choices=list(AUTOCAST_DTYPES),
+                   help="the training step runs under torch.autocast in this dtype (default: none)")
     p.add_argument("--mixed-precision", choices=list(MIXED_PRECISION),
                    help="FSDP2 mixed precision: parameters gathered and computed in this dtype, gradients reduced "
                         "in float32 (MixedPrecisionPolicy; docs/distributed.md)")
@@ -252,10 +264,20 @@ def _model_code(model_file: str):
                         "ckplan ran it; forward and loss_fn must return a value, not exit") from exc
 
 
-def _optimizer(text: str) -> str:
-    if text.lower() not in OPTIMIZER_STATES:
-        raise argparse.ArgumentTypeError(f"unknown optimizer {text!r}; use one of {', '.join(OPTIMIZER_STATES)}")
-    return text.lower()
+def _optimizer(text: str) -> str | int:
+    if text.lower() in NAMED:
+        return text.lower()
+    try:
+        return parse_budget(text)  # bytes, in any of the budget's byte forms
+    except BudgetError:
+        raise argparse.ArgumentTypeError(f"unknown optimizer {text!r}; use one of {', '.join(NAMED)}, or the bytes "
+                                         "of its state (e.g. 2GiB)") from None
+
+
+def _micro_steps(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of micro-steps >= 1")
+    return int(text)
 
 
 MIXED_PRECISION = {"bf16": "bfloat16", "fp16": "float16"}
@@ -277,6 +299,8 @@ def _options(args: argparse.Namespace, found: ModelFile, stage: Callable[[str], 
                        time_limit_s=args.time_limit, max_chunks=args.max_chunks, selective=not args.whole_segments,
                        must_save=tuple(args.must_save), must_recompute=tuple(args.must_recompute),
                        world_size=args.world_size, parallel=args.parallel, optimizer=args.optimizer,
+                       gradient_accumulation_steps=args.gradient_accumulation_steps, zero_grad=args.zero_grad,
+                       set_to_none=not args.zero_grad_keeps_tensors, autocast=args.autocast,
                        tensor_parallel=args.tensor_parallel,
                        mixed_precision=_mixed_precision(args.mixed_precision),
                        follow_batch=_follows(args), shapes=args.shapes,

@@ -119,6 +119,8 @@ def header(plan: Plan, *, model_file: str, solver: str) -> Table:
         (format_bytes(plan.predicted_peak_bytes), "bold green"),
         f" ({100 * change:+.1f}%)"))
     grid.add_row("budget", f"{format_bytes(plan.budget_bytes)} ({100 * share:.0f}% of the un-checkpointed peak)")
+    if plan.counted:
+        grid.add_row("counted", "; ".join(plan.counted))
     grid.add_row("overhead", Text.assemble(
         (f"+{100 * plan.predicted_overhead:.1f}%", "bold yellow"),
         f" predicted: {plan.recompute_ms:.2f} ms recomputed per {plan.step_ms:.2f} ms step"))

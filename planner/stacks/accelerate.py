@@ -1,0 +1,48 @@
+"""``plan_with``: an accelerate training loop plans its model with what its ``Accelerator`` knows.
+
+    accelerator = Accelerator(gradient_accumulation_steps=4, mixed_precision="bf16")
+    optimizer = torch.optim.AdamW(model.parameters())
+    plan_with(accelerator, model, "22GB", inputs=next(iter(loader)), optimizer=optimizer)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+
+The helper reads the ``Accelerator``'s ``gradient_accumulation_steps`` and ``mixed_precision`` (``bf16``/``fp16``:
+the step runs under ``torch.autocast``) and plans the model object in place, before ``prepare`` wraps it: with
+``enable`` on one process, with ``plan_on_rank0`` (one plan for every DDP rank) on several.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from planner.options import PlanOptions
+
+AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
+"""accelerate's ``mixed_precision`` values that run the step under ``torch.autocast``, and its dtype."""
+
+
+def plan_with(accelerator: Any, model: nn.Module, budget: int | str, *, inputs: Any, optimizer: Any = None,
+              options: PlanOptions | None = None, **overrides: Any) -> Any:
+    """Plans ``model`` in place for the step ``accelerator`` runs; returns the ``Plan``.
+
+    Args:
+        accelerator: the loop's ``accelerate.Accelerator``.
+        model: the model, before ``accelerator.prepare``.
+        budget: peak memory of one training step on one device (``"22GB"``, ``"60%"``, bytes).
+        inputs: one batch as the loop calls the model with it (a dict of keyword arguments or a tuple).
+        optimizer: the loop's optimizer (its state and step are counted), or None.
+        options, **overrides: ``PlanOptions`` fields (``loss_fn``, ``keep_output``...); the accelerator's
+            settings override them.
+    """
+    settings = {**overrides, "optimizer": optimizer,
+                "gradient_accumulation_steps": int(accelerator.gradient_accumulation_steps),
+                "autocast": AUTOCAST.get(str(getattr(accelerator, "mixed_precision", "no")))}
+    if accelerator.num_processes > 1:
+        from planner.distributed.rank import plan_on_rank0
+
+        return plan_on_rank0(model, budget, inputs=inputs, options=options, parallel="ddp", **settings)
+    from planner.inplace import enable
+
+    return enable(model, budget, inputs=inputs, options=options, **settings)
