@@ -20,7 +20,7 @@ model's epoch time minus the unplanned model's. Peaks are measured per batch (li
 parameters, gradients, activations, the loss). The groups the following plan needs are planned in a pass
 before the timed epoch; that pass is timed (the one-off planning cost).
 
-Then the times the family scales from the longest batch (``planner.follow.family.scaled_profile``) are checked
+Then the times the family scales from the longest batch (``planner.profiling.scaling.scaled_profile``) are checked
 against a profile measured at a group's own shape: step time, and the recompute of the group's plan
 against that of a plan made from the measured profile at the same budget.
 """

@@ -3,19 +3,19 @@
     python examples/accelerate_train.py                          # one process
     torchrun --nproc_per_node 2 examples/accelerate_train.py     # 2 CPU ranks on gloo
 
-A tiny Qwen2 with random weights and in-memory batches: nothing is downloaded. Plan before
-``accelerator.prepare``, which wraps the planned module as it wraps any model (``DistributedDataParallel`` in a
-job of several processes; ``torchrun`` sets the environment ``Accelerator`` reads). Every rank must run the same
-plan: ``plan_on_rank0`` plans on rank 0 for one rank of a DDP job (its gradient buckets and AdamW's state counted
-in the budget) and hands the plan to the others.
+A tiny Qwen2 with random weights and in-memory batches: nothing is downloaded. ``plan_with`` plans the model
+before ``accelerator.prepare`` for the step the ``Accelerator`` runs (its ``gradient_accumulation_steps`` and
+``mixed_precision``) with the loop's optimizer counted; ``prepare`` wraps the planned module as it wraps any model
+(``DistributedDataParallel`` in a job of several processes; ``torchrun`` sets the environment ``Accelerator``
+reads). On several processes every rank runs the plan rank 0 made for one rank of the DDP job (its gradient
+buckets counted too).
 """
 
 import torch
 import transformers
 from accelerate import Accelerator
 
-from planner import optimize
-from planner.distributed import plan_on_rank0
+from planner.stacks.accelerate import plan_with
 
 VOCAB, ROWS, LENGTH = 512, 4, 64
 BUDGET = "60%"  # of one process's step without checkpointing (a DDP rank's: its buckets and AdamW's state too)
@@ -35,20 +35,19 @@ def main() -> None:
                         generator=torch.Generator().manual_seed(1))
     rows = [{"input_ids": row, "labels": row} for row in ids]
     example = {"input_ids": ids[:ROWS], "labels": ids[:ROWS]}
-    model = build()  # train() keeps only the loss through backward: keep_output=False
-    if accelerator.num_processes > 1:
-        plan = plan_on_rank0(model, BUDGET, inputs=example, parallel="ddp", optimizer="adamw", keep_output=False)
-    else:
-        plan = optimize(model, BUDGET, inputs=example, keep_output=False)
+    model = build()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    plan = plan_with(accelerator, model, BUDGET, inputs=example, optimizer=optimizer,
+                     keep_output=False)  # train() keeps only the loss through backward
     accelerator.print(plan.summary())
-    losses = train(accelerator, plan.module, rows)
+    losses = train(accelerator, plan.module, optimizer, rows)
     print(f"rank {accelerator.process_index} losses: {losses}", flush=True)  # one write: the ranks share stdout
     accelerator.free_memory()  # drops the DDP wrapper before its process group: one outliving gloo's can hang at exit
     accelerator.end_training()
 
 
-def train(accelerator: Accelerator, module: torch.nn.Module, rows: list[dict]) -> list[float]:
-    optimizer = torch.optim.AdamW(module.parameters(), lr=1e-3)
+def train(accelerator: Accelerator, module: torch.nn.Module, optimizer: torch.optim.Optimizer,
+          rows: list[dict]) -> list[float]:
     loader = torch.utils.data.DataLoader(rows, batch_size=ROWS, shuffle=True)
     module, optimizer, loader = accelerator.prepare(module, optimizer, loader)
     losses = []

@@ -1,10 +1,11 @@
-"""Fine-tune a Hugging Face causal LM with ``transformers.Trainer`` on the module ckplan planned.
+"""Fine-tune a Hugging Face causal LM with ``transformers.Trainer``, planned by ckplan's callback.
 
     python examples/hf_trainer.py
 
-A tiny Qwen2 with random weights and an in-memory dataset: nothing is downloaded. ``plan.module`` is a
-``Qwen2ForCausalLM`` sharing the model's parameters, so Trainer, ``generate()`` and ``save_pretrained()`` take it
-as they take the model. Trainer's loop keeps only the loss through backward, hence ``keep_output=False``. With
+A tiny Qwen2 with random weights and an in-memory dataset: nothing is downloaded. ``PlanCallback`` plans the model
+in place when training begins, from the first batch of the Trainer's loader and what the Trainer runs: its AdamW
+(state counted), ``gradient_accumulation_steps`` (the earlier micro-steps' gradients counted), ``bf16``/``fp16``
+(the step planned under that autocast), the model's own loss and no output kept through backward. With
 ``gradient_checkpointing=True`` in the arguments, Trainer's call to ``gradient_checkpointing_enable()`` would warn
 once and leave Hugging Face's checkpointing off: the plan decides what is recomputed.
 """
@@ -13,7 +14,7 @@ import torch
 import transformers
 from datasets import Dataset
 
-from planner import optimize
+from planner.stacks.trainer import PlanCallback
 
 VOCAB, ROWS, LENGTH = 512, 4, 64
 
@@ -26,16 +27,16 @@ def build() -> transformers.Qwen2ForCausalLM:
 
 
 def main() -> None:
-    ids = torch.randint(0, VOCAB, (4 * ROWS, LENGTH), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(0, VOCAB, (8 * ROWS, LENGTH), generator=torch.Generator().manual_seed(1))
     data = Dataset.from_dict({"input_ids": ids.tolist(), "labels": ids.tolist()})
-    model = build()
-    plan = optimize(model, "60%", inputs={"input_ids": ids[:ROWS], "labels": ids[:ROWS]}, keep_output=False)
-    print(plan.summary())
     args = transformers.TrainingArguments(output_dir="/tmp/ckplan-hf-trainer", max_steps=4, learning_rate=1e-3,
-                                          per_device_train_batch_size=ROWS, logging_steps=1, use_cpu=True,
-                                          save_strategy="no", report_to=[], seed=0, disable_tqdm=True)
-    trainer = transformers.Trainer(model=plan.module, args=args, train_dataset=data)
+                                          per_device_train_batch_size=ROWS, gradient_accumulation_steps=2,
+                                          logging_steps=1, use_cpu=True, save_strategy="no", report_to=[], seed=0,
+                                          disable_tqdm=True)
+    planning = PlanCallback("60%")  # of the step Trainer runs without checkpointing, AdamW's state included
+    trainer = transformers.Trainer(model=build(), args=args, train_dataset=data, callbacks=[planning])
     trainer.train()
+    print(planning.plan.summary())
     print("losses:", [round(h["loss"], 4) for h in trainer.state.log_history if "loss" in h])
 
 

@@ -1,11 +1,15 @@
-"""Supervised fine-tuning with TRL's ``SFTTrainer``, its defaults included, on a model ckplan planned in place.
+"""Supervised fine-tuning with TRL's ``SFTTrainer``, its defaults included, planned by ckplan's Trainer callback.
 
     python examples/trl_sft.py
 
 A tiny Qwen2 with random weights, a word-level tokenizer built in memory and an in-memory text dataset: nothing
-is downloaded. ``enable`` plans the model object itself, as ``gradient_checkpointing_enable()`` would; TRL's
-``SFTConfig`` turns Hugging Face's gradient checkpointing on by default, and on the planned model that call warns
-once and leaves it off, so that no layer is checkpointed twice. ``disable(model)`` takes the plan off again.
+is downloaded. ``PlanCallback`` plans the model object itself when training begins (as
+``gradient_checkpointing_enable()`` would), from the first batch of the trainer's loader and what the trainer runs:
+its AdamW, its precision, its accumulation, no output kept through backward. The plan follows the batch: TRL pads
+each batch to its longest row, and each new length group is planned when a step first meets it, under the same
+budget in bytes. TRL's ``SFTConfig`` turns Hugging Face's gradient checkpointing on by default; on the planned
+model that call warns once and leaves it off, so that no layer is checkpointed twice. ``disable(model)`` takes the
+plan off again.
 """
 
 import tokenizers
@@ -14,7 +18,8 @@ import transformers
 from datasets import Dataset
 from trl import SFTConfig, SFTTrainer
 
-from planner import disable, enable
+from planner import disable
+from planner.stacks.trainer import PlanCallback
 
 WORDS, ROWS, LENGTH = 120, 4, 64
 
@@ -45,15 +50,13 @@ def build() -> transformers.Qwen2ForCausalLM:
 
 def main() -> None:
     model = build()
-    longest = torch.randint(0, WORDS, (ROWS, LENGTH), generator=torch.Generator().manual_seed(1))
-    batch = {"input_ids": longest, "attention_mask": torch.ones_like(longest), "labels": longest}  # as the collator
-    plan = enable(model, "60%", inputs=batch, keep_output=False)                                 # makes it
-    print(plan.summary())
+    planning = PlanCallback("60%")  # of the first batch's step without checkpointing, AdamW's state included
     args = SFTConfig(output_dir="/tmp/ckplan-trl-sft", max_steps=4, per_device_train_batch_size=ROWS,
                      logging_steps=1, use_cpu=True, save_strategy="no", report_to=[], seed=0, disable_tqdm=True)
     trainer = SFTTrainer(model=model, args=args, train_dataset=Dataset.from_dict({"text": texts()}),
-                         processing_class=tokenizer())
+                         processing_class=tokenizer(), callbacks=[planning])
     trainer.train()
+    print(planning.plan.summary())
     print("losses:", [round(h["loss"], 4) for h in trainer.state.log_history if "loss" in h])
     disable(model)  # the model as it was: its own forward, Hugging Face's checkpointing methods back
 

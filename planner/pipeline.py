@@ -12,23 +12,23 @@ import torch
 from torch import nn
 from typing_extensions import Unpack
 
-from planner.capture.api import Captured, capture
-from planner.capture.inputs import Inputs, as_inputs, bind, tensor_shapes
+from planner.capture.inputs import as_inputs, bind, tensor_shapes
 from planner.capture.method import ExecutorKind
-from planner.capture.setting import ambient_autocast, as_trained
+from planner.capture.setting import ambient_autocast
 from planner.common.budget import check_budget, parse_budget
-from planner.common.loop import TrainingLoop
-from planner.distributed.memory import Distributed, setup, split_at_units
+from planner.distributed.memory import setup, split_at_units
 from planner.distributed.tensor import local_model, tensor_parallel_degree, with_collectives
 from planner.errors import InfeasibleBudget, OptionError
-from planner.follow.family import Family, GroupPlan
+from planner.follow.family import Family
+from planner.follow.groups import GroupPlan
 from planner.follow.shapes import ShapeGrid, realize, shaped, spread
 from planner.memory.simulate import Timeline, simulate
 from planner.options import PREPARED, OptionArgs, PlanOptions, resolve
 from planner.plan import MemoryTimeline, Plan
 from planner.planning.chunkings import save_options_for, solve_budget, solve_prepared
 from planner.planning.prepared import Prepared, chunked, prepared_from
-from planner.profiling.api import capture_inputs, profile_for, step_device_type
+from planner.planning.step import captured_and_profiled
+from planner.profiling.api import step_device_type
 from planner.profiling.devices import load_device
 from planner.profiling.optimizer import optimizer_state
 from planner.profiling.record import Profile
@@ -127,27 +127,6 @@ def prepare(model: nn.Module, *, inputs: UserInputs = None, options: PlanOptions
         assert opts.device is not None  # refused above without a device spec
         measured = with_collectives(measured, tensor, load_device(opts.device))
     return prepared_from(model, example, captured, measured, options=opts, loop=loop, distributed=dist)
-
-
-def captured_and_profiled(model: nn.Module, example: Inputs, opts: PlanOptions, *, loop: TrainingLoop,
-                          distributed: Distributed | None = None, budget: int | str | None = None,
-                          runs: ExecutorKind | None = None) -> tuple[Captured, Profile]:
-    """The step of ``prepare`` and ``profile`` captured and profiled as a planned model trains
-    (``planner.capture.setting.as_trained``: under the loop's autocast, in the dtype FSDP2 computes in)."""
-    stage = opts.progress or (lambda name: None)
-    dtype = distributed.param_dtype if distributed else None
-    with as_trained(model, autocast=loop.autocast_dtype, param_dtype=dtype):
-        stage("capture")
-        step_inputs = example.cast(dtype) if distributed and distributed.cast_forward_inputs else example
-        captured = capture(model, capture_inputs(model, step_inputs),   # graph + module calls (meta inputs for a
-                           units=distributed.opaque if distributed else frozenset(),  # meta model); a plan that
-                           whole_units=not opts.selective,              # follows the batch runs by hooks; under
-                           runs=ExecutorKind.HOOKS if opts.follow_batch else runs)  # FSDP, whole units are calls
-        stage("profile")
-        measured = profile_for(captured, model, step_inputs, loss_fn=opts.loss_fn,  # one real step node by node,
-                               device=opts.device, saved=opts.profile,              # or a saved or estimated
-                               keep_output=opts.keep_output, budget=budget)         # profile; in pieces if it
-    return captured, measured                                                       # does not fit where it is
 
 
 def profile(model: nn.Module, *, inputs: UserInputs = None, options: PlanOptions | None = None,

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from planner import InfeasibleBudget, load_plan, plan_for, prepare
 from planner.capture.fsdp_units import resolve_units
+from planner.memory.build import build_model
 from planner.distributed.memory import memory_offset, setup, split_at_units
 from planner.distributed.rank import (
     apply_plan,
@@ -97,13 +98,17 @@ def units_prepared():
     from planner.planning.prepared import prepared_from
     from planner.profiling.api import profile_for
 
+    from planner.profiling.optimizer import optimizer_state
+
     model = make_model()
     options = PlanOptions(loss_fn=loss_fn, world_size=2, optimizer="adamw")
-    job = setup(model, world_size=2, optimizer="adamw")
+    job = setup(model, world_size=2)
+    assert job is not None
     captured = capture(model, units=job.opaque)
     example = as_inputs(model, (rank_inputs(0),))
     profile = profile_for(captured, model, example, loss_fn=loss_fn)
-    return prepared_from(model, example, captured, profile, options=options, distributed=job)
+    loop = options.loop(optimizer=optimizer_state("adamw", model, device_type="cpu", shards=2), autocast=None)
+    return prepared_from(model, example, captured, profile, options=options, loop=loop, distributed=job)
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -113,8 +118,6 @@ def units_prepared():
     ({"world_size": 2, "units": ["blocks.9"]}, "unit 'blocks.9' matches no submodule of Net"),
     ({"world_size": 2, "units": ["blocks.*", "blocks.1.fc1"]}, "unit 'blocks.1.fc1' is inside unit 'blocks.1'"),
     ({"world_size": 2, "parallel": "ddp", "units": ["blocks.*"]}, "units= names FSDP units"),
-    ({"world_size": 2, "optimizer": "lion"}, "unknown optimizer='lion'"),
-    ({"optimizer": -1}, "unknown optimizer=-1"),
 ])
 def test_bad_arguments_say_what_to_do(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -126,15 +129,23 @@ def test_units_default_to_the_repeated_blocks_and_accept_globs():
     assert resolve_units(model, None) == tuple(UNITS)
     assert resolve_units(model, ["blocks.*"]) == tuple(UNITS)
     assert resolve_units(model, "blocks.[02]") == ("blocks.0", "blocks.2")
-    assert setup(model) is None  # one device, no optimizer: the plain model
+    assert setup(model) is None  # one device: the plain model
 
 
 def test_fsdp_offset_matches_the_hand_computed_model(units_prepared):
-    """Net: 4 blocks of 132352 parameter bytes and a head (root unit) of 16640; 2 ranks; AdamW."""
+    """Net: 4 blocks of 132352 parameter bytes and a head (root unit) of 16640; 2 ranks; AdamW, whose state
+    (sharded, and a float32 ``step`` per parameter on this CPU) is the loop's, counted once on top."""
     block, head, n = 132352, 16640, 2
     total = DEPTH * block + head
-    resident = total // n + 2 * total // n - total          # shards + AdamW state (sharded) - full params
+    resident = total // n - total                           # shards - full params
     offset = memory_offset(units_prepared.profile, units_prepared.distributed)
+    state = units_prepared.loop.optimizer.state_bytes
+    steps = 4 * len(list(make_model().parameters()))
+    assert state == 2 * total // n + steps // n
+    memory = units_prepared.memory  # the loop's state on every node, forward and backward
+    rank_only = build_model(units_prepared.profile, units_prepared.regions, offset=offset,
+                            sac_op_us=units_prepared.sac_cost.op_us, sac_host_us=units_prepared.sac_cost.host_us)
+    assert (memory.const_fwd - rank_only.const_fwd == state).all()
     names = [node.name for node in units_prepared.profile.nodes]
     assert names == ["blocks_0", "blocks_1", "blocks_2", "blocks_3", "head", "loss"]
     # forward: root + current unit + max(its all-gather buffer, the next unit prefetched)
@@ -147,13 +158,20 @@ def test_fsdp_offset_matches_the_hand_computed_model(units_prepared):
 
 
 def test_ddp_offset_is_replicas_plus_buckets_plus_optimizer(units_prepared):
+    from planner.common.loop import TrainingLoop
+    from planner.memory.offset import combined, loop_offset
+    from planner.profiling.optimizer import optimizer_state
+
     model = make_model()
-    ddp = setup(model, world_size=2, parallel="ddp", optimizer="adamw")
+    ddp = setup(model, world_size=2, parallel="ddp")
     offset = memory_offset(units_prepared.profile, ddp)
     grads = sum(p.numel() * p.element_size() for p in model.parameters())
-    assert set(offset.fwd_bytes.tolist()) == set(offset.bwd_bytes.tolist()) == {2 * grads + grads}
-    single = memory_offset(units_prepared.profile, setup(model, optimizer=12345))  # one device: the state only
+    assert set(offset.fwd_bytes.tolist()) == set(offset.bwd_bytes.tolist()) == {grads}  # the gradient buckets
+    loop = TrainingLoop(optimizer=optimizer_state(12345, model, device_type="cpu"))  # one device: the state only
+    single = loop_offset(units_prepared.profile, loop)
     assert set(single.fwd_bytes.tolist()) == set(single.bwd_bytes.tolist()) == {12345}
+    both = combined(single, offset, units_prepared.memory.has_bwd)
+    assert set(both.fwd_bytes.tolist()) == {grads + 12345}
 
 
 def test_segments_are_cut_to_one_unit_each(units_prepared):

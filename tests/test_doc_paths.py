@@ -165,3 +165,20 @@ def test_readme_lists_every_plan_option() -> None:
     names = re.findall(r"`(\w+)`", listed.group(1))
     assert names == [f.name for f in dataclasses.fields(PlanOptions)], (
         "README.md's option list differs from PlanOptions' fields (same names, same order)")
+
+
+def test_every_file_the_package_names_exists() -> None:
+    """A file a docstring, comment or message of planner/ names (``switch.py``, ``capture/aten.py``,
+    ``docs/limits.md``) exists: a bare module name beside the file or elsewhere in the package."""
+    missing = []
+    for path in _text_files(PLANNER, (".py",)):
+        for number, line in _source_text(path):
+            for match in FILE_PATH.finditer(line):
+                name = match.group(1)
+                if not name.endswith((".py", ".md")) or name in USER_FILES:
+                    continue
+                found = (any(PLANNER.rglob(name)) or any(ROOT.glob(name))) if "/" not in name else _file_exists(name,
+                                                                                                                 path)
+                if not found:
+                    missing.append(f"{_relative(path)}:{number}: {name}")
+    assert not missing, "files named in planner/ that do not exist:\n" + "\n".join(missing)

@@ -391,7 +391,7 @@ def test_a_hugging_face_plan_follows_the_batch_by_default_and_says_when_it_plans
     for _ in range(2):
         plan.module(**batch(2, 16)).loss.backward()
     lines = capsys.readouterr().err.splitlines()
-    said = [line for line in lines if line.startswith("ckplan: planning a new shape group")]
+    said = [line for line in lines if line.startswith("ckplan: planned a new shape group")]
     assert len(said) == 1 and "input_ids (2, 16)" in said[0] and "predicted peak" in said[0], lines
     assert len(plan.family.groups) == 2
 
@@ -437,3 +437,30 @@ def test_a_forward_set_on_the_instance_runs_the_copy_it_was_cloned_into():
     model.forward = MethodType(wrapped, model)
     for copy in (clone_tree(model)[0], private_copy(model)[0]):
         assert copy.forward.__self__ is copy and model.forward.__self__ is model
+
+
+def _memory_of(prof) -> tuple:
+    """What a profile says about memory, node by node and storage by storage (times are measured, so noisy)."""
+    nodes = tuple((n.name, n.fwd_start_bytes, n.fwd_peak_bytes, n.bwd_start_bytes, n.bwd_peak_bytes, n.inputs,
+                   n.outputs, n.saves) for n in prof.nodes)
+    return (nodes, tuple(prof.storages), prof.param_bytes, prof.grad_bytes, prof.baseline_peak_bytes,
+            prof.fingerprint, prof.keep_output)
+
+
+@pytest.mark.parametrize("autocast", [None, "bf16"])
+def test_profile_optimize_and_a_shape_group_profile_the_same_step(autocast):
+    """``planner.profile``, ``prepare`` (what ``optimize`` and ``enable`` plan from) and a shape group of a plan
+    that follows the batch, planned at the example's own shape, go through one step preparation: the same
+    graph and the same bytes, node by node (the fp32 group's from a meta replay, the others measured; under
+    autocast, which meta tensors do not run, a group no larger than the example's is measured too)."""
+    from planner import prepare, profile
+    from planner.capture.inputs import bind
+    from planner.follow.family import Family
+
+    model, inputs = make_model("qwen2"), batch(2, 32)
+    alone = profile(model, inputs=inputs, keep_output=False, autocast=autocast)
+    prepared = prepare(model, inputs=inputs, keep_output=False, follow_batch=True, autocast=autocast)
+    family = Family.around(prepared, prepared.baseline.peak_bytes, prepared.options)
+    group = family.prepared(family.example_group, bind(model, (), inputs) or {}).profile
+    assert _memory_of(prepared.profile) == _memory_of(alone)
+    assert _memory_of(group) == _memory_of(alone)

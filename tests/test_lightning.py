@@ -63,9 +63,12 @@ class Finetune(pl.LightningModule):
 class StepPeaks(pl.Callback):
     """Each training step's loss and peak: the exact storage tracker from the batch's start to the optimizer step
     (forward and backward), with the parameters, buffers, the batch and any gradients still alive resident; and the
-    bytes alive when Lightning zeroes the gradients (after ``training_step``, before backward)."""
+    bytes alive when Lightning zeroes the gradients (after ``training_step``, before backward). ``whole``: to the
+    batch's end instead, the optimizer's state resident too and its step inside (every micro-step of an
+    accumulation)."""
 
-    def __init__(self) -> None:
+    def __init__(self, whole: bool = False) -> None:
+        self.whole = whole
         self.losses: list[float] = []
         self.peaks: list[int] = []
         self.before_zero_grad: list[int] = []
@@ -74,7 +77,9 @@ class StepPeaks(pl.Callback):
     def on_train_batch_start(self, trainer, pl_module, step_batch, batch_idx) -> None:
         self.tracker = LiveStorages("cpu")
         grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
-        for t in [*pl_module.parameters(), *pl_module.buffers(), *step_batch.values(), *grads]:
+        state = [t for optimizer in trainer.optimizers for values in optimizer.state.values()
+                 for t in values.values() if isinstance(t, torch.Tensor)] if self.whole else []
+        for t in [*pl_module.parameters(), *pl_module.buffers(), *step_batch.values(), *grads, *state]:
             self.tracker.track(t)
         self.tracker.__enter__()
 
@@ -82,21 +87,29 @@ class StepPeaks(pl.Callback):
         assert self.tracker is not None
         self.before_zero_grad.append(self.tracker.live_bytes)
 
-    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+    def _close(self) -> None:
         assert self.tracker is not None
         self.tracker.__exit__(None, None, None)
         self.peaks.append(self.tracker.peak_bytes)
+        self.tracker = None
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        if not self.whole:
+            self._close()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, step_batch, batch_idx) -> None:
+        if self.whole:
+            self._close()
         self.losses.append(float(outputs["loss"]))
 
 
-def fit(module: Finetune) -> StepPeaks:
+def fit(module: Finetune, *callbacks: pl.Callback, whole: bool = False, **trainer_args) -> StepPeaks:
     ids = torch.randint(0, 120, (12, 64), generator=torch.Generator().manual_seed(1))
     loader = torch.utils.data.DataLoader([{"input_ids": row, "labels": row} for row in ids], batch_size=4)
-    peaks = StepPeaks()
+    peaks = StepPeaks(whole)
     trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=3, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, callbacks=[peaks])
+                         enable_progress_bar=False, enable_model_summary=False, callbacks=[*callbacks, peaks],
+                         **trainer_args)
     trainer.fit(module, loader)
     return peaks
 
@@ -129,3 +142,24 @@ def test_lightnings_own_order_holds_the_gradients_through_the_next_forward():
         assert run.peaks[0] < run.peaks[1] == run.peaks[2] <= run.peaks[0] + grads
         if how is not None:
             assert module.plan is not None and run.peaks[0] <= module.plan.budget_bytes
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_the_callback_plans_lightnings_own_loop_within_budget(accumulate):
+    """``PlanCallback`` on a LightningModule that knows nothing of ckplan, in Lightning's own order (gradients zeroed
+    right before backward), with and without accumulation: it reads the optimizer, the order and the accumulation,
+    counts them, and every step's peak is within the budget and within 1% of the prediction; the losses are the
+    unplanned module's."""
+    from planner.stacks.lightning import PlanCallback
+
+    expected = fit(Finetune(free_gradients=False), whole=True, accumulate_grad_batches=accumulate)
+    planning = PlanCallback(BUDGET, time_limit_s=10)
+    run = fit(Finetune(free_gradients=False), planning, whole=True, accumulate_grad_batches=accumulate)
+    plan = planning.plan
+    assert plan is not None and plan.segments
+    assert any(item.startswith("AdamW state") for item in plan.counted)
+    assert any(item.startswith("gradients alive in forward") for item in plan.counted)
+    assert run.losses == expected.losses
+    for peak in run.peaks:
+        assert peak <= plan.budget_bytes and abs(peak - plan.predicted_peak_bytes) <= 0.01 * peak, (
+            peak, plan.predicted_peak_bytes, plan.budget_bytes)

@@ -52,9 +52,12 @@ def test_an_optimizer_object_is_read_for_its_kind_state_and_parameters():
     trainable = _trainable_bytes(model)
     adamw = optimizer_state(torch.optim.AdamW(p for p in model.parameters() if p.requires_grad), model,
                             device_type="cpu")
-    assert adamw.kind == "AdamW" and adamw.state_bytes == 2 * trainable and adamw.description == "2 x float32 parameters"
+    steps = 4 * sum(1 for p in model.parameters() if p.requires_grad)  # a float32 ``step`` each, on the host
+    assert adamw.kind == "AdamW" and adamw.description == "2 x float32 parameters"
+    assert adamw.state_bytes == 2 * trainable + steps
     assert adamw.step_bytes > 0  # its update allocates while it runs
-    assert optimizer_state("adamw", model, device_type="cpu").state_bytes == 2 * trainable
+    assert optimizer_state("adamw", model, device_type="cpu").state_bytes == 2 * trainable + steps
+    assert optimizer_state("adamw", model, device_type="cuda").state_bytes == 2 * trainable  # steps on the host
     assert optimizer_state(torch.optim.SGD(model.parameters(), lr=0.1), model, device_type="cpu").state_bytes == 0
     momentum = torch.optim.SGD([{"params": model.blocks[0].parameters(), "momentum": 0.9},
                                 {"params": model.blocks[1:].parameters()}], lr=0.1)

@@ -144,3 +144,42 @@ def test_a_model_with_hugging_faces_checkpointing_on_is_planned_without_it():
     assert base.is_gradient_checkpointing and not plan.module.is_gradient_checkpointing
     measured = measure_peak(plan.module, as_inputs(plan.module, batch()), keep_output=False)
     assert measured == plan.predicted_peak_bytes
+
+
+def test_the_trainer_callback_plans_the_step_trainer_runs_and_the_whole_run_fits():
+    """``PlanCallback`` from a budget in bytes, Trainer in bf16 with 4 micro-steps per optimizer step, AdamW, 2
+    optimizer steps: the callback reads the optimizer, the precision and the accumulation, and the peak of the whole
+    ``trainer.train()`` (parameters, AdamW's state, the accumulated gradients, the batches, every step) stays within
+    the budget. The budget is 80% of that loop's un-checkpointed peak, so the plan checkpoints."""
+    import copy
+
+    from datasets import Dataset
+
+    from planner import prepare
+    from planner.profiling.memtrack import LiveStorages
+    from planner.stacks.trainer import PlanCallback
+
+    rows = batch(rows=32)
+    data = Dataset.from_dict({"input_ids": rows["input_ids"].tolist(), "labels": rows["labels"].tolist()})
+    base = model()
+    first = {"input_ids": rows["input_ids"][:4], "labels": rows["labels"][:4]}
+    loop = {"optimizer": "adamw", "gradient_accumulation_steps": 4, "autocast": "bf16", "keep_output": False}
+    unplanned = prepare(copy.deepcopy(base), inputs=first, **loop).baseline.peak_bytes
+    budget = int(0.8 * unplanned)
+    planning = PlanCallback(budget, time_limit_s=10)
+    args = transformers.TrainingArguments(output_dir="/tmp/ckplan-trainer-loop", max_steps=2, report_to=[],
+                                          per_device_train_batch_size=4, gradient_accumulation_steps=4, bf16=True,
+                                          logging_steps=1, use_cpu=True, save_strategy="no", seed=0,
+                                          disable_tqdm=True)
+    trainer = transformers.Trainer(model=base, args=args, train_dataset=data, callbacks=[planning])
+    tracker = LiveStorages("cpu")
+    for t in [*base.parameters(), *base.buffers()]:
+        tracker.track(t)
+    with tracker:
+        trainer.train()
+    plan = planning.plan
+    assert plan is not None and plan.module is base and plan.segments
+    assert plan.counted[:3] == (plan.counted[0], "gradients alive in forward and backward (4 micro-steps)",
+                                "autocast to bfloat16") and plan.counted[0].startswith("AdamW state")
+    assert trainer.state.global_step == 2
+    assert tracker.peak_bytes <= plan.budget_bytes, (tracker.peak_bytes, plan.predicted_peak_bytes, budget)

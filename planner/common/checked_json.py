@@ -21,7 +21,7 @@ from typing import Any
 INT_LIMIT = 2**63
 """Integers in a file must fit an int64 (numpy, CP-SAT and torch hold every count ckplan stores as one)."""
 UNIT_LIMITS = {"bytes": 2**48, "_ms": 1e9, "_s": 1e6, "_us": 1e6, "_ops": 1e6}
-"""Fields named in a unit (``STYLE.md``: units live in names) hold a measured amount: never negative,
+"""Fields named in a unit (the project's style: units live in names) hold a measured amount: never negative,
 and in a profile at most this, far past any real step (256 TiB, 11 days, 1 s of overhead per op, a
 million ATen ops per node), so that the planner's int64 sums and products of them cannot overflow."""
 

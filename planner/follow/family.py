@@ -14,75 +14,56 @@ the user's model is never changed, and an error or a Ctrl-C during the planning 
 
 Each group's memory comes from a meta-tensor replay at its shape (exact, nothing allocated); its times
 are the example batch's measured times scaled node by node by the ratio of roofline estimates at the two
-shapes (``scaled_profile``). Plans run on the model's own forward (the hook executor), which takes any
+shapes (``planner.profiling.scaling``). Plans run on the model's own forward (the hook executor), which takes any
 shape. A group no plan fits raises ``InfeasibleBudget`` from the training call that needs it.
 """
 
 from __future__ import annotations
 
-import math
-import statistics
-import sys
 import time
 import warnings
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, replace
+from dataclasses import replace
 from typing import Any
 
+import torch
 from torch import nn
 
-from planner.capture.api import capture
 from planner.capture.inputs import Inputs, bind
 from planner.capture.method import ExecutorKind
 from planner.capture.setting import as_trained
 from planner.capture.tree import copy_runs_alone, private_copy
-from planner.common.checked_json import as_list, check_record, record_from_json
+from planner.common.log import get_logger
 from planner.common.loop import TrainingLoop
 from planner.common.units import format_bytes
 from planner.distributed.memory import setup
 from planner.errors import CaptureError, InfeasibleBudget, OptionError, ProfileError
+from planner.follow.groups import GroupPlan, GroupTable
 from planner.follow.shapes import ShapeGrid, Shapes, ShapeSpec, fitted, realize, shaped, spread
 from planner.memory.simulate import simulate
 from planner.options import PlanOptions
 from planner.planning.chunkings import solve_prepared
 from planner.planning.prepared import Prepared, prepared_from
-from planner.profiling.devices import load_device
-from planner.profiling.estimate import Roofline
-from planner.profiling.memory_pass import StepTimes, assemble
-from planner.profiling.meta import memory_on_meta
-from planner.profiling.record import Profile, profile_from_dict, profile_to_dict
+from planner.planning.step import captured_and_profiled
+from planner.profiling.record import profile_from_dict, profile_to_dict
+from planner.profiling.scaling import Reference, reference_roofline
 from planner.rewrite.modules import own_hooks
 from planner.rewrite.segment import Segment, segments_of
 from planner.solve.deadline import Deadline
+
+LOG = get_logger("follow")
 
 _SAVED_OPTIONS = ("keep_output", "solver", "time_limit_s", "max_chunks", "selective", "must_save", "must_recompute",
                   "world_size", "parallel")
 """What a saved family plans its new groups with (the loss function is the caller's: ``Plan.apply``; the
 optimizer's state as measured is in the saved training loop)."""
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class GroupPlan:
-    """The plan of one group of call shapes."""
-
-    shapes: Shapes
-    """The group's upper shapes: what it was planned for."""
-    segments: tuple[Segment, ...]
-    """What it checkpoints (chains of module calls); empty when the un-checkpointed step fits."""
-    predicted_peak_bytes: int
-    baseline_peak_bytes: int
-    """Predicted peak of the group's un-checkpointed step."""
-    recompute_ms: float
-    """Forward time re-run in backward per step, ms (scaled from the example's measured times)."""
-    step_ms: float
-    """Time of one un-checkpointed step at this shape, ms (scaled likewise)."""
-
-
 class Family:
     """The plans of every group of call shapes seen so far, and how to plan a new group."""
 
     def __init__(self, *, model: nn.Module | None, options: PlanOptions, loop: TrainingLoop, budget_bytes: int,
-                 grid: ShapeGrid, reference: Profile, reference_roofline: Mapping[str, tuple[float, float]],
-                 groups: dict[Shapes, GroupPlan] | None = None, example: Mapping[str, Any] | None = None) -> None:
+                 grid: ShapeGrid, reference: Reference, groups: GroupTable | None = None,
+                 example: Mapping[str, Any] | None = None) -> None:
         self.model = model
         """The model groups are captured and replayed on; None for a family read from a file, until it is
         applied to a model (``bound``)."""
@@ -99,10 +80,8 @@ class Family:
         self.budget_bytes = budget_bytes
         self.grid = grid
         self.reference = reference
-        """The example batch's measured profile, whose times are scaled to each group's shape."""
-        self.reference_roofline = reference_roofline
-        """Per node of the reference: its roofline forward and backward ms at the example's shape."""
-        self.groups: dict[Shapes, GroupPlan] = dict(groups or {})
+        """The example batch's measured profile and its nodes' roofline times, scaled to each group's shape."""
+        self.groups = GroupTable(groups or {})
         self.strict = options.follow_batch is not None
         """Whether a group that cannot be planned raises from the training call (``follow_batch=True``); else
         (the default) its calls run the example group's plan, with a warning, as a plan for one shape would."""
@@ -119,11 +98,12 @@ class Family:
         shapes = shaped(values)
         if not shapes:
             raise OptionError("follow_batch needs a tensor argument in the example inputs to follow")
+        with as_trained(prepared.model, autocast=prepared.loop.autocast_dtype):  # as the example was profiled
+            roofline = reference_roofline(prepared.captured, prepared.model, prepared.example, prepared.profile,
+                                          loss_fn=options.loss_fn, keep_output=options.keep_output)
         return cls(model=prepared.model, options=options, loop=prepared.loop, budget_bytes=budget_bytes,
-                   grid=ShapeGrid.around(shapes),
-                   reference=prepared.profile, example=values,
-                   reference_roofline=reference_roofline(prepared.captured, prepared.model, prepared.example,
-                                                         prepared.profile, options=options, loop=prepared.loop))
+                   grid=ShapeGrid.around(shapes), reference=Reference(profile=prepared.profile, roofline=roofline),
+                   example=values)
 
     @property
     def example_group(self) -> Shapes:
@@ -136,8 +116,7 @@ class Family:
         """This family planning its new groups on ``model`` (a family read from a file), with ``options``. The
         groups are shared: one planned on ``model`` shows in this family's ``table()`` and is saved with it."""
         family = Family(model=model, options=options or self.options, loop=self.loop, budget_bytes=self.budget_bytes,
-                        grid=self.grid,
-                        reference=self.reference, reference_roofline=self.reference_roofline, example=self.example)
+                        grid=self.grid, reference=self.reference, example=self.example)
         family.groups = self.groups
         family.strict, family.unplanned, family.flags_seen = self.strict, self.unplanned, self.flags_seen
         return family
@@ -158,12 +137,9 @@ class Family:
                 "options": {name: list(value) if isinstance(value, tuple) else value
                             for name in _SAVED_OPTIONS for value in [getattr(opts, name)]},
                 "loop": self.loop.to_dict(),
-                "groups": [{"shapes": [[name, list(shape)] for name, shape in key], "segments":
-                            [asdict(s) for s in group.segments], "predicted_peak_bytes": group.predicted_peak_bytes,
-                            "baseline_peak_bytes": group.baseline_peak_bytes, "recompute_ms": group.recompute_ms,
-                            "step_ms": group.step_ms} for key, group in self.groups.items()],
-                "reference_profile": profile_to_dict(self.reference),
-                "reference_roofline": [[name, f, b] for name, (f, b) in self.reference_roofline.items()]}
+                "groups": self.groups.to_json(),
+                "reference_profile": profile_to_dict(self.reference.profile),
+                "reference_roofline": [[name, f, b] for name, (f, b) in self.reference.roofline.items()]}
 
     @classmethod
     def from_dict(cls, data: Any) -> Family:
@@ -174,21 +150,14 @@ class Family:
         """
         grid = ShapeGrid(anchors={k: tuple(v) for k, v in data["grid"]["anchors"].items()},
                          steps={k: tuple(v) for k, v in data["grid"]["steps"].items()})
-        groups = {}
-        for i, raw in enumerate(as_list(data["groups"], "plan.family.groups")):
-            key = tuple((str(name), tuple(shape)) for name, shape in raw["shapes"])
-            segments = tuple(record_from_json(Segment, s, f"plan.family.groups[{i}].segments[{j}]")
-                             for j, s in enumerate(as_list(raw["segments"], "plan.family.groups.segments")))
-            group = record_from_json(GroupPlan, {**raw, "shapes": key, "segments": segments},
-                                     f"plan.family.groups[{i}]")
-            check_record(group, where=f"plan.family.groups[{i}]")
-            groups[key] = group
+        groups = GroupTable.from_json(data["groups"])
         options = PlanOptions(**{k: v for k, v in data["options"].items() if k in _SAVED_OPTIONS})
         roofline = {str(name): (float(f), float(b)) for name, f, b in data["reference_roofline"]}
         loop = TrainingLoop.from_dict(data.get("loop", {"keep_output": options.keep_output}), "plan.family.loop")
+        reference = Reference(profile=profile_from_dict(data["reference_profile"],
+                                                        source="plan.family.reference_profile"), roofline=roofline)
         family = cls(model=None, options=options, loop=loop, budget_bytes=int(data["budget_bytes"]), grid=grid,
-                   reference=profile_from_dict(data["reference_profile"], source="plan.family.reference_profile"),
-                   reference_roofline=roofline, groups=groups)
+                     reference=reference, groups=groups)
         family.strict = bool(data.get("strict", True))
         return family
 
@@ -212,13 +181,8 @@ class Family:
         return plans
 
     def table(self) -> list[dict[str, Any]]:
-        """One row per group planned so far, smallest first: its upper shapes, what it checkpoints, its
-        predicted peak against its un-checkpointed one, and its recompute as a share of its step."""
-        return [{"shapes": dict(group.shapes), "segments": len(group.segments),
-                 "predicted_peak_bytes": group.predicted_peak_bytes, "baseline_peak_bytes": group.baseline_peak_bytes,
-                 "recompute_ms": group.recompute_ms, "step_ms": group.step_ms,
-                 "overhead": group.recompute_ms / group.step_ms if group.step_ms else 0.0}
-                for group in sorted(self.groups.values(), key=lambda g: [math.prod(s) for _, s in g.shapes])]
+        """One row per group planned so far, smallest first (``GroupTable.rows``)."""
+        return self.groups.rows()
 
     def choose(self, values: Mapping[str, Any]) -> tuple[Shapes, tuple[Segment, ...]]:
         """The group of a training call with these arguments (by name) and its plan's segments, planned now if
@@ -262,43 +226,61 @@ class Family:
         return found
 
     def _announced(self, key: Shapes, values: Mapping[str, Any]) -> GroupPlan:
-        """``_plan_group`` with one progress line on stderr: the group, then how long it took and what it plans
-        (the training call that met the group waits for it, so the user sees why)."""
+        """``_plan_group``, logged: the group, then how long it took and what it plans (the training call that
+        met the group waits for it, so the user sees why)."""
         shapes = ", ".join(f"{name} {tuple(shape)}" for name, shape in key)
-        print(f"ckplan: planning a new shape group ({shapes}) ...", end="", file=sys.stderr, flush=True)
+        LOG.info("a call of a new shape group (%s): planning it ...", shapes)
         started = time.perf_counter()
         try:
             group = self._plan_group(key, values)
         except BaseException:
-            print(" failed", file=sys.stderr, flush=True)
+            LOG.info("planning the new shape group (%s) failed", shapes)
             raise
         what = f"{len(group.segments)} segments" if group.segments else "no checkpoint (its step fits)"
-        print(f" {time.perf_counter() - started:.1f} s: {what}, predicted peak "
-              f"{format_bytes(group.predicted_peak_bytes)}", file=sys.stderr, flush=True)
+        LOG.info("planned a new shape group (%s) in %.1f s: %s, predicted peak %s", shapes,
+                 time.perf_counter() - started, what, format_bytes(group.predicted_peak_bytes))
         return group
 
-    def _plan_group(self, key: Shapes, values: Mapping[str, Any]) -> GroupPlan:
-        """Plans a new group for its upper shapes, as ``optimize`` plans: capture, memory from a meta replay,
-        the reference's times scaled (``scaled_profile``), the solve stage under the family's budget."""
+    def prepared(self, key: Shapes, values: Mapping[str, Any]) -> Prepared:
+        """The group's step for its upper shapes (from this call's own arguments, its flags too), captured and
+        profiled as ``prepare`` does (``planner.planning.step``), on a private copy of the model: memory from a
+        meta replay, times the reference's scaled (``planner.profiling.scaling``). Under autocast, which does not
+        run on meta tensors, a group no larger than the example's (it fits where the example did) is measured
+        instead, the random generators put back after (training draws what it would have); a larger one is
+        replayed without autocast's casts (``docs/limits.md``).
+
+        Raises:
+            OptionError: a family read from a file, not applied to a model yet.
+            CaptureError, ProfileError: the step cannot be captured or replayed at the group's shape.
+        """
         if self.model is None:
             raise OptionError("this plan was read from a file: apply it to a model (plan.apply(model)) first")
-        example = Inputs(args=(), kwargs={name: fitted(value, dict(key).get(name))  # the call's flags too:
-                                          for name, value in values.items()})
-        # its forward as training runs it (TRL's fused_lm_head=True, a custom autograd.Function: capture.aten)
+        example = Inputs(args=(), kwargs={name: fitted(value, dict(key).get(name)) for name, value in values.items()})
+        model = private_copy(self.model, drop_hooks=own_hooks(self.model))[0]  # never the user's own tree
+        measure = self.loop.autocast is not None and self._within_example(key)
+        with copy_runs_alone(self.model), torch.random.fork_rng(devices=_cuda_devices() if measure else []):
+            captured, profile = captured_and_profiled(model, example, self.options, loop=self.loop,
+                                                      distributed=self.distributed, runs=ExecutorKind.HOOKS,
+                                                      scaled_from=None if measure else self.reference)
+        return prepared_from(model, example, captured, profile, options=self.options, loop=self.loop,
+                             distributed=self.distributed)
+
+    def _within_example(self, key: Shapes) -> bool:
+        """Whether every dim of the group's upper shapes is at most the example's."""
+        return all(name in self.grid.anchors and len(shape) == len(self.grid.anchors[name])
+                   and all(d <= a for d, a in zip(shape, self.grid.anchors[name])) for name, shape in key)
+
+    def _plan_group(self, key: Shapes, values: Mapping[str, Any]) -> GroupPlan:
+        """Plans a new group for its upper shapes, as ``optimize`` plans: ``prepared``, then the solve stage under
+        the family's budget."""
         setting = f"calls shaped {', '.join(f'{name} {tuple(shape)}' for name, shape in key)} (a group of the plan " \
                   "that follows the batch)"
-        model = private_copy(self.model, drop_hooks=own_hooks(self.model))[0]  # never the user's own tree
         try:
-            with as_trained(model, autocast=self.loop.autocast_dtype), copy_runs_alone(self.model):
-                captured = capture(model, example, runs=ExecutorKind.HOOKS)
-                profile = scaled_profile(captured, model, example, self.reference, self.reference_roofline,
-                                         options=self.options)
+            prepared = self.prepared(key, values)
         except (CaptureError, ProfileError) as exc:  # e.g. a loss_fn bound to the example batch's targets
             raise type(exc)(f"planning {setting}: {exc}; a plan that follows the batch runs the model and loss_fn at "
-                             "each group's shape, so a loss_fn holding the example batch's targets cannot follow it "
-                             "(a loss computed in forward, as Hugging Face models compute it, can)") from exc
-        prepared = prepared_from(model, example, captured, profile, options=self.options, loop=self.loop,
-                                 distributed=self.distributed)
+                            "each group's shape, so a loss_fn holding the example batch's targets cannot follow it "
+                            "(a loss computed in forward, as Hugging Face models compute it, can)") from exc
         try:
             prepared, solution = solve_prepared(prepared, self.budget_bytes, self.options,
                                                 Deadline.after(self.options.time_limit_s))
@@ -308,7 +290,11 @@ class Family:
         return GroupPlan(shapes=key, segments=segments_of(prepared.profile, prepared.regions, prepared.memory,
                                                           solution.plan, solution.saves),
                          predicted_peak_bytes=timeline.peak_bytes, baseline_peak_bytes=prepared.baseline.peak_bytes,
-                         recompute_ms=solution.recompute_us / 1000, step_ms=profile.step_ms)
+                         recompute_ms=solution.recompute_us / 1000, step_ms=prepared.profile.step_ms)
+
+
+def _cuda_devices() -> list[int]:
+    return list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
 
 
 def other_flags(values: Mapping[str, Any], example: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -321,55 +307,3 @@ def other_flags(values: Mapping[str, Any], example: Mapping[str, Any] | None) ->
     return {name: value for name, value in values.items()
             if isinstance(value, plain) and not (name == "use_cache" and value is False)
             and (name not in example or example[name] != value)}
-
-
-def roofline_of(device: str) -> Roofline:
-    """The roofline whose ratios scale times on ``device``: a GPU's spec for CUDA, the generic CPU's else."""
-    return Roofline(load_device("h100" if device.startswith("cuda") else "generic-cpu"))
-
-
-def node_roofline(profile: Profile, replayed: Any) -> dict[str, tuple[float, float]]:
-    """Per node of ``profile``: the roofline forward and backward ms a meta replay recorded (``MemoryRecorder``)."""
-    return {profile.nodes[i].name: (replayed.est_fwd_ms[i], replayed.est_bwd_ms[i])
-            for i in range(len(profile.nodes))}
-
-
-def reference_roofline(captured: Any, model: nn.Module, example: Inputs, profile: Profile, *,
-                       options: PlanOptions, loop: TrainingLoop) -> dict[str, tuple[float, float]]:
-    """The roofline times of the example batch's nodes, to scale its measured times from."""
-    with as_trained(model, autocast=loop.autocast_dtype):  # as the example was profiled
-        replay = memory_on_meta(captured, model, example, loss_fn=options.loss_fn, keep_output=options.keep_output,
-                                op_ms=roofline_of(profile.device).op_ms, eager=False)
-    return node_roofline(profile, replay.recorder)
-
-
-def scaled_profile(captured: Any, model: nn.Module, example: Inputs, reference: Profile,
-                   roofline: Mapping[str, tuple[float, float]], *, options: PlanOptions) -> Profile:
-    """The profile at ``example``'s shape: memory from a meta replay (exact), times the reference's measured
-    ones scaled per node by the ratio of roofline estimates at the two shapes. A node the reference does not
-    have (another code path at this shape) takes its roofline time times the median measured-to-roofline
-    ratio of the reference's nodes."""
-    replay = memory_on_meta(captured, model, example, loss_fn=options.loss_fn, keep_output=options.keep_output,
-                            op_ms=roofline_of(reference.device).op_ms)  # with the model's own forward's locals
-    recorder = replay.recorder
-    measured = {node.name: (node.fwd_ms, node.bwd_ms) for node in reference.nodes}
-    ratios = [measured[name][0] / est[0] for name, est in roofline.items() if name in measured and est[0] > 0]
-    usual = statistics.median(ratios) if ratios else 1.0
-    fwd: list[float] = []
-    bwd: list[float] = []
-    for i, record in enumerate(recorder.records):
-        now = (recorder.est_fwd_ms[i], recorder.est_bwd_ms[i])
-        then, times = roofline.get(record["name"]), measured.get(record["name"])
-        for k, out in ((0, fwd), (1, bwd)):
-            if then is not None and times is not None and then[k] > 0:
-                out.append(times[k] * now[k] / then[k])
-            else:
-                out.append(now[k] * usual)
-    scale = (sum(fwd) + sum(bwd)) / max(1e-9, sum(n.fwd_ms + n.bwd_ms for n in reference.nodes))
-    times_ms = StepTimes(fwd_ms=fwd, bwd_ms=bwd, step_fwd_ms=reference.step_fwd_ms * scale,
-                         step_bwd_ms=reference.step_bwd_ms * scale,
-                         checkpoint_overhead_ms=reference.checkpoint_overhead_ms, sac_op_us=reference.sac_op_us)
-    return assemble(recorder, captured, model, replay.example, times=times_ms, excess=replay.excess,
-                    device=reference.device)
-
-

@@ -42,10 +42,9 @@ def save_options(profile: Profile, memory: MemoryModel, *, savable: frozenset[in
     if both:
         raise OptionError(f"{profile.nodes[min(both)].name} matches both must_save and must_recompute")
     candidates: tuple[int, ...] = ()
-    # Under autocast, its process-wide weight-cast cache makes a segment's re-run dispatch a different
-    # number of _to_copy ops than its forward, which breaks SAC's per-op counters (pytorch#193338:
-    # "invocation index N ... not found in storage"): plans profiled with cached casts save nothing.
-    if selective and not memory.fwd_fixed.any():
+    # (under autocast the parameter casts it caches are never saved, and run past SAC's counters:
+    # planner.rewrite.sac.autocast_safe)
+    if selective:
         ok = [i for i, nd in enumerate(profile.nodes[:memory.regions.end])
               if not nd.mutated_buffers and cacheable(memory, i) and (savable is None or i in savable)]
         # a save must at least pay for SAC's dispatch cost over its own chunk (a heuristic cut: several

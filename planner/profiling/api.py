@@ -24,6 +24,7 @@ from planner.profiling.memory_pass import profile as measure
 from planner.profiling.memtrack import OverLimit, dtensor_class
 from planner.profiling.meta import estimate, memory_on_meta, to_meta
 from planner.profiling.record import LOSS_NODE, Profile
+from planner.profiling.scaling import Reference, scaled_profile
 from planner.profiling.timing import QUIET, Steps
 
 Device = str | torch.device | None
@@ -31,10 +32,13 @@ Device = str | torch.device | None
 
 def profile_for(captured: Captured, model: nn.Module, example: Inputs, *, loss_fn: LossFn | None = None,
                 device: Device = None, saved: Profile | None = None, keep_output: bool = True,
-                budget: int | str | None = None) -> Profile:
+                budget: int | str | None = None, scaled_from: Reference | None = None) -> Profile:
     """The profile to plan ``captured`` with: ``saved`` once checked against it, estimated for the device
-    spec ``device``, or measured where the model is (``device`` None): the whole step when it fits in what
-    the device has left, else in pieces that fit (``measured``)."""
+    spec ``device``, scaled to ``example``'s shape from the profile of another shape (``scaled_from``: a shape
+    group of a plan that follows the batch), or measured where the model is (``device`` None): the whole step
+    when it fits in what the device has left, else in pieces that fit (``measured``)."""
+    if scaled_from is not None:
+        return scaled_profile(captured, model, example, scaled_from, loss_fn=loss_fn, keep_output=keep_output)
     if saved is not None:
         if not isinstance(saved, Profile):
             raise InputError(f"profile= takes a planner.Profile (from planner.profile or planner.load_profile), "
@@ -131,10 +135,9 @@ def capture_inputs(model: nn.Module, example: Inputs) -> Inputs:
 def step_device_type(model: nn.Module, device: Device) -> str:
     """The kind of torch device the training step runs on (``cuda``, ``cpu``): a device spec's, else where the
     model is."""
-    if is_device_spec(device):
-        return "cuda" if load_device(device).kind == "gpu" else "cpu"
-    if device is not None:
-        return torch.device(device).type
+    spec = resolve_device(model, device)  # an unknown device: its one-line error
+    if spec is not None:
+        return "cuda" if spec.kind == "gpu" else "cpu"
     first = next(iter(model.parameters()), None)
     return first.device.type if first is not None else "cpu"
 

@@ -63,10 +63,11 @@ def measure_loop_peak(module: nn.Module, batches: Sequence[Inputs], loss_fn: Los
     """Peak bytes of the training loop ``loop`` describes, run for real over ``batches`` (one per micro-step), from
     no gradients and no optimizer state: ``optimizer.step()`` after every ``loop.gradient_accumulation_steps``
     micro-steps, gradients cleared (``set_to_none`` as the loop says) before the first micro-step's forward or, for
-    ``ZeroGrad.BEFORE_BACKWARD``, right before its backward, the output kept through backward and the optimizer's
-    step when the loop keeps it, and released at the end of each micro-step. On CUDA the allocator's peak, else the live storages (parameters,
-    buffers, gradients, optimizer state, inputs and everything the loop allocates). The module's parameters train:
-    pass a copy to keep the model as it was."""
+    ``ZeroGrad.BEFORE_BACKWARD``, right before its backward, the output kept through
+    backward (and the optimizer's step) when the loop keeps it, released at the end of each micro-step; forward and
+    loss under the loop's autocast, backward outside it. On CUDA
+    the allocator's peak, else the live storages (parameters, buffers, gradients, optimizer state, inputs and
+    everything the loop allocates). The module's parameters train: pass a copy to keep the model as it was."""
     device = next(module.parameters()).device
     every = loop.gradient_accumulation_steps
 
@@ -81,8 +82,9 @@ def measure_loop_peak(module: nn.Module, batches: Sequence[Inputs], loss_fn: Los
             first = i % every == 0
             if first and loop.zero_grad is ZeroGrad.BEFORE_FORWARD:
                 clear()
-            output = module(*inputs.args, **inputs.kwargs)
-            loss = (loss_fn or default_loss)(output)
+            with autocast():  # forward and loss; backward outside, as torch recommends and the stacks run it
+                output = module(*inputs.args, **inputs.kwargs)
+                loss = (loss_fn or default_loss)(output)
             if not loop.keep_output:
                 output = None
             if first and loop.zero_grad is ZeroGrad.BEFORE_BACKWARD:
@@ -92,23 +94,25 @@ def measure_loop_peak(module: nn.Module, batches: Sequence[Inputs], loss_fn: Los
                 optimizer.step()
             del loss, output
 
-    autocast = loop.autocast_dtype
-    context = torch.autocast(device.type, dtype=autocast) if autocast is not None else contextlib.nullcontext()
+    dtype = loop.autocast_dtype
+
+    def autocast() -> contextlib.AbstractContextManager:
+        return torch.autocast(device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
+
     module.train()
     for p in module.parameters():
         p.grad = None
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
-        with context:
-            run()
+        run()
         torch.cuda.synchronize(device)
         return torch.cuda.max_memory_allocated(device)
     tracker = LiveStorages(device)
     for t in [*module.parameters(), *module.buffers(), *(t for b in batches for t in tree_leaves((b.args, b.kwargs)))]:
         if isinstance(t, torch.Tensor):
             tracker.track(t)
-    with tracker, context:
+    with tracker:
         run()
     return tracker.peak_bytes
 

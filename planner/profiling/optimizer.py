@@ -80,12 +80,23 @@ def _measured(cls: type, groups: list[dict], defaults: dict, *, device_type: str
                               f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); pass "
                               f"optimizer= one of {', '.join(NAMED)} or the bytes of its state") from None
         state_bytes, step_bytes = held, 0
-    param_bytes = sum(local_of(p).numel() * p.element_size() for p in dict.fromkeys(params))
+    unique = list(dict.fromkeys(params))
+    param_bytes = sum(local_of(p).numel() * p.element_size() for p in unique)
     ratio = state_bytes / param_bytes if param_bytes else 0.0
     dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in params})
     description = f"{ratio:.3g} x {'/'.join(dtypes)} parameters" if params else "no trainable parameters"
-    return OptimizerState(kind=cls.__name__, state_bytes=math.ceil(state_bytes / shards),
-                          step_bytes=math.ceil(step_bytes / shards), description=description)
+    share = _shard_bytes(unique, shards) / param_bytes if param_bytes and shards > 1 else 1.0
+    return OptimizerState(kind=cls.__name__, state_bytes=math.ceil(state_bytes * share),
+                          step_bytes=math.ceil(step_bytes * share), description=description)
+
+
+def _shard_bytes(params: list[nn.Parameter], shards: int) -> int:
+    """The bytes of one rank's FSDP2 shards of ``params``: dim 0 padded to a multiple of ``shards``, split."""
+    total = 0
+    for p in params:
+        rows = p.shape[0] if p.dim() else 1
+        total += -(-rows // shards) * (p.numel() // max(rows, 1)) * p.element_size()
+    return total
 
 
 def _run_on_meta(cls: type, groups: list[dict], defaults: dict, *, device_type: str) -> tuple[int, int]:
@@ -117,6 +128,9 @@ def _run_on_meta(cls: type, groups: list[dict], defaults: dict, *, device_type: 
         optimizer.step()
         second_peak = tracker.window_peak_bytes
     state = kept - before
+    if device_type == "cpu":  # the state's host scalars (AdamW's ``step``) live with the parameters there
+        state += sum(value.untyped_storage().nbytes() for values in optimizer.state.values()
+                     for value in values.values() if isinstance(value, torch.Tensor) and value.device.type == "cpu")
     return state, max(first_peak - kept, second_peak - kept, 0)
 
 

@@ -43,6 +43,7 @@ from planner.capture.ops import draws_random, kernel_name, writes_new_memory
 from planner.compat.torch_private import checkpoint_region, tree_flatten, tree_unflatten
 from planner.errors import PlannerError
 from planner.rewrite.graph import restore_buffers
+from planner.rewrite.sac import autocast_safe
 from planner.rewrite.segment import Segment
 
 
@@ -84,6 +85,10 @@ class _SavedKernels:
     def __init__(self, saved: frozenset[tuple[str, int]]) -> None:
         self.saved = saved
         self.seen: tuple[Counter[str], Counter[str]] = (Counter(), Counter())
+
+    def passed(self, op: Any) -> None:
+        """An op of the forward that ran past SAC (``planner.rewrite.sac.autocast_safe``): counted, never kept."""
+        self.seen[0][kernel_name(op)] += 1
 
     def policy(self, ctx, op, *args, **kwargs) -> CheckpointPolicy:
         if not writes_new_memory(op):
@@ -273,8 +278,11 @@ class _Runner:
         """``context_fn`` of the region: (forward context, re-run context). Buffers are put back
         outermost: the snapshot and the copy back must run outside SAC's mode."""
         saved = frozenset(self.chain.saved_ops)
-        forward, rerun = (create_selective_checkpoint_contexts(_SavedKernels(saved).policy) if saved
-                          else (contextlib.nullcontext(), contextlib.nullcontext()))
+        kernels = _SavedKernels(saved)
+        forward, rerun = contextlib.nullcontext(), contextlib.nullcontext()
+        if saved:
+            caching, cached = create_selective_checkpoint_contexts(kernels.policy)
+            forward, rerun = autocast_safe(caching, cached, seen=kernels.passed)
         outer = [restore_buffers(self.root, self.chain.restore_buffers)] if self.chain.restore_buffers else []
         return forward, _entered(*outer, rerun, self._replaying())
 

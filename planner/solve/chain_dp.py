@@ -230,6 +230,8 @@ class ChainDP:
 
     def run(self) -> tuple[ChunkPlan, frozenset] | None:
         """The best plan and its saves, or None when no plan fits."""
+        if self.m.step_bytes > self.budget:  # the optimizer's step, after every plan's backward
+            return None
         K = self.m.n_chunks
         end = Step.upto(self.budget - self._tail(closing=not self.optimistic), 0)
         self.value: list[dict[int, Step]] = [{} for _ in range(K)] + [
@@ -299,6 +301,8 @@ class ChainDP:
 
     def fits(self, budget: int) -> ChunkPlan | None:
         """Some plan whose peak is at most ``budget`` (<= the DP's own budget), or None."""
+        if self.m.step_bytes > budget:
+            return None
         K = self.m.n_chunks
         reach: list[dict[int, tuple[int, tuple]]] = [{} for _ in range(K + 1)]
         reach[0][0] = (0, ())

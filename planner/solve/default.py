@@ -44,6 +44,9 @@ def solve(model: MemoryModel, budget_bytes: int, *, deadline: Deadline, options:
         NoSolution: infeasible (proven), or no plan found before the deadline.
     """
     began = time.perf_counter()
+    if model.step_bytes > budget_bytes:
+        raise NoSolution(Failure.INFEASIBLE, "the optimizer's step, after backward, needs more than the budget "
+                         "whatever the plan")
     if options is not None and not options.trivial:
         found = interruptible(lambda best: _with_options(model, budget_bytes, deadline, options, best,
                                                          workers=workers, dump_path=dump_path))

@@ -2,12 +2,13 @@
 
     accelerator = Accelerator(gradient_accumulation_steps=4, mixed_precision="bf16")
     optimizer = torch.optim.AdamW(model.parameters())
-    plan_with(accelerator, model, "22GB", inputs=next(iter(loader)), optimizer=optimizer)
+    model = plan_with(accelerator, model, "22GB", inputs=next(iter(loader)), optimizer=optimizer).module
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
 
 The helper reads the ``Accelerator``'s ``gradient_accumulation_steps`` and ``mixed_precision`` (``bf16``/``fp16``:
-the step runs under ``torch.autocast``) and plans the model object in place, before ``prepare`` wraps it: with
-``enable`` on one process, with ``plan_on_rank0`` (one plan for every DDP rank) on several.
+the step runs under ``torch.autocast``) and plans the model before ``prepare`` wraps it: on one process in place
+(``enable``: ``plan.module`` is ``model``, the optimizer's parameters are its own), on several with
+``plan_on_rank0`` (one plan for every DDP rank, each with its own planned module sharing ``model``'s parameters).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 def plan_with(accelerator: Any, model: nn.Module, budget: int | str, *, inputs: Any, optimizer: Any = None,
               options: PlanOptions | None = None, **overrides: Any) -> Any:
-    """Plans ``model`` in place for the step ``accelerator`` runs; returns the ``Plan``.
+    """Plans ``model`` for the step ``accelerator`` runs; returns the ``Plan``, whose ``module`` the loop trains.
 
     Args:
         accelerator: the loop's ``accelerate.Accelerator``.

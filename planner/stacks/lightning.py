@@ -15,16 +15,19 @@ LightningModule itself) in place from the first batch of the training loader, ma
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 from pytorch_lightning import Callback
 
+from planner.common.log import get_logger
+from planner.errors import OptionError
 from planner.inplace import enable
 from planner.options import PlanOptions
 from planner.stacks.batch import first_batch
+
+LOG = get_logger("stacks")
 
 AUTOCAST = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
 """Lightning's ``precision`` values that run the step under ``torch.autocast``, and its dtype."""
@@ -59,11 +62,12 @@ class PlanCallback(Callback):
         target = getattr(pl_module, self.module or "model", None) if self.module or hasattr(pl_module, "model") \
             else pl_module
         if not isinstance(target, torch.nn.Module):
-            raise TypeError(f"PlanCallback(module={self.module!r}): the LightningModule has no module by that name")
+            raise OptionError(f"PlanCallback(module={self.module!r}): the LightningModule has no nn.Module "
+                              "attribute by that name; pass module= the attribute that holds the model")
         batch = pl_module.transfer_batch_to_device(first_batch(trainer.train_dataloader), pl_module.device, 0)
         self.plan = enable(target, self.budget, inputs=self.inputs(batch) if self.inputs else batch,
                            options=self.options, **{**self.overrides, **lightning_step(trainer, pl_module)})
-        print(self.plan.summary(), file=sys.stderr, flush=True)
+        LOG.info("%s", self.plan.summary())
 
 
 def lightning_step(trainer: Any, pl_module: Any) -> dict[str, Any]:

@@ -14,15 +14,17 @@ place (``planner.enable``), so the Trainer, its optimizer and its accelerate wra
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 import torch
 from transformers import TrainerCallback
 
+from planner.common.log import get_logger
 from planner.inplace import enable
 from planner.options import PlanOptions
 from planner.stacks.batch import first_batch, to_device
+
+LOG = get_logger("stacks")
 
 
 class PlanCallback(TrainerCallback):
@@ -52,7 +54,7 @@ class PlanCallback(TrainerCallback):
         batch = to_device(first_batch(train_dataloader), next(model.parameters()).device)
         self.plan = enable(model, self.budget, inputs=batch, options=self.options,
                            **{**self.overrides, **trainer_step(args, optimizer)})
-        print(self.plan.summary(), file=sys.stderr, flush=True)
+        LOG.info("%s", self.plan.summary())
 
 
 def trainer_step(args: Any, optimizer: Any) -> dict[str, Any]:

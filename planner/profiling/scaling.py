@@ -1,0 +1,76 @@
+"""A profile at another batch shape, from the example's: memory from a meta replay at that shape (exact,
+nothing allocated), times the example's measured ones scaled node by node by the ratio of roofline estimates at
+the two shapes. Plans that follow the batch (``planner.follow``) profile each new shape group this way."""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from torch import nn
+
+from planner.capture.api import Captured
+from planner.capture.inputs import Inputs
+from planner.capture.step import LossFn
+from planner.profiling.devices import load_device
+from planner.profiling.estimate import Roofline
+from planner.profiling.memory_pass import StepTimes, assemble
+from planner.profiling.meta import memory_on_meta
+from planner.profiling.record import Profile
+
+NodeRoofline = Mapping[str, tuple[float, float]]
+"""Per node name: its roofline forward and backward ms at one shape."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Reference:
+    """The example's measured profile and its nodes' roofline times, which other shapes' profiles scale from."""
+
+    profile: Profile
+    roofline: NodeRoofline
+
+
+def roofline_of(device: str) -> Roofline:
+    """The roofline whose ratios scale times on ``device``: a GPU's spec for CUDA, the generic CPU's else."""
+    return Roofline(load_device("h100" if device.startswith("cuda") else "generic-cpu"))
+
+
+def reference_roofline(captured: Captured, model: nn.Module, example: Inputs, profile: Profile, *,
+                       loss_fn: LossFn | None, keep_output: bool) -> dict[str, tuple[float, float]]:
+    """The roofline times of the example batch's nodes, to scale its measured times from (run in the setting the
+    example was profiled in: ``planner.capture.setting.as_trained``)."""
+    replay = memory_on_meta(captured, model, example, loss_fn=loss_fn, keep_output=keep_output,
+                            op_ms=roofline_of(profile.device).op_ms, eager=False)
+    recorder = replay.recorder
+    return {profile.nodes[i].name: (recorder.est_fwd_ms[i], recorder.est_bwd_ms[i]) for i in range(len(profile.nodes))}
+
+
+def scaled_profile(captured: Captured, model: nn.Module, example: Inputs, scaled_from: Reference, *,
+                   loss_fn: LossFn | None, keep_output: bool) -> Profile:
+    """The profile at ``example``'s shape (the module docstring). A node the reference does not have (another
+    code path at this shape) takes its roofline time times the median measured-to-roofline ratio of the
+    reference's nodes."""
+    reference, roofline = scaled_from.profile, scaled_from.roofline
+    replay = memory_on_meta(captured, model, example, loss_fn=loss_fn, keep_output=keep_output,
+                            op_ms=roofline_of(reference.device).op_ms)  # with the model's own forward's locals
+    recorder = replay.recorder
+    measured = {node.name: (node.fwd_ms, node.bwd_ms) for node in reference.nodes}
+    ratios = [measured[name][0] / est[0] for name, est in roofline.items() if name in measured and est[0] > 0]
+    usual = statistics.median(ratios) if ratios else 1.0
+    fwd: list[float] = []
+    bwd: list[float] = []
+    for i, record in enumerate(recorder.records):
+        now = (recorder.est_fwd_ms[i], recorder.est_bwd_ms[i])
+        then, times = roofline.get(record["name"]), measured.get(record["name"])
+        for k, out in ((0, fwd), (1, bwd)):
+            if then is not None and times is not None and then[k] > 0:
+                out.append(times[k] * now[k] / then[k])
+            else:
+                out.append(now[k] * usual)
+    scale = (sum(fwd) + sum(bwd)) / max(1e-9, sum(n.fwd_ms + n.bwd_ms for n in reference.nodes))
+    times_ms = StepTimes(fwd_ms=fwd, bwd_ms=bwd, step_fwd_ms=reference.step_fwd_ms * scale,
+                         step_bwd_ms=reference.step_bwd_ms * scale,
+                         checkpoint_overhead_ms=reference.checkpoint_overhead_ms, sac_op_us=reference.sac_op_us)
+    return assemble(recorder, captured, model, replay.example, times=times_ms, excess=replay.excess,
+                    device=reference.device)
