@@ -1,40 +1,61 @@
-"""Mixed precision as good as fp32: a Hugging Face Qwen2 planned inside ``torch.autocast(dtype=torch.bfloat16)``
-with its own loss (no ``loss_fn``) plans, keeps op outputs where its fp32 plan does, trains with the unplanned
-model's gradients, and its bf16 step measures within 1% of the prediction, never over the budget, at a roomy budget
-and one near the smallest peak any plan reaches. Backward runs inside the forward's ``torch.autocast`` (the re-run
-meets the forward's cached parameter casts) and outside it (it meets none)."""
+"""Mixed precision as good as fp32: an fx-traced GPT and a Hugging Face Qwen2 (with its own loss, no ``loss_fn``),
+each planned inside ``torch.autocast(dtype=torch.bfloat16)``. Under autocast the planner offers op outputs to
+keep (autocast's parameter casts run past SAC's counters: ``planner.compat.sac_autocast``), a plan that keeps
+some trains with the unplanned model's gradients whether backward runs inside the forward's ``torch.autocast`` (the
+re-run meets the forward's cached casts) or outside it (it meets none), and the bf16 step measures within 1% of the
+prediction, never over the budget, at a roomy budget and at one near the smallest peak any plan reaches."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from conftest import load_example
 
 from planner import InfeasibleBudget, plan_for, prepare
 from planner.capture.inputs import as_inputs
 from planner.common.loop import TrainingLoop
+from planner.planning.chunkings import save_options_for
 from planner.profiling.measure import measure_loop_peak
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.slow
 
 
-def qwen2() -> torch.nn.Module:
+def qwen2() -> tuple:
     torch.manual_seed(0)
     config = transformers.Qwen2Config(vocab_size=512, hidden_size=128, intermediate_size=352, num_hidden_layers=4,
                                       num_attention_heads=4, num_key_value_heads=2, use_cache=False)
-    return transformers.Qwen2ForCausalLM(config)
-
-
-def batch() -> dict:
     ids = torch.randint(0, 512, (4, 96), generator=torch.Generator().manual_seed(1))
-    return {"input_ids": ids, "labels": ids}
+    return transformers.Qwen2ForCausalLM(config), {"input_ids": ids, "labels": ids}, None
 
 
-def _grads(module: torch.nn.Module, model: torch.nn.Module, inputs: dict, *, backward_inside: bool) -> dict:
+def gpt() -> tuple:
+    example = load_example("gpt")
+    return example["model"], example["inputs"], example["loss_fn"]
+
+
+MODELS = {"gpt": gpt, "qwen2": qwen2}
+
+
+@pytest.fixture(scope="module")
+def prepared():
+    made = {}
+    for name, build in MODELS.items():
+        model, inputs, loss_fn = build()
+        with torch.autocast("cpu", dtype=torch.bfloat16):  # the caller's own autocast, read by prepare
+            half = prepare(model, inputs=inputs, loss_fn=loss_fn, keep_output=False, follow_batch=False)
+        made[name] = (model, inputs, loss_fn, half)
+    return made
+
+
+def _grads(module: torch.nn.Module, model: torch.nn.Module, inputs, loss_fn, *, backward_inside: bool) -> dict:
     for p in model.parameters():
         p.grad = None
+    torch.manual_seed(0)
+    args, kwargs = (inputs, {}) if isinstance(inputs, tuple) else ((), inputs)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        loss = module(**inputs).loss
+        output = module(*args, **kwargs)
+        loss = loss_fn(output) if loss_fn else output.loss
         if backward_inside:
             loss.backward()
     if not backward_inside:
@@ -42,37 +63,44 @@ def _grads(module: torch.nn.Module, model: torch.nn.Module, inputs: dict, *, bac
     return {name: p.grad.clone() for name, p in model.named_parameters()}
 
 
-@pytest.fixture(scope="module")
-def prepared():
-    model = qwen2()
-    with torch.autocast("cpu", dtype=torch.bfloat16):  # the caller's own autocast, read by prepare
-        half = prepare(model, inputs=batch(), keep_output=False, follow_batch=False)
-    full = prepare(model, inputs=batch(), keep_output=False, follow_batch=False)
-    return model, half, full
-
-
+@pytest.mark.parametrize("name", list(MODELS))
 @pytest.mark.parametrize("budget", ["70%", "floor"])
-def test_a_plan_made_under_autocast_keeps_op_outputs_and_is_exact(prepared, budget):
-    model, half, full = prepared
-    assert half.loop.autocast == "bfloat16" and full.loop.autocast is None
+def test_a_plan_made_under_autocast_keeps_op_outputs_and_is_exact(prepared, name, budget):
+    model, inputs, loss_fn, half = prepared[name]
+    assert half.loop.autocast == "bfloat16"
     if budget == "floor":
         with pytest.raises(InfeasibleBudget) as info:
             plan_for(half, 1)
-        budget = int(1.03 * info.value.min_peak_bytes)
-    plan = plan_for(half, budget)
-    if budget == "70%":
-        assert any(s.saved_ops for s in plan_for(full, "70%").segments)
-        assert any(s.saved_ops for s in plan.segments)
+        plan = plan_for(half, int(1.03 * info.value.min_peak_bytes))
+    else:
+        offered = save_options_for(half, half.options).candidates  # op outputs are offered under autocast
+        assert offered
+        plan = plan_for(half, budget, must_save=[half.profile.nodes[offered[0]].name])  # one of them kept
+        assert any(s.saved_nodes or s.saved_ops for s in plan.segments)
     assert "autocast to bfloat16" in plan.counted
-    inputs = batch()
     for inside in (True, False):
-        expected = _grads(model, model, inputs, backward_inside=inside)
-        actual = _grads(plan.module, model, inputs, backward_inside=inside)
-        for name in expected:
-            torch.testing.assert_close(actual[name], expected[name], rtol=0, atol=0, msg=name)
+        expected = _grads(model, model, inputs, loss_fn, backward_inside=inside)
+        actual = _grads(plan.module, model, inputs, loss_fn, backward_inside=inside)
+        for key in expected:
+            torch.testing.assert_close(actual[key], expected[key], rtol=0, atol=0, msg=key)
     for p in model.parameters():
         p.grad = None
     loop = TrainingLoop(keep_output=False, autocast="bfloat16")
-    measured = measure_loop_peak(plan.module, [as_inputs(model, inputs)], loop=loop)
+    torch.manual_seed(0)
+    measured = measure_loop_peak(plan.module, [as_inputs(model, inputs)], loss_fn, loop=loop)
     assert measured <= plan.budget_bytes
     assert measured <= plan.predicted_peak_bytes <= 1.01 * measured, (measured, plan.predicted_peak_bytes)
+
+
+def test_planning_under_autocast_leaves_no_autocast_open():
+    """Capturing a Hugging Face model under autocast (make_fx's tracing of its own ``torch.autocast`` can leave two
+    entries open) leaves as many ``torch.autocast`` contexts open as before: an autocast never closed would keep
+    autocast's cache of parameter casts, a low-precision copy of the weights, alive for the rest of training."""
+    from planner.capture.setting import _autocast_nesting
+
+    model, inputs, _ = qwen2()
+    before = _autocast_nesting()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        prepare(model, inputs=inputs, keep_output=False, follow_batch=False)
+        assert _autocast_nesting() == before + 1
+    assert _autocast_nesting() == before

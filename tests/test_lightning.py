@@ -160,6 +160,8 @@ def test_the_callback_plans_lightnings_own_loop_within_budget(accumulate):
     assert any(item.startswith("AdamW state") for item in plan.counted)
     assert any(item.startswith("gradients alive in forward") for item in plan.counted)
     assert run.losses == expected.losses
-    for peak in run.peaks:
-        assert peak <= plan.budget_bytes and abs(peak - plan.predicted_peak_bytes) <= 0.01 * peak, (
-            peak, plan.predicted_peak_bytes, plan.budget_bytes)
+    # the first step holds no earlier gradients and no AdamW state yet; the later ones are the step predicted
+    # (to Lightning's own scalars: 4 bytes here)
+    peak = max(run.peaks)
+    assert peak <= plan.budget_bytes and abs(peak - plan.predicted_peak_bytes) <= 0.01 * peak, (
+        run.peaks, plan.predicted_peak_bytes, plan.budget_bytes)

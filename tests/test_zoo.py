@@ -47,6 +47,7 @@ def test_autocast_bf16_profile_sees_the_saved_bf16_activations(restore_buffers):
     from conftest import load_example
 
     from planner import prepare
+    from planner.planning.chunkings import save_options_for
 
     example = load_example("gpt")
     model, inputs, loss_fn = example["model"], example["inputs"], example["loss_fn"]
@@ -58,8 +59,7 @@ def test_autocast_bf16_profile_sees_the_saved_bf16_activations(restore_buffers):
         assert 0.4 < saved[1] / saved[0] < 0.75, saved
         plan = plan_for(half, "70%")  # optimize under the same autocast: prepare, then plan_for
         assert_plan_is_exact(model, plan, inputs, loss_fn, restore_buffers)
-    assert any(s.saved_nodes for s in plan_for(full, "70%").segments)
-    assert any(s.saved_nodes for s in plan.segments)
+    assert save_options_for(half, half.options).candidates  # op outputs offered (kept: tests/test_autocast.py)
 
 
 @pytest.mark.slow

@@ -49,8 +49,9 @@ class SaveOptions:
 
 
 def cached(model: MemoryModel, o: int) -> np.ndarray:
-    """Storages node ``o`` produces that a save keeps in SAC's cache (every output it allocates)."""
-    return np.flatnonzero((model.producer == o) & (model.size > 0))
+    """Storages node ``o`` produces that a save keeps in SAC's cache: every output it allocates but autocast's
+    cached parameter casts, which run past SAC and are made again by the re-run (``planner.rewrite.sac``)."""
+    return np.flatnonzero((model.producer == o) & (model.size > 0) & ~model.fwd_fixed)
 
 
 def until_rerun(model: MemoryModel, o: int) -> np.ndarray:
@@ -62,8 +63,8 @@ def until_rerun(model: MemoryModel, o: int) -> np.ndarray:
 
 def cacheable(model: MemoryModel, o: int) -> bool:
     """Can ``o`` be saved with an exact model: inside a checkpointable chunk, saving tensors for its own
-    backward, producing at least one storage, none of them a model output or autocast's cache, and a
-    later node of some segment re-running it (``partner``)."""
+    backward, producing at least one storage besides autocast's cached casts, none of them a model output, and
+    a later node of some segment re-running it (``partner``)."""
     owner = model.regions.chunk_of()
     if o >= len(owner) or not model.regions.checkpointable[owner[o]]:
         return False
@@ -73,7 +74,7 @@ def cacheable(model: MemoryModel, o: int) -> bool:
         # point would stay cached until the whole segment's backward ends
         return False
     mine = cached(model, o)
-    if len(mine) == 0 or model.fwd_fixed[mine].any() or (model.last_use[mine] >= model.regions.end).any():
+    if len(mine) == 0 or (model.last_use[mine] >= model.regions.end).any():
         return False
     return partner(model, o) < model.regions.end
 

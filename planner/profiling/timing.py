@@ -18,6 +18,7 @@ import torch.fx as fx
 
 from planner.capture.inputs import Inputs
 from planner.capture.step import LossFn, backward, sync
+from planner.compat.sac_autocast import autocast_safe
 from planner.errors import OptionError
 from planner.profiling.runner import StepRunner
 
@@ -233,7 +234,7 @@ def sac_op_overhead_us(gm: fx.GraphModule, inputs: Inputs, loss_fn: LossFn, devi
     fastest, as ``dispatch_overhead_us`` takes: other processes only ever add time, and a difference of
     medians of a few steps swung from 20 to 190 us/op on a 2-core CPU shared with other work. Measured on the
     model itself: on the GPT example about 3x what tiny Linear+GELU pairs give (more arguments per op). None (not
-    measured) under autocast, or when the graph fails as one checkpointed segment (checkpoint raises
+    measured) when the graph fails as one checkpointed segment (checkpoint raises
     ``CheckpointError`` on a re-run that differs from the forward); any other error propagates."""
     from torch.utils.checkpoint import (
         CheckpointError,
@@ -250,9 +251,7 @@ def sac_op_overhead_us(gm: fx.GraphModule, inputs: Inputs, loss_fn: LossFn, devi
         sync(device)
         return (time.perf_counter() - start) * 1e3
 
-    if torch.is_autocast_enabled(device.type):
-        return None  # autocast's weight-cast cache upsets SAC's op counters (pytorch#193338); not measured
-    selective = lambda: create_selective_checkpoint_contexts(_recompute_all)
+    selective = lambda: autocast_safe(*create_selective_checkpoint_contexts(_recompute_all))
     times: dict[Any, list[float]] = {noop_context_fn: [], selective: []}
     try:
         if SET_RUNS is None:  # CKPLAN_TIMING_RUNS asks for speed over precision: no warm-up

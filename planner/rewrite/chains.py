@@ -40,10 +40,10 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 
 from planner.capture.cache import training_with_grad
 from planner.capture.ops import draws_random, kernel_name, writes_new_memory
+from planner.compat.sac_autocast import autocast_safe
 from planner.compat.torch_private import checkpoint_region, tree_flatten, tree_unflatten
 from planner.errors import PlannerError
 from planner.rewrite.graph import restore_buffers
-from planner.rewrite.sac import autocast_safe
 from planner.rewrite.segment import Segment
 
 

@@ -26,8 +26,7 @@ import contextlib
 import functools
 import operator
 import threading
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 import torch
 import torch.fx as fx
@@ -36,7 +35,8 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from planner.capture.ops import draws_random, writes_new_memory
-from planner.compat.torch_private import OpOverload, TorchDispatchMode
+from planner.compat.sac_autocast import autocast_safe
+from planner.compat.torch_private import OpOverload
 
 _state = threading.local()
 
@@ -61,49 +61,6 @@ def policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     if getattr(_state, "saving", False) and writes_new_memory(op) and not draws_random(op, args, kwargs):
         return CheckpointPolicy.MUST_SAVE
     return CheckpointPolicy.PREFER_RECOMPUTE
-
-
-_TO_COPY = torch.ops.aten._to_copy.default
-
-
-def is_parameter_cast(func: Any, args: tuple) -> bool:
-    """Whether an op is a cast of a parameter (a leaf that requires grad): what autocast caches."""
-    return func is _TO_COPY and bool(args) and isinstance(args[0], torch.Tensor) and args[0].is_leaf and \
-        args[0].requires_grad
-
-
-class _ParameterCastsAside(TorchDispatchMode):
-    """SAC's dispatch mode ``inner`` with autocast's casts of parameters kept out of it.
-
-    Autocast caches each parameter's cast for as long as its outermost ``torch.autocast`` is open, so a segment's
-    forward and its re-run dispatch different numbers of ``_to_copy`` ops: a parameter cast already cached skips
-    the op in one and not in the other (a backward run inside the forward's ``torch.autocast`` re-runs with the
-    forward's casts cached; one run outside starts with none). SAC numbers the ops of each kind in both and pairs
-    them by number, so every later ``_to_copy`` of the segment would be paired with another's output, or fail
-    with "invocation index N ... not found in storage" (pytorch#193338). Parameter casts are never saved (the
-    memory model keeps autocast's cache out of the save candidates), so they run here past SAC, uncounted, in
-    both; ``seen`` hears of each in the forward (a policy that numbers ops by name counts them as the profile
-    did)."""
-
-    def __init__(self, inner: Any, seen: Callable[[Any], None] | None = None) -> None:
-        super().__init__()
-        self.inner, self.seen = inner, seen
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if is_parameter_cast(func, args):
-            if self.seen is not None:
-                self.seen(func)
-            return func(*args, **kwargs)
-        return self.inner.__torch_dispatch__(func, types, args, kwargs)
-
-
-def autocast_safe(forward: Any, recompute: Any, seen: Callable[[Any], None] | None = None) -> tuple[Any, Any]:
-    """SAC's (forward, re-run) modes, each with autocast's parameter casts kept out of it where the forward runs
-    under ``torch.autocast`` (``_ParameterCastsAside``); as they are outside one."""
-    if not (torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda")):
-        return forward, recompute
-    return _ParameterCastsAside(forward, seen), _ParameterCastsAside(recompute)
 
 
 @contextlib.contextmanager

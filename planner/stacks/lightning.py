@@ -67,7 +67,7 @@ class PlanCallback(Callback):
         batch = pl_module.transfer_batch_to_device(first_batch(trainer.train_dataloader), pl_module.device, 0)
         self.plan = enable(target, self.budget, inputs=self.inputs(batch) if self.inputs else batch,
                            options=self.options, **{**self.overrides, **lightning_step(trainer, pl_module)})
-        LOG.info("%s", self.plan.summary())
+        LOG.info("planned the model for the training loop:\n%s", self.plan.summary())
 
 
 def lightning_step(trainer: Any, pl_module: Any) -> dict[str, Any]:

@@ -54,7 +54,7 @@ class PlanCallback(TrainerCallback):
         batch = to_device(first_batch(train_dataloader), next(model.parameters()).device)
         self.plan = enable(model, self.budget, inputs=batch, options=self.options,
                            **{**self.overrides, **trainer_step(args, optimizer)})
-        LOG.info("%s", self.plan.summary())
+        LOG.info("planned the model for the training loop:\n%s", self.plan.summary())
 
 
 def trainer_step(args: Any, optimizer: Any) -> dict[str, Any]:
