@@ -26,7 +26,6 @@ import torch.nn.functional as F
 
 from planner import InfeasibleBudget, load_plan, plan_for, prepare
 from planner.capture.fsdp_units import resolve_units
-from planner.memory.build import build_model
 from planner.distributed.memory import memory_offset, setup, split_at_units
 from planner.distributed.rank import (
     apply_plan,
@@ -37,6 +36,7 @@ from planner.distributed.rank import (
     resident_bytes,
     same_on_all_ranks,
 )
+from planner.memory.build import build_model
 from planner.plan import Segment
 from planner.solve.deadline import Deadline
 from planner.solve.result import Solution
@@ -97,7 +97,6 @@ def units_prepared():
     from planner.options import PlanOptions
     from planner.planning.prepared import prepared_from
     from planner.profiling.api import profile_for
-
     from planner.profiling.optimizer import optimizer_state
 
     model = make_model()
