@@ -20,7 +20,7 @@ from torch import nn
 
 from planner.common.loop import OptimizerState
 from planner.errors import OptionError
-from planner.profiling.memtrack import LiveStorages, dtensor_class, local_of
+from planner.profiling.memtrack import LiveStorages, local_of
 
 NAMED = {"adamw": (torch.optim.AdamW, {}), "adam": (torch.optim.Adam, {}), "sgd": (torch.optim.SGD, {"lr": 0.01}),
          "sgd-momentum": (torch.optim.SGD, {"lr": 0.01, "momentum": 0.9})}
@@ -35,7 +35,7 @@ def optimizer_state(optimizer: Any, model: nn.Module, *, device_type: str, shard
         optimizer: the ``optimizer=`` option; None counts nothing.
         model: the model planned; a name optimizes its trainable parameters.
         device_type: where the step will run (``cuda`` steps run torch's foreach implementation).
-        shards: ranks the state is split over (FSDP's world size; 1 where parameters are DTensor shards already).
+        shards: the data-parallel ranks FSDP splits the state over (each rank's tensor-parallel part, if any).
 
     Raises:
         OptionError: an unknown name, a negative or non-integer byte count, another kind of object, or an
@@ -68,9 +68,6 @@ def optimizer_state(optimizer: Any, model: nn.Module, *, device_type: str, shard
 def _measured(cls: type, groups: list[dict], defaults: dict, *, device_type: str, shards: int,
               existing: torch.optim.Optimizer | None) -> OptimizerState:
     params = [p for group in groups for p in group["params"]]
-    dtensor = dtensor_class()
-    if dtensor is not None and any(isinstance(p, dtensor) for p in params):
-        shards = 1  # each rank's optimizer holds its own shards already
     try:
         state_bytes, step_bytes = _run_on_meta(cls, groups, defaults, device_type=device_type)
     except Exception as exc:  # the optimizer's own code: any error means it cannot step on meta tensors
@@ -94,8 +91,9 @@ def _shard_bytes(params: list[nn.Parameter], shards: int) -> int:
     """The bytes of one rank's FSDP2 shards of ``params``: dim 0 padded to a multiple of ``shards``, split."""
     total = 0
     for p in params:
-        rows = p.shape[0] if p.dim() else 1
-        total += -(-rows // shards) * (p.numel() // max(rows, 1)) * p.element_size()
+        local = local_of(p)  # a tensor-parallel rank's own part, which FSDP shards further
+        rows = local.shape[0] if local.dim() else 1
+        total += -(-rows // shards) * (local.numel() // max(rows, 1)) * local.element_size()
     return total
 
 
