@@ -21,7 +21,7 @@ from planner.capture.inputs import Inputs
 from planner.capture.step import LossFn, backward, default_loss, untouched
 from planner.capture.step import sync as _sync
 from planner.common.loop import TrainingLoop, ZeroGrad
-from planner.compat.torch_private import storage_id, tree_leaves
+from planner.compat.torch_private import storage_id, tree_leaves, tree_map
 from planner.profiling.memtrack import LiveStorages
 
 
@@ -63,11 +63,12 @@ def measure_loop_peak(module: nn.Module, batches: Sequence[Inputs], loss_fn: Los
     """Peak bytes of the training loop ``loop`` describes, run for real over ``batches`` (one per micro-step), from
     no gradients and no optimizer state: ``optimizer.step()`` after every ``loop.gradient_accumulation_steps``
     micro-steps, gradients cleared (``set_to_none`` as the loop says) before the first micro-step's forward or, for
-    ``ZeroGrad.BEFORE_BACKWARD``, right before its backward, the output kept through
-    backward (and the optimizer's step) when the loop keeps it, released at the end of each micro-step; forward and
-    loss under the loop's autocast, backward outside it. On CUDA
-    the allocator's peak, else the live storages (parameters, buffers, gradients, optimizer state, inputs and
-    everything the loop allocates). The module's parameters train: pass a copy to keep the model as it was."""
+    ``ZeroGrad.BEFORE_BACKWARD``, right before its backward, the output kept through backward (and the optimizer's
+    step) when the loop keeps it, released at the end of each micro-step; forward and loss under the loop's
+    autocast, backward outside it. On CUDA the allocator's peak (every batch counted, as the caller holds them),
+    else the live storages: parameters, buffers, gradients, optimizer state, everything the loop allocates, and
+    the micro-step's batch (copied when it begins, as a loader makes it, and gone after). The module's
+    parameters train: pass a copy to keep the model as it was."""
     device = next(module.parameters()).device
     every = loop.gradient_accumulation_steps
 
@@ -77,8 +78,14 @@ def measure_loop_peak(module: nn.Module, batches: Sequence[Inputs], loss_fn: Los
         else:
             module.zero_grad(set_to_none=loop.set_to_none)
 
+    def fresh(batch: Inputs) -> Inputs:
+        if device.type == "cuda":
+            return batch
+        return Inputs(args=tree_map(_copied, batch.args), kwargs=tree_map(_copied, batch.kwargs))
+
     def run() -> None:
-        for i, inputs in enumerate(batches):
+        for i, batch in enumerate(batches):
+            inputs = fresh(batch)
             first = i % every == 0
             if first and loop.zero_grad is ZeroGrad.BEFORE_FORWARD:
                 clear()
@@ -109,12 +116,15 @@ def measure_loop_peak(module: nn.Module, batches: Sequence[Inputs], loss_fn: Los
         torch.cuda.synchronize(device)
         return torch.cuda.max_memory_allocated(device)
     tracker = LiveStorages(device)
-    for t in [*module.parameters(), *module.buffers(), *(t for b in batches for t in tree_leaves((b.args, b.kwargs)))]:
-        if isinstance(t, torch.Tensor):
-            tracker.track(t)
+    for t in [*module.parameters(), *module.buffers()]:
+        tracker.track(t)
     with tracker:
         run()
     return tracker.peak_bytes
+
+
+def _copied(value: Any) -> Any:
+    return value.clone() if isinstance(value, torch.Tensor) else value
 
 
 def _step(module: nn.Module, inputs: Inputs, loss_fn: Callable[[Any], torch.Tensor] | None, *,
