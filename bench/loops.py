@@ -16,7 +16,7 @@ model's output before backward (``keep_output=False``, as Trainer, TRL and Light
   optimizer and Lightning's order (gradients zeroed right before backward: the last step's alive in the forward).
 
 Measured: the exact live-storage peak (``planner.profiling.measure.measure_loop_peak``: parameters, gradients,
-AdamW's state and step, the batch and everything the loop allocates) over 2 optimizer steps of real batches; for
+AdamW's state and step, the batch and everything the loop allocates) over 2 optimizer steps; for
 Lightning, from each batch's start to its end inside the Trainer. "unsaid" is the same model planned at the same
 budget without saying the loop (fp32, one micro-step, no optimizer), measured in that loop.
 """
@@ -92,7 +92,7 @@ def measured_row(model: Model, label: str, budget: Any, loop: TrainingLoop, opti
     """Plans ``model`` for ``loop`` at ``budget`` and measures 2 optimizer steps of that loop; and the plan made
     without saying the loop, measured in it."""
     base = model.build()
-    batches = [as_inputs(base, model.inputs(seed)) for seed in range(2 * loop.gradient_accumulation_steps)]
+    batches = [as_inputs(base, model.inputs(0))] * (2 * loop.gradient_accumulation_steps)  # one held, as a loader
     optimizer = torch.optim.AdamW(base.parameters())
     if budget == "floor":
         try:

@@ -21,7 +21,7 @@ from planner.capture.inputs import Inputs
 from planner.capture.step import LossFn, backward, default_loss, untouched
 from planner.capture.step import sync as _sync
 from planner.common.loop import TrainingLoop, ZeroGrad
-from planner.compat.torch_private import storage_id, tree_leaves, tree_map
+from planner.compat.torch_private import storage_id, tree_leaves
 from planner.profiling.memtrack import LiveStorages
 
 
@@ -65,9 +65,9 @@ def measure_loop_peak(module: nn.Module, batches: Sequence[Inputs], loss_fn: Los
     micro-steps, gradients cleared (``set_to_none`` as the loop says) before the first micro-step's forward or, for
     ``ZeroGrad.BEFORE_BACKWARD``, right before its backward, the output kept through backward (and the optimizer's
     step) when the loop keeps it, released at the end of each micro-step; forward and loss under the loop's
-    autocast, backward outside it. On CUDA the allocator's peak (every batch counted, as the caller holds them),
-    else the live storages: parameters, buffers, gradients, optimizer state, everything the loop allocates, and
-    the micro-step's batch (copied when it begins, as a loader makes it, and gone after). The module's
+    autocast, backward outside it. On CUDA the allocator's peak, else the live storages: parameters, buffers,
+    gradients, optimizer state, everything the loop allocates, and each batch from its micro-step on (pass one
+    batch object repeated to count one, as a loader that makes each batch in turn holds). The module's
     parameters train: pass a copy to keep the model as it was."""
     device = next(module.parameters()).device
     every = loop.gradient_accumulation_steps
@@ -78,14 +78,12 @@ def measure_loop_peak(module: nn.Module, batches: Sequence[Inputs], loss_fn: Los
         else:
             module.zero_grad(set_to_none=loop.set_to_none)
 
-    def fresh(batch: Inputs) -> Inputs:
-        if device.type == "cuda":
-            return batch
-        return Inputs(args=tree_map(_copied, batch.args), kwargs=tree_map(_copied, batch.kwargs))
-
     def run() -> None:
-        for i, batch in enumerate(batches):
-            inputs = fresh(batch)
+        for i, inputs in enumerate(batches):
+            if tracker is not None:  # counted from its micro-step on (the caller holds it after)
+                for t in tree_leaves((inputs.args, inputs.kwargs)):
+                    if isinstance(t, torch.Tensor):
+                        tracker.track(t)
             first = i % every == 0
             if first and loop.zero_grad is ZeroGrad.BEFORE_FORWARD:
                 clear()
@@ -109,22 +107,18 @@ def measure_loop_peak(module: nn.Module, batches: Sequence[Inputs], loss_fn: Los
     module.train()
     for p in module.parameters():
         p.grad = None
-    if device.type == "cuda":
+    tracker = None if device.type == "cuda" else LiveStorages(device)
+    if tracker is None:
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
         run()
         torch.cuda.synchronize(device)
         return torch.cuda.max_memory_allocated(device)
-    tracker = LiveStorages(device)
     for t in [*module.parameters(), *module.buffers()]:
         tracker.track(t)
     with tracker:
         run()
     return tracker.peak_bytes
-
-
-def _copied(value: Any) -> Any:
-    return value.clone() if isinstance(value, torch.Tensor) else value
 
 
 def _step(module: nn.Module, inputs: Inputs, loss_fn: Callable[[Any], torch.Tensor] | None, *,
