@@ -183,11 +183,13 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=4)
     parser.add_argument("--length", type=int, default=128)
     parser.add_argument("--budget", default="80%")
+    parser.add_argument("--models", default="fx,qwen2", help="which of fx (the decoder), qwen2 to run")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "loops.md"), help="'-' prints")
     args = parser.parse_args()
     sizes = (args.width, args.layers, args.rows, args.length)
+    makers = {"fx": fx_decoder, "qwen2": qwen2}
     rows = []
-    for model in (fx_decoder(*sizes), qwen2(*sizes)):
+    for model in (makers[name](*sizes) for name in args.models.split(",")):
         dropped = {"keep_output": False}
         rows.append(measured_row(model, "fp32", args.budget, TrainingLoop(keep_output=False), dropped))
         bf16 = TrainingLoop(keep_output=False, autocast="bfloat16")
@@ -203,7 +205,8 @@ def main() -> None:
         rows.append(lightning_row(model, args.budget))
         print(table(rows), flush=True)
     text = (f"# The budget in the loops people run\n\n`python bench/loops.py --width {args.width} --layers "
-            f"{args.layers} --rows {args.rows} --length {args.length} --budget {args.budget}` on "
+            f"{args.layers} --rows {args.rows} --length {args.length} --budget {args.budget} --models "
+            f"{args.models}` on "
             f"{platform.processor() or platform.machine()}, torch {torch.__version__}. Sizes: width {args.width}, "
             f"{args.layers} layers, {args.rows} x {args.length} tokens.\n\n{table(rows)}\n")
     if args.out == "-":
