@@ -26,7 +26,6 @@ from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
-import torch
 from torch import nn
 
 from planner.capture.inputs import Inputs, bind
@@ -246,8 +245,9 @@ class Family:
         profiled as ``prepare`` does (``planner.planning.step``), on a private copy of the model: memory from a
         meta replay, times the reference's scaled (``planner.profiling.scaling``). Under autocast, which does not
         run on meta tensors, a group no larger than the example's (it fits where the example did) is measured
-        instead, the random generators put back after (training draws what it would have); a larger one is
-        replayed without autocast's casts (``docs/limits.md``).
+        instead (profiling puts the random generators back: training draws what it would have,
+        ``planner.capture.step.untouched``); a larger one is replayed without autocast's casts
+        (``docs/limits.md``).
 
         Raises:
             OptionError: a family read from a file, not applied to a model yet.
@@ -258,7 +258,7 @@ class Family:
         example = Inputs(args=(), kwargs={name: fitted(value, dict(key).get(name)) for name, value in values.items()})
         model = private_copy(self.model, drop_hooks=own_hooks(self.model))[0]  # never the user's own tree
         measure = self.loop.autocast is not None and self._within_example(key)
-        with copy_runs_alone(self.model), torch.random.fork_rng(devices=_cuda_devices() if measure else []):
+        with copy_runs_alone(self.model):
             captured, profile = captured_and_profiled(model, example, self.options, loop=self.loop,
                                                       distributed=self.distributed, runs=ExecutorKind.HOOKS,
                                                       scaled_from=None if measure else self.reference)
@@ -291,10 +291,6 @@ class Family:
                                                           solution.plan, solution.saves),
                          predicted_peak_bytes=timeline.peak_bytes, baseline_peak_bytes=prepared.baseline.peak_bytes,
                          recompute_ms=solution.recompute_us / 1000, step_ms=prepared.profile.step_ms)
-
-
-def _cuda_devices() -> list[int]:
-    return list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
 
 
 def other_flags(values: Mapping[str, Any], example: Mapping[str, Any] | None) -> dict[str, Any]:
