@@ -15,13 +15,9 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 from torch import nn
 
 from planner.options import PlanOptions
-
-AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
-"""accelerate's ``mixed_precision`` values that run the step under ``torch.autocast``, and its dtype."""
 
 
 def plan_with(accelerator: Any, model: nn.Module, budget: int | str, *, inputs: Any, optimizer: Any = None,
@@ -39,7 +35,7 @@ def plan_with(accelerator: Any, model: nn.Module, budget: int | str, *, inputs: 
     """
     settings = {**overrides, "optimizer": optimizer,
                 "gradient_accumulation_steps": int(accelerator.gradient_accumulation_steps),
-                "autocast": AUTOCAST.get(str(getattr(accelerator, "mixed_precision", "no")))}
+                "autocast": _autocast(str(getattr(accelerator, "mixed_precision", "no")))}
     if accelerator.num_processes > 1:
         from planner.distributed.rank import plan_on_rank0
 
@@ -47,3 +43,9 @@ def plan_with(accelerator: Any, model: nn.Module, budget: int | str, *, inputs: 
     from planner.inplace import enable
 
     return enable(model, budget, inputs=inputs, options=options, **settings)
+
+
+def _autocast(mixed_precision: str) -> str | None:
+    """accelerate's ``mixed_precision`` as ``autocast=``: ``bf16`` and ``fp16`` are names the option takes
+    (``planner.options.AUTOCAST_DTYPES``); ``no`` and ``fp8`` (not torch.autocast) plan without."""
+    return mixed_precision if mixed_precision in ("bf16", "fp16") else None
