@@ -128,8 +128,9 @@ def _run_cli(tmp_path, monkeypatch, capsys, source: str | None, *flags: str) -> 
     return err
 
 
-TORCH_LOG = re.compile(r"[DIWE]\d{4} [\d:.]+ \d+ torch/")
-"""A line of torch's logging (``W1204 01:05:30.015000 6655 torch/utils/cpp_extension.py:183] ...``)."""
+TORCH_LOG = re.compile(r"[DIWE]\d{4} [\d:.]+ \d+ \S*torch/")
+"""A line of torch's logging (``W1204 01:05:30.015000 6655 torch/utils/cpp_extension.py:183] ...``), the path
+relative to the working directory (``.venv/lib/python3.11/site-packages/torch/...`` where the venv lies there)."""
 
 
 @pytest.mark.parametrize("case", [*MODEL_ERRORS, *FILE_ERRORS])
