@@ -170,9 +170,23 @@ def entry_path(entry: str) -> str:
 
 
 def _split(entry: str) -> tuple[str, int]:
-    """``(path, call index)`` of a scope entry (index 0 when the ATen tiers named the call otherwise)."""
+    """``(path, call index)`` of a scope entry: ``"cell#3"`` (torch.fx), ``"cell#cell@3"`` (the ATen tiers name
+    calls by torch's module-stack keys, the first call without ``@``)."""
     path, _, call = entry.rpartition("#")
-    return path, int(call) if call.isdigit() else 0
+    count = call.rpartition("@")[2] if "@" in call else call
+    return path, int(count) if count.isdigit() else 0
+
+
+def member(path: str, call: int | None) -> str:
+    """How a plan names a chain member: the module's path, with ``#i`` when only its call ``i`` of each forward
+    is meant (a module called in a loop)."""
+    return path if call is None else f"{path}#{call}"
+
+
+def member_call(name: str) -> tuple[str, int | None]:
+    """``(path, call index or None)`` of a chain member's name (``member``)."""
+    path, sep, call = name.rpartition("#")
+    return (path, int(call)) if sep and call.isdigit() else (name, None)
 
 
 def is_inside(path: str, ancestors: Iterable[str]) -> bool:

@@ -2,8 +2,10 @@
 
 A model captured as ATen ops (``torch.export`` or ``make_fx``) is planned on its ATen graph but runs
 its own Python code, with checkpoints entered and left by forward hooks (``planner.rewrite.chains``).
-A segment must then be a *chain*: one or more consecutive calls of sibling modules, each called once
-per forward, with no node of their caller between them (code there would not be re-run). The hook
+A segment must then be a *chain*: one or more consecutive calls of sibling modules, with no node of their caller
+between them (code there would not be re-run). A module called more than once per forward (a cell unrolled in a
+loop, a shared block applied N times) is a member by its call index (``cell#7``: its eighth call), so each of its
+calls, or a run of them, can be checkpointed on its own. The hook
 executor (``planner.rewrite.executor``) asks for these; torch-free, on the profile's call index.
 """
 
@@ -11,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from planner.capture.calls import CallIndex, ModuleCall
+from planner.capture.calls import CallIndex, ModuleCall, member, member_call
 from planner.memory.rules import Span
 
 
@@ -29,8 +31,8 @@ def find_chains(calls: CallIndex, end: int) -> list[Span]:
                 if members and (call.first != members[-1].last + 1 or _parent(call) != _parent(first)):
                     break
                 members.append(call)
-                found.setdefault((first.first, call.last + 1),
-                                 Span(lo=first.first, hi=call.last + 1, members=tuple(c.path for c in members)))
+                found.setdefault((first.first, call.last + 1), Span(lo=first.first, hi=call.last + 1,
+                                                                    members=tuple(_named(calls, c) for c in members)))
     return sorted(found.values(), key=lambda c: (c.lo, -c.hi))
 
 
@@ -39,13 +41,20 @@ def one_unit(span: Span, units: Sequence[str]) -> bool:
     touches at most one unit, and a member that is (or holds) a unit is the chain's last, so no unit is
     re-run before its own backward (which would gather it early and hold it gathered until then)."""
     touched: set[str] = set()
-    for i, member in enumerate(span.members):
-        holds = {u for u in units if u == member or u.startswith(member + ".")}
-        inside = {u for u in units if member.startswith(u + ".")}
+    for i, name in enumerate(span.members):
+        path = member_call(name)[0]
+        holds = {u for u in units if u == path or u.startswith(path + ".")}
+        inside = {u for u in units if path.startswith(u + ".")}
         if holds and i < len(span.members) - 1:
             return False
         touched |= holds | inside
     return len(touched) <= 1
+
+
+def _named(calls: CallIndex, call: ModuleCall) -> str:
+    """The chain member ``call`` is: its module's path, with its call index when the module is called more than
+    once per forward (``capture.calls.member``)."""
+    return member(call.path, call.index if calls.times_called(call.path) > 1 else None)
 
 
 def _parent(call: ModuleCall) -> str:
@@ -54,8 +63,6 @@ def _parent(call: ModuleCall) -> str:
 
 
 def _chainable(calls: CallIndex, end: int) -> list[ModuleCall]:
-    """Module calls that can be chain members: contiguous runs of nodes before ``end``, of modules called
-    once, entered from one place."""
+    """Module calls that can be chain members: contiguous runs of nodes before ``end``, entered from one place."""
     return [call for call in calls.calls
-            if call.path and calls.times_called(call.path) == 1 and call.contiguous and call.last < end
-            and call.single_parent]
+            if call.path and call.contiguous and call.last < end and call.single_parent]

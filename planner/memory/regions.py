@@ -11,13 +11,14 @@ segment would be recomputed from the modified value.
 
 from __future__ import annotations
 
+import bisect
 import itertools
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
 
-from planner.capture.calls import repeated_blocks
+from planner.capture.calls import CallIndex, ModuleCall, member, repeated_blocks
 from planner.memory.rules import ANY_RUN, SegmentRules
 from planner.profiling.record import Profile
 
@@ -35,7 +36,14 @@ class Regions:
     blocks: tuple[tuple[int, int], ...] = ()
     """Chunk ranges ``(first, stop)`` of the calls of the model's repeated blocks, if any."""
     block_paths: tuple[str, ...] = ()
-    """Module path of each block (children of the largest container of numbered submodules)."""
+    """Name of each block: its module path (children of the largest container of numbered submodules), or the
+    call of a module called in a loop (``cell#7``, ``loop_steps``)."""
+    block_count: int = 0
+    """How many blocks the graph has, whether or not these chunks cut at every block's edges (``blocks``
+    is empty then)."""
+    block_cuts: int = 0
+    """How many cut positions the blocks' edges are (one per block and one more for a chain, two per call of a
+    loop run by module hooks): the chunks ``max_chunks = block_cuts + 1`` gives hold every block."""
     capped: bool = False
     """True when the graph has more admissible cut positions than ``max_chunks`` allowed: a plan may
     exist among finer chunks that these do not contain."""
@@ -103,14 +111,16 @@ def find_regions(profile: Profile, *, max_chunks: int | None = None, rules: Segm
             crossing[storage.producer + 1] += storage.nbytes
             crossing[min(last_use[s], end) + 1] -= storage.nbytes
     crossing = np.cumsum(crossing)
-    block_paths, block_nodes = find_blocks(profile, end)
+    block_paths, block_nodes = find_blocks(profile, end, calls_only=rules.spans is not None)
     if max_chunks is None:
         per_block = 2 * len(block_nodes)
         max_chunks = per_block if DEFAULT_CHUNKS < per_block <= 2 * PER_BLOCK_UP_TO else DEFAULT_CHUNKS
     block_edges = {b for first, stop in block_nodes for b in (first, stop)}
-    # Rank cut positions: block edges, then shallower module boundaries, then, within each block (or,
-    # outside the blocks, each module call), fewer crossing bytes first; a block's k-th best cut comes
-    # before any block's (k+1)-th, so that every block can be cut inside before any is cut twice.
+    block_firsts = [first for first, _ in block_nodes]
+    # Rank cut positions in tiers: block edges, then shallower module boundaries; within a block (or, outside
+    # the blocks, a module call) fewer crossing bytes first, a block's k-th best cut before any block's
+    # (k+1)-th, so that every block can be cut inside before any is cut twice. The tier that does not fit
+    # whole is spread over the graph (``_spread``).
     found = [s for s in rules.spans if s.hi <= end] if rules.spans is not None else []
     chain_edges = {b for chain in found for b in (chain.lo, chain.hi)}
     groups: dict[tuple[int, int | str | None], list[tuple[int, int]]] = {}  # (depth, block or call): cuts
@@ -120,15 +130,32 @@ def find_regions(profile: Profile, *, max_chunks: int | None = None, rules: Segm
         if any(p < b <= m for p, m in mutated_after):
             continue
         depth = -1 if b in block_edges else profile.calls.common_depth(b - 1, b)
-        unit: int | str | None = next((i for i, (lo, hi) in enumerate(block_nodes) if lo < b < hi), None)
+        inside = bisect.bisect_right(block_firsts, b) - 1
+        unit: int | str | None = inside if inside >= 0 and b < block_nodes[inside][1] else None
         if unit is None and depth > 0:  # outside the repeated blocks: the module call the cut lies in
             unit = profile.calls.calls[profile.calls.around[b][depth - 1]].entry  # (DenseNet's dense layers)
         groups.setdefault((depth, unit), []).append((int(crossing[b]), b))
-    candidates = []
-    for (depth, _), members in groups.items():
-        for rank, (cross, b) in enumerate(sorted(members)):
-            candidates.append((depth, rank, cross, b))
-    chosen = sorted(c[-1] for c in sorted(candidates)[: max(0, max_chunks - 1)])
+    tiers: dict[tuple[int, int], list[tuple[int, int]]] = {}
+    for (depth, unit), members in groups.items():
+        for rank, cut in enumerate(sorted(members)):  # the chain itself (no unit): one tier
+            tiers.setdefault((depth, 0 if unit is None else rank), []).append(cut)
+    n_candidates = sum(len(members) for members in tiers.values())
+    chosen: list[int] = []
+    apart = any(a[1] < b[0] for a, b in itertools.pairwise(block_nodes))  # the loop's code between its calls
+    for tier in sorted(tiers):
+        room = max(0, max_chunks - 1) - len(chosen)
+        members = tiers[tier]
+        if len(members) > room:
+            cost = _cumulative_cost(profile, end)
+            if tier == (-1, 0) and apart:  # a call is a segment only when both its edges are cuts: whole calls
+                stop_of = dict(block_nodes)
+                chosen += [b for first in _quantiles(block_firsts, room // 2, cost, 0, end)
+                           for b in (first, stop_of[first]) if 0 < b < end]
+            else:
+                chosen += _spread(members, room, chosen, cost)
+            break
+        chosen += [b for _, b in members]
+    chosen.sort()
     starts = (0, *chosen)
     stops = (*chosen, end)
     checkpointable = tuple(
@@ -144,25 +171,127 @@ def find_regions(profile: Profile, *, max_chunks: int | None = None, rules: Segm
     if rules.spans is not None:
         chains = {(index[c.lo], index[c.hi]): c.members for c in found if c.lo in index and c.hi in index}
     return Regions(starts=starts, end=end, checkpointable=checkpointable, blocks=blocks, block_paths=block_paths,
-                   capped=len(candidates) > len(chosen), chains=chains, rules=rules)
+                   block_count=len(block_nodes), block_cuts=len(block_edges - {0, end}),
+                   capped=n_candidates > len(chosen), chains=chains, rules=rules)
 
 
-def find_blocks(profile: Profile, end: int) -> tuple[tuple[str, ...], list[tuple[int, int]]]:
+def find_blocks(profile: Profile, end: int, *,
+                calls_only: bool = False) -> tuple[tuple[str, ...], list[tuple[int, int]]]:
     """The model's repeated blocks among the modules the graph calls (``scope.repeated_blocks``:
-    ``blocks.0``, ``layers.3``, ``transformer.h.11``).
+    ``blocks.0``, ``layers.3``, ``transformer.h.11``), else the steps of a loop (``loop_steps``; ``calls_only``:
+    each step its call alone, for plans run by module hooks, which can checkpoint the call and not the loop's code).
 
-    Returns their paths and node ranges ``[first, stop)``, or nothing when there is no such
-    container or its children's calls are not contiguous, disjoint runs of nodes.
+    Returns their names and node ranges ``[first, stop)``, or nothing when there are neither, or the
+    blocks' calls are not contiguous, disjoint runs of nodes.
     """
     calls = profile.calls.nodes_by_path(end)
     blocks = repeated_blocks(calls)
     if len(blocks) < 2:
-        return (), []
+        return loop_steps(profile.calls, end, calls_only=calls_only)
     paths = sorted(blocks, key=lambda c: calls[c][0])
     ranges = [(calls[c][0], calls[c][-1] + 1) for c in paths]
     contiguous = all(len(calls[c]) == hi - lo for c, (lo, hi) in zip(paths, ranges))
     disjoint = all(a[1] <= b[0] for a, b in itertools.pairwise(ranges))
     return (tuple(paths), ranges) if contiguous and disjoint else ((), [])
+
+
+def loop_steps(calls: CallIndex, end: int, *,
+               calls_only: bool = False) -> tuple[tuple[str, ...], list[tuple[int, int]]]:
+    """The steps of a loop: the calls of the module called most often (at least twice) from one place, one
+    after another (an ``LSTMCell`` unrolled over time, a shared block applied N times). Step ``i`` runs from
+    the end of call ``i - 1`` to the end of call ``i``: the loop's own code between calls (``x[:, t]``) goes
+    with the call it feeds (``calls_only``: the call alone). Names are chain members (``cell#3``,
+    ``capture.calls.member``)."""
+    runs: dict[tuple[str, int | None], list[ModuleCall]] = {}
+    for call in calls.calls:
+        if call.last < end and call.contiguous and call.single_parent:
+            runs.setdefault((call.path, call.parent), []).append(call)
+    steps = max((run for run in runs.values() if len(run) >= 2
+                 and all(a.last < b.first for a, b in itertools.pairwise(run))), key=len, default=[])
+    ranges = [(call.first if i == 0 or calls_only else steps[i - 1].last + 1, call.last + 1)
+              for i, call in enumerate(steps)]
+    return tuple(member(call.path, call.index) for call in steps), ranges
+
+
+CROSS_SLACK = 0.1
+"""Cuts of one tier whose crossing bytes are within this share of the cheapest that fill the room are equally
+good (a chain's edges carry about the same bytes); among those, the cuts are spread (``_spread``)."""
+
+
+def _spread(members: list[tuple[int, int]], room: int, chosen: list[int], cost: np.ndarray) -> list[int]:
+    """``room`` cuts among ``members`` (``(crossing bytes, position)``): among those crossing about as few
+    bytes as the ``room`` cheapest, the ones that split the graph, already cut at ``chosen``, into chunks
+    of balanced ``cost`` (cumulative, per position). For a chain of n equal blocks and k chunks: groups of
+    n/k consecutive blocks, where ranking by bytes alone would take the first k edges."""
+    if room <= 0:
+        return []
+    ranked = sorted(members)
+    threshold = ranked[room - 1][0] * (1 + CROSS_SLACK)
+    eligible = sorted(b for cross, b in ranked if cross <= threshold)
+    edges = [0, *sorted(chosen), len(cost) - 1]
+    spans = []  # (lo, hi, candidates inside)
+    for lo, hi in itertools.pairwise(edges):
+        inside = eligible[bisect.bisect_right(eligible, lo):bisect.bisect_left(eligible, hi)]
+        if inside:
+            spans.append((lo, hi, inside))
+    shares = _apportion([float(cost[hi] - cost[lo]) for lo, hi, _ in spans], [len(c) for *_, c in spans], room)
+    out: list[int] = []
+    for (lo, hi, inside), count in zip(spans, shares):
+        out += _quantiles(inside, count, cost, lo, hi)
+    return out
+
+
+def _apportion(weights: list[float], caps: list[int], total: int) -> list[int]:
+    """``total`` split in proportion to ``weights`` (largest remainders first), none above its cap (the caps
+    sum to at least ``total``)."""
+    weights = [w + 1e-12 for w in weights]  # a span of no cost still takes cuts once the others are full
+    shares = [0] * len(weights)
+    left = total
+    while left > 0:
+        open_ = [i for i in range(len(weights)) if shares[i] < caps[i]]
+        mass = sum(weights[i] for i in open_)
+        ideal = {i: left * weights[i] / mass for i in open_}
+        given = 0
+        for i in open_:
+            add = min(int(ideal[i]), caps[i] - shares[i])
+            shares[i] += add
+            given += add
+        if given == 0:  # every ideal share below one: the largest remainders get one each
+            for i in sorted(open_, key=lambda i: ideal[i], reverse=True)[:left]:
+                shares[i] += 1
+                given += 1
+        left -= given
+    return shares
+
+
+def _quantiles(inside: list[int], count: int, cost: np.ndarray, lo: int, hi: int) -> list[int]:
+    """``count`` of the positions ``inside`` (sorted), each the nearest in cost to one of the ``count`` equal
+    steps between ``lo`` and ``hi``, in order and distinct."""
+    out: list[int] = []
+    at = 0
+    weights = [float(cost[b]) for b in inside]
+    for j in range(1, count + 1):
+        target = float(cost[lo]) + j * float(cost[hi] - cost[lo]) / (count + 1)
+        last = len(inside) - (count - j)  # leave one position for each cut still to place
+        k = bisect.bisect_left(weights, target, at, last)
+        if k == last or (k > at and target - weights[k - 1] <= weights[k] - target):
+            k -= 1
+        k = max(k, at)
+        out.append(inside[k])
+        at = k + 1
+    return out
+
+
+def _cumulative_cost(profile: Profile, end: int) -> np.ndarray:
+    """Per position ``b`` in ``0..end``: the share of the forward's time and of the bytes it allocates that
+    the nodes before ``b`` account for (``0`` to ``2``): what balanced chunks split evenly."""
+    ms = np.array([max(n.fwd_ms, 0.0) for n in profile.nodes[:end]], dtype=np.float64)
+    made = np.zeros(end, dtype=np.float64)
+    for storage in profile.storages:
+        if 0 <= storage.producer < end:
+            made[storage.producer] += storage.nbytes
+    per_node = ms / (ms.sum() or 1.0) + made / (made.sum() or 1.0)
+    return np.concatenate(([0.0], np.cumsum(per_node)))
 
 
 def _last_use(profile: Profile) -> list[int]:

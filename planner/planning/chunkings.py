@@ -107,7 +107,7 @@ def widen(prepared: Prepared, budget_bytes: int, options: PlanOptions,
     while prepared.regions.capped and chunks < WIDEST_CHUNKS:
         searched = prepared
         if deadline.passed:
-            raise _unproven(first, searched, out_of_time=True)
+            return _every_block(first_prepared, budget_bytes, deadline, _unproven(first, searched, out_of_time=True))
         chunks *= 2
         prepared = chunked(prepared, chunks)
         try:
@@ -119,12 +119,44 @@ def widen(prepared: Prepared, budget_bytes: int, options: PlanOptions,
                                           prepared.baseline.peak_bytes, deadline, save_options_for(prepared, options),
                                           explain=not prepared.regions.capped)  # else a finer chunking is next
         except (NoSolution, OutOfTime):  # the DP screen or the solve ran out of time at this chunking
-            raise _unproven(first, searched, out_of_time=True) from None
+            return _every_block(first_prepared, budget_bytes, deadline, _unproven(first, searched, out_of_time=True))
         except _NoPlan:
             pass
     if prepared is not first_prepared:  # the smallest peak at the finest chunking searched, not the first's
         first = _smallest(prepared.memory, budget_bytes, deadline)
-    raise _unproven(first, prepared)
+    return _every_block(first_prepared, budget_bytes, deadline, _unproven(first, prepared))
+
+
+BLOCK_DP_SHARE = 0.5
+"""Share of the time left that the chunk DP gets at one chunk per block, to beat checkpointing every block."""
+
+
+def _every_block(prepared: Prepared, budget_bytes: int, deadline: Deadline,
+                 unproven: InfeasibleBudget) -> tuple[Prepared, Solution]:
+    """Before saying no plan was found: a chain of more blocks (or loop steps) than the chunkings searched
+    holds the plan that checkpoints every block, which may fit. At one cut per block edge, that plan, or the
+    chunk DP's when it finds one that re-runs less in ``BLOCK_DP_SHARE`` of the time left (FEASIBLE either way:
+    nothing proven); ``unproven`` raised when it does not fit either."""
+    blocks = prepared.regions.block_count
+    if not blocks or blocks < prepared.regions.n_chunks or not prepared.rules.refinable:
+        raise unproven
+    fine = chunked(prepared, prepared.regions.block_cuts + 1)  # a cut at every block edge
+    if len(fine.regions.blocks) != blocks:
+        raise unproven
+    every = tuple(block for block in fine.regions.blocks if fine.regions.allows(*block))
+    timeline = simulate(fine.memory, every)
+    if timeline.peak_bytes > budget_bytes:
+        raise unproven
+    began = time.perf_counter()
+    best = Solution(plan=every, status=SolverStatus.FEASIBLE, recompute_us=timeline.recompute_us, bound_us=None,
+                    solve_time_s=0.0)
+    try:
+        found = rotor(fine.memory, budget_bytes, deadline=deadline.within(BLOCK_DP_SHARE * deadline.left_s()))
+        if found.recompute_us < best.recompute_us:
+            best = replace(found, status=SolverStatus.FEASIBLE, bound_us=None)
+    except NoSolution:  # out of time (or under the conservative reading): checkpointing every block fits
+        pass
+    return fine, replace(best, solve_time_s=time.perf_counter() - began)
 
 
 def _unproven(exc: InfeasibleBudget, prepared: Prepared, *, out_of_time: bool = False) -> InfeasibleBudget:

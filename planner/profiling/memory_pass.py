@@ -27,7 +27,7 @@ from planner.capture.step import LossFn, default_loss, sync, untouched
 from planner.compat.torch_private import disable_current_modes, tree_leaves
 from planner.errors import ProfileError
 from planner.profiling.eager import eager_excess, eager_forward_trace
-from planner.profiling.memtrack import LiveStorages, local_of, storage_key
+from planner.profiling.memtrack import GradBytes, LiveStorages, local_of, storage_key
 from planner.profiling.record import LOSS_NODE, NodeCost, Profile, StorageCost
 from planner.profiling.runner import StepRunner
 from planner.profiling.timing import QUIET, Steps, checkpoint_overhead_ms, measure_sac_op_us, time_step
@@ -197,7 +197,7 @@ class MemoryRecorder(StepRunner):
         """Per node: bytes of parameter gradients alive when its backward started."""
         self.end_bytes: int | None = None
         """Live bytes once backward has finished."""
-        self._trainable = [p for p in dict.fromkeys(model.parameters()) if p.requires_grad]
+        self._grads = GradBytes([p for p in dict.fromkeys(model.parameters()) if p.requires_grad], self._here)
         self._index_of: dict[int, int] = {}
         self._producer = -1
         self._current: dict | None = None
@@ -230,6 +230,7 @@ class MemoryRecorder(StepRunner):
         alive = set(self._index_of.values())
         for record in self.records:
             record["saves"] &= alive
+        self._grads.start()
 
     def forward_trace(self) -> list[tuple[str, int]]:
         """The ops of the graph's forward (the loss excluded), with live bytes after each."""
@@ -356,13 +357,12 @@ class MemoryRecorder(StepRunner):
 
     def after_backward(self) -> None:
         self._close_window()
+        self._grads.stop()
         self.end_bytes = self.tracker.live_bytes
 
     def _grad_bytes(self) -> int:
         """Bytes of the parameters' gradients alive now (each storage once)."""
-        storages = {storage_key(p.grad): local_of(p.grad).untyped_storage().nbytes()
-                    for p in self._trainable if p.grad is not None and self._here(local_of(p.grad))}
-        return sum(storages.values())
+        return self._grads.now()
 
     def _close_window(self) -> None:
         if self._open is not None:

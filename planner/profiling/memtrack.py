@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import weakref
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -142,3 +143,56 @@ def written_tensors(func, args: tuple, kwargs: dict) -> list[torch.Tensor]:
             value = args[i] if i < len(args) else kwargs.get(arg.name)
             written.extend(t for t in tree_leaves(value) if isinstance(t, torch.Tensor))
     return written
+
+
+class GradBytes:
+    """Bytes of the parameters' gradients alive during one backward, each storage once, asked at every node's
+    backward: kept up to date by the parameters' post-accumulate-grad hooks (a scan of every parameter per node
+    is quadratic: 76 s on a chain of 1,000 blocks), or by that scan where the parameters are DTensors (FSDP2
+    sets their gradients after its reduce-scatter, which no such hook sees)."""
+
+    def __init__(self, params: list[torch.Tensor], here: Callable[[Any], bool]) -> None:
+        self.params = params
+        self.here = here
+        self.hooked = not any(isinstance(p, dtensor_class() or ()) for p in params)
+        self._key: dict[int, int] = {}  # id(parameter) -> its gradient's storage
+        self._bytes: Counter[int] = Counter()  # storage -> bytes, while some parameter's gradient is it
+        self._holders: Counter[int] = Counter()
+        self._total = 0
+        self._handles: list = []
+
+    def start(self) -> None:
+        """Backward begins: the gradients alive now (accumulated ones), then the hooks."""
+        self._key.clear()
+        self._bytes.clear()
+        self._holders.clear()
+        self._total = 0
+        for p in self.params:
+            self._note(p)
+        if self.hooked:
+            self._handles = [p.register_post_accumulate_grad_hook(self._note) for p in self.params]
+
+    def stop(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def now(self) -> int:
+        if not self.hooked:
+            self.start()
+        return self._total
+
+    def _note(self, param: torch.Tensor) -> None:
+        grad = param.grad
+        key = storage_key(grad) if grad is not None and self.here(local_of(grad)) else None
+        old = self._key.pop(id(param), None)
+        if old is not None:
+            self._holders[old] -= 1
+            if not self._holders[old]:
+                self._total -= self._bytes.pop(old)
+        if grad is not None and key is not None:
+            self._key[id(param)] = key
+            if not self._holders[key]:
+                self._bytes[key] = local_of(grad).untyped_storage().nbytes()
+                self._total += self._bytes[key]
+            self._holders[key] += 1

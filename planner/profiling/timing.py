@@ -224,6 +224,9 @@ def measure_sac_op_us(gm: fx.GraphModule, inputs: Inputs, loss_fn: LossFn, devic
 
 SAC_RUNS = 4
 """Checkpointed steps with and without selective checkpointing's modes ``sac_op_overhead_us`` takes the fastest of."""
+SAC_SECONDS = 3.0
+"""About the most time those steps take after the warm-up: a step of a 1,000-block chain takes over a second, and
+its per-op cost is as well measured by fewer steps (over thousands of ops)."""
 
 
 def sac_op_overhead_us(gm: fx.GraphModule, inputs: Inputs, loss_fn: LossFn, device: torch.device, ops: int,
@@ -255,7 +258,8 @@ def sac_op_overhead_us(gm: fx.GraphModule, inputs: Inputs, loss_fn: LossFn, devi
     times: dict[Any, list[float]] = {noop_context_fn: [], selective: []}
     try:
         if SET_RUNS is None:  # CKPLAN_TIMING_RUNS asks for speed over precision: no warm-up
-            step(noop_context_fn), step(selective)  # warm-up
+            warm = step(noop_context_fn) + step(selective)
+            runs = max(1, min(runs, int(SAC_SECONDS * 1e3 / warm)))  # a long step: fewer runs
         for i in range(runs):  # alternate which of the pair goes first
             for context_fn in (noop_context_fn, selective) if i % 2 else (selective, noop_context_fn):
                 times[context_fn].append(step(context_fn))

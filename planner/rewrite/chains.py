@@ -39,6 +39,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from planner.capture.cache import training_with_grad
+from planner.capture.calls import member_call
 from planner.capture.ops import draws_random, kernel_name, writes_new_memory
 from planner.compat.sac_autocast import autocast_safe
 from planner.compat.torch_private import checkpoint_region, tree_flatten, tree_unflatten
@@ -176,16 +177,6 @@ class _Runner:
     def __repr__(self) -> str:
         return f"checkpointed chain {' -> '.join(self.chain.members)}"
 
-    def register(self) -> list:
-        handles, last = [], len(self.members) - 1
-        for j, module in enumerate(self.members):
-            handles.append(module.register_forward_pre_hook(functools.partial(self._pre, j), with_kwargs=True,
-                                                            prepend=True))
-            # the last member leaves the region first among its hooks, and also when its forward raised
-            handles.append(module.register_forward_hook(functools.partial(self._post, j), prepend=j == last,
-                                                        always_call=j == last))
-        return handles
-
     def _pre(self, j: int, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if self.replaying:
             return
@@ -314,6 +305,7 @@ class Installed:
     root: nn.Module
     runners: list[_Runner]
     handles: list
+    calls: list[_Calls]
 
     def hook_ids(self) -> frozenset[int]:
         """Ids of the hooks this plan put on the module tree."""
@@ -325,6 +317,11 @@ class Installed:
         for handle in self.handles:
             handle.remove()
         self.handles = []
+
+    def _restart(self, module: nn.Module, args: tuple) -> None:
+        """Before the root's forward: call indices count from here."""
+        for each in self.calls:
+            each.restart()
 
     def _closed(self, module: nn.Module, args: tuple, output: Any) -> None:
         """After the root's forward: a chain still open stopped half-way (or the forward raised)."""
@@ -342,17 +339,64 @@ def install(root: nn.Module, chains: Sequence[Chain]) -> Installed:
     Raises:
         ChainError: a member path names no module of ``root``, or a chain's members are not siblings.
     """
-    runners, handles = [], []
+    runners = []
+    calls: dict[int, _Calls] = {}
     for chain in chains:
-        members = [_module(root, path) for path in chain.members]
-        if len({path.rpartition(".")[0] for path in chain.members}) != 1:
+        paths = [member_call(name)[0] for name in chain.members]
+        members = [_module(root, path) for path in paths]
+        if len({path.rpartition(".")[0] for path in paths}) != 1:
             raise ChainError(f"chain {' -> '.join(chain.members)}: members must be children of one module")
         runner = _Runner(chain, members, root)
         runners.append(runner)
-        handles += runner.register()
-    installed = Installed(root=root, runners=runners, handles=handles)
+        for j, (module, name) in enumerate(zip(members, chain.members)):
+            calls.setdefault(id(module), _Calls(module)).add(runner, j, member_call(name)[1],
+                                                            last=j == len(members) - 1)
+    handles = [handle for each in calls.values() for handle in each.register()]
+    installed = Installed(root=root, runners=runners, handles=handles, calls=list(calls.values()))
+    handles.append(root.register_forward_pre_hook(installed._restart, prepend=True))
     handles.append(root.register_forward_hook(installed._closed, always_call=True))
     return installed
+
+
+class _Calls:
+    """The hooks of one module for every chain it is a member of: each call of the module, counted from the start
+    of the root's forward, goes to the chains that name that call (``cell#7``) or every call (``cell``)."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+        self.every: list[tuple[_Runner, int]] = []
+        self.at: dict[int, list[tuple[_Runner, int]]] = {}
+        self.count = 0
+        self.running: list[int] = []  # the calls entered and not yet left (a module may call itself)
+        self.leaves_last = False
+
+    def add(self, runner: _Runner, j: int, call: int | None, *, last: bool) -> None:
+        (self.every if call is None else self.at.setdefault(call, [])).append((runner, j))
+        self.leaves_last |= last
+
+    def restart(self) -> None:
+        self.count = 0
+        self.running = []
+
+    def register(self) -> list:
+        # a chain's last member leaves the region first among its hooks, and also when its forward raised
+        return [self.module.register_forward_pre_hook(self._pre, with_kwargs=True, prepend=True),
+                self.module.register_forward_hook(self._post, prepend=self.leaves_last, always_call=self.leaves_last)]
+
+    def _members(self, call: int) -> list[tuple[_Runner, int]]:
+        return self.every + self.at.get(call, []) if self.at else self.every
+
+    def _pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        call = self.count
+        self.count += 1
+        self.running.append(call)
+        for runner, j in self._members(call):
+            runner._pre(j, module, args, kwargs)
+
+    def _post(self, module: nn.Module, args: tuple, output: Any) -> None:
+        call = self.running.pop() if self.running else self.count - 1
+        for runner, j in self._members(call):
+            runner._post(j, module, args, output)
 
 
 def _module(root: nn.Module, path: str) -> nn.Module:

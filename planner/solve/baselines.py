@@ -35,14 +35,17 @@ def no_checkpointing(model: MemoryModel, budget_bytes: int, *, deadline: Deadlin
 
 def every_block(model: MemoryModel, budget_bytes: int, *, deadline: Deadline | None = None,
                 options: SaveOptions | None = None) -> Solution:
-    """Each block of the model's repeated container (``blocks.0``, ``layers.3``...) in its own segment.
+    """Each block of the model's repeated container (``blocks.0``, ``layers.3``...), or each step of its loop
+    (``cell#7``), in its own segment.
 
     Raises:
-        OptionError (a ValueError): the model has no container of numbered blocks.
+        OptionError (a ValueError): the model has neither, or these chunks do not cut at every block's edges.
     """
     if not model.regions.blocks:
-        raise OptionError("every_block needs a container of numbered blocks (e.g. an nn.ModuleList "
-                          "`blocks`); this model has none: use the sqrt_n or cpsat solver")
+        raise OptionError("every_block needs a container of numbered blocks (e.g. an nn.ModuleList `blocks`) or a "
+                          "module called in a loop, with a cut at each block's edges; this model has none (or "
+                          f"{model.regions.block_count} blocks, more than the chunks): use the sqrt_n or cpsat solver, "
+                          "or raise max_chunks")
     return _fixed(model, model.regions.blocks)
 
 
