@@ -4,9 +4,13 @@ A segment is a run of consecutive chunks. Cut positions are chosen at module
 boundaries first (between blocks, then between the submodules of a block), and
 among positions of equal depth those where the fewest activation bytes cross
 the cut, because a segment keeps everything that crosses into it; each block (or
-module call, outside the repeated blocks) gets its best cut before any gets two. A position
-is never a cut when a tensor crossing it is modified in place later: the
-segment would be recomputed from the modified value.
+module call, outside the repeated blocks) gets its best cut before any gets two.
+Where a tier of equally good positions does not fit whole in ``max_chunks`` (the
+edges of a chain of hundreds of blocks, the steps of an unrolled loop), its cuts are
+spread so that the chunks carry balanced cost: groups of n/k blocks for k chunks.
+Blocks are a container's numbered children or, without one, the calls of a module
+called in a loop (``loop_steps``). A position is never a cut when a tensor crossing
+it is modified in place later: the segment would be recomputed from the modified value.
 """
 
 from __future__ import annotations
@@ -283,14 +287,14 @@ def _quantiles(inside: list[int], count: int, cost: np.ndarray, lo: int, hi: int
 
 
 def _cumulative_cost(profile: Profile, end: int) -> np.ndarray:
-    """Per position ``b`` in ``0..end``: the share of the forward's time and of the bytes it allocates that
-    the nodes before ``b`` account for (``0`` to ``2``): what balanced chunks split evenly."""
-    ms = np.array([max(n.fwd_ms, 0.0) for n in profile.nodes[:end]], dtype=np.float64)
+    """Per position ``b`` in ``0..end``: the share of the forward's nodes and of the bytes it allocates that
+    the nodes before ``b`` account for (``0`` to ``2``): what balanced chunks split evenly. Nodes stand for
+    time: measured times would move the cuts from one profile of a model to the next."""
     made = np.zeros(end, dtype=np.float64)
     for storage in profile.storages:
         if 0 <= storage.producer < end:
             made[storage.producer] += storage.nbytes
-    per_node = ms / (ms.sum() or 1.0) + made / (made.sum() or 1.0)
+    per_node = 1.0 / max(1, end) + made / (made.sum() or 1.0)
     return np.concatenate(([0.0], np.cumsum(per_node)))
 
 

@@ -9,7 +9,10 @@ bounds all of it.
 
 from __future__ import annotations
 
+import functools
+import math
 import time
+from collections.abc import Callable
 from dataclasses import replace
 
 from planner.common.budget import format_bytes
@@ -89,25 +92,35 @@ def widen(prepared: Prepared, budget_bytes: int, options: PlanOptions,
           deadline: Deadline) -> tuple[Prepared, Solution]:
     """The solution at the prepared chunking, else at finer ones (see ``plan_for``), with the
     ``Prepared`` it belongs to."""
-    try:
+    overrides = bool(options.must_save or options.must_recompute)
+    first: InfeasibleBudget | None = None
+    try:  # unexplained while finer chunkings may hold a plan: the smallest peak's search would take the time
         return prepared, solve_budget(options.solver, prepared.memory, budget_bytes, prepared.baseline.peak_bytes,
-                                      deadline, save_options_for(prepared, options))
+                                      deadline, save_options_for(prepared, options),
+                                      explain=overrides or not prepared.regions.capped)
     except InfeasibleBudget as exc:
         first = exc
+    except _NoPlan:
+        pass
     memory = prepared.memory
     dist = prepared.distributed
     grads = prepared.profile.grad_bytes if dist is None or dist.parallel != "fsdp" else \
         sum(dist.sharded_grad_bytes.values())  # what one rank keeps after backward
     below_fixed = budget_bytes < memory.param_bytes + grads  # no plan frees either
-    if first.reason or below_fixed or not prepared.regions.capped:
-        raise first  # the overrides, or proven: no finer chunking can help
-    if not prepared.rules.refinable:
-        raise _unproven(first, prepared)  # FSDP units captured as calls fix the chunking: not widened
+    if (first is not None and first.reason) or below_fixed or not prepared.regions.capped:
+        raise first or _smallest(memory, budget_bytes, deadline)  # the overrides, or proven: no finer chunking helps
+    if not prepared.rules.refinable:  # FSDP units captured as calls fix the chunking: not widened
+        raise _unproven(first or _smallest(memory, budget_bytes, deadline), prepared)
     chunks, first_prepared = prepared.regions.n_chunks, prepared
+
+    def explained() -> InfeasibleBudget:  # the smallest peak at the prepared chunking, once asked
+        return first or _smallest(first_prepared.memory, budget_bytes, deadline)
+
     while prepared.regions.capped and chunks < WIDEST_CHUNKS:
         searched = prepared
         if deadline.passed:
-            return _every_block(first_prepared, budget_bytes, deadline, _unproven(first, searched, out_of_time=True))
+            return _every_block(first_prepared, budget_bytes, deadline,
+                                functools.partial(_out_of_time, explained, searched))
         chunks *= 2
         prepared = chunked(prepared, chunks)
         try:
@@ -119,44 +132,67 @@ def widen(prepared: Prepared, budget_bytes: int, options: PlanOptions,
                                           prepared.baseline.peak_bytes, deadline, save_options_for(prepared, options),
                                           explain=not prepared.regions.capped)  # else a finer chunking is next
         except (NoSolution, OutOfTime):  # the DP screen or the solve ran out of time at this chunking
-            return _every_block(first_prepared, budget_bytes, deadline, _unproven(first, searched, out_of_time=True))
+            return _every_block(first_prepared, budget_bytes, deadline,
+                                functools.partial(_out_of_time, explained, searched))
         except _NoPlan:
             pass
-    if prepared is not first_prepared:  # the smallest peak at the finest chunking searched, not the first's
-        first = _smallest(prepared.memory, budget_bytes, deadline)
-    return _every_block(first_prepared, budget_bytes, deadline, _unproven(first, prepared))
+    finest = prepared  # the smallest peak at the finest chunking searched
+    return _every_block(first_prepared, budget_bytes, deadline, lambda: _unproven(
+        _smallest(finest.memory, budget_bytes, deadline) if finest is not first_prepared else explained(), finest))
 
 
 BLOCK_DP_SHARE = 0.5
-"""Share of the time left that the chunk DP gets at one chunk per block, to beat checkpointing every block."""
+"""Share of the time left that the chunk DP gets at one chunk per block, to beat the placements by hand."""
 
 
 def _every_block(prepared: Prepared, budget_bytes: int, deadline: Deadline,
-                 unproven: InfeasibleBudget) -> tuple[Prepared, Solution]:
+                 unproven: Callable[[], InfeasibleBudget]) -> tuple[Prepared, Solution]:
     """Before saying no plan was found: a chain of more blocks (or loop steps) than the chunkings searched
-    holds the plan that checkpoints every block, which may fit. At one cut per block edge, that plan, or the
-    chunk DP's when it finds one that re-runs less in ``BLOCK_DP_SHARE`` of the time left (FEASIBLE either way:
-    nothing proven); ``unproven`` raised when it does not fit either."""
+    holds the placements people make by hand, which may fit. At one cut per block edge: the cheapest that fits
+    of every block checkpointed alone and groups of ``g`` consecutive blocks (``checkpoint_sequential``'s
+    placement, with and without its last group), or the chunk DP's plan when it finds one that re-runs less
+    in ``BLOCK_DP_SHARE`` of the time left (FEASIBLE either way: nothing proven); ``unproven()`` raised when
+    none fits. The DP alone can miss them: on an RNN whose every step's output is read at the end, its conservative
+    reading of the many storages open across a cut puts its smallest peak above the hand placement's."""
     blocks = prepared.regions.block_count
     if not blocks or blocks < prepared.regions.n_chunks or not prepared.rules.refinable:
-        raise unproven
+        raise unproven()
     fine = chunked(prepared, prepared.regions.block_cuts + 1)  # a cut at every block edge
     if len(fine.regions.blocks) != blocks:
-        raise unproven
-    every = tuple(block for block in fine.regions.blocks if fine.regions.allows(*block))
-    timeline = simulate(fine.memory, every)
-    if timeline.peak_bytes > budget_bytes:
-        raise unproven
+        raise unproven()
     began = time.perf_counter()
-    best = Solution(plan=every, status=SolverStatus.FEASIBLE, recompute_us=timeline.recompute_us, bound_us=None,
-                    solve_time_s=0.0)
+    best: Solution | None = None
+    for plan in _by_hand(fine.regions.blocks, fine.regions.allows):
+        timeline = simulate(fine.memory, plan)
+        if timeline.peak_bytes <= budget_bytes and (best is None or timeline.recompute_us < best.recompute_us):
+            best = Solution(plan=plan, status=SolverStatus.FEASIBLE, recompute_us=timeline.recompute_us,
+                            bound_us=None, solve_time_s=0.0)
+    if best is None:
+        raise unproven()
     try:
         found = rotor(fine.memory, budget_bytes, deadline=deadline.within(BLOCK_DP_SHARE * deadline.left_s()))
         if found.recompute_us < best.recompute_us:
             best = replace(found, status=SolverStatus.FEASIBLE, bound_us=None)
-    except NoSolution:  # out of time (or under the conservative reading): checkpointing every block fits
+    except NoSolution:  # out of time, or none under the DP's conservative reading: the placement by hand fits
         pass
     return fine, replace(best, solve_time_s=time.perf_counter() - began)
+
+
+def _by_hand(blocks: tuple[tuple[int, int], ...], allows) -> list[tuple[tuple[int, int], ...]]:
+    """Every block alone, then groups of ``g`` consecutive blocks for ``g`` up to twice √n, every group
+    checkpointed and every group but the last (``checkpoint_sequential``); segments the executor cannot run
+    left out (a group of calls with the loop's code between them, under hooks)."""
+    n = len(blocks)
+    plans = []
+    for g in range(1, max(2, 2 * math.isqrt(n)) + 1):
+        groups = [(blocks[i][0], blocks[min(i + g, n) - 1][1]) for i in range(0, n, g)]
+        groups = [(a, b) for a, b in groups if allows(a, b)]
+        plans += [tuple(groups), tuple(groups[:-1])]
+    return plans
+
+
+def _out_of_time(explained: Callable[[], InfeasibleBudget], searched: Prepared) -> InfeasibleBudget:
+    return _unproven(explained(), searched, out_of_time=True)
 
 
 def _unproven(exc: InfeasibleBudget, prepared: Prepared, *, out_of_time: bool = False) -> InfeasibleBudget:
@@ -215,10 +251,17 @@ def solve_budget(solver: str, memory: MemoryModel, budget_bytes: int, baseline_p
     raise infeasible
 
 
+EXPLAIN_S = 5.0
+"""Least time the smallest peak's search gets to improve on the chunk DP's (CP-SAT, where the DP does not track
+every storage), even when the time limit has passed: the error's figure."""
+
+
 def _smallest(memory: MemoryModel, budget_bytes: int, deadline: Deadline) -> InfeasibleBudget:
     """What to say when no plan fits: the smallest peak any plan reaches over these chunks, and what it is
-    made of (the chunk DP's, which runs to the end: about 1 s at 64 chunks on 2700 nodes)."""
-    best = simulate(memory, *min_peak_saves(memory, deadline=deadline))
+    made of (the chunk DP's, which runs to the end: about 1 s at 64 chunks on 2700 nodes; CP-SAT's after it
+    until ``deadline`` or for ``EXPLAIN_S``, whichever is later)."""
+    best = simulate(memory, *min_peak_saves(memory, deadline=max(deadline, Deadline.after(EXPLAIN_S),
+                                                                 key=lambda d: d.at)))
     largest = tuple((name, nbytes) for name, nbytes, _ in best.largest_kept)
     return InfeasibleBudget(budget_bytes, best.peak_bytes, replace(best.breakdown, largest_kept=largest))
 

@@ -69,7 +69,38 @@ def _storages(model: MemoryModel) -> dict[int, _Storage]:
 def _open_sets(storages: dict[int, _Storage], edges: list[int]) -> list[list[int]]:
     """Per chunk boundary (node ``edges[c]``): storages produced before it and read after it (every
     holder reads the storage, so the plan after the boundary can still hold it)."""
-    return [[s for s, st in storages.items() if st.producer < e <= st.last_use] for e in edges]
+    opened: list[list[int]] = [[] for _ in edges]
+    for s, (lo, hi) in _boundaries(storages, edges).items():
+        for c in range(lo, hi):
+            opened[c].append(s)
+    return opened
+
+
+def _boundaries(storages: dict[int, _Storage], edges: list[int]) -> dict[int, tuple[int, int]]:
+    """Per storage, the range ``[lo, hi)`` of the boundaries it is open across (``edges`` ascending)."""
+    return {s: (bisect.bisect_right(edges, st.producer), bisect.bisect_right(edges, st.last_use))
+            for s, st in storages.items()}
+
+
+def _untrack(storages: dict[int, _Storage], edges: list[int]) -> dict[int, _Storage]:
+    """``storages`` less the longest-lived ones, until at most ``MAX_OPEN`` are open across any boundary: the
+    longest-lived first, each only while it is open across a boundary that still has too many (linear in the
+    storages: a chain whose every step's output is read at its end has hundreds open at once)."""
+    spans = _boundaries(storages, edges)
+    count = np.zeros(len(edges) + 1, dtype=np.int64)
+    for lo, hi in spans.values():
+        count[lo] += 1
+        count[hi] -= 1
+    count = np.cumsum(count)[:len(edges)]
+    if count.max(initial=0) <= MAX_OPEN:
+        return storages
+    kept = dict(storages)
+    for s in sorted(storages, key=lambda s: storages[s].producer - storages[s].last_use):  # longest first
+        lo, hi = spans[s]
+        if hi > lo and count[lo:hi].max() > MAX_OPEN:
+            del kept[s]
+            count[lo:hi] -= 1
+    return kept
 
 
 class ChainDP:
@@ -84,12 +115,8 @@ class ChainDP:
         self.edges = [*regions.starts, regions.end]
         tracked = _storages(model)
         every = len(tracked)
+        tracked = _untrack(tracked, self.edges)
         opened = _open_sets(tracked, self.edges)
-        while max(map(len, opened), default=0) > MAX_OPEN:  # untrack the longest-lived storage
-            widest = max((s for c in opened if len(c) > MAX_OPEN for s in c),
-                         key=lambda s: tracked[s].last_use - tracked[s].producer)
-            del tracked[widest]
-            opened = _open_sets(tracked, self.edges)
         self.tracked, self.opened = tracked, opened
         # then both readings are the cost model itself (the modules' eager locals that the plan decides,
         # planner.memory.excess, are counted everywhere by the conservative one, nowhere by the other)
