@@ -35,16 +35,16 @@ class UnrolledRNN(nn.Module):
         outs = []
         for t in range(self.steps):
             if self.hand_groups and t % self.hand_groups == 0:
-                h, c, *ys = checkpoint(self._group, x, h, c, t, use_reentrant=False)
+                h, c, *ys = checkpoint(self._group, x, h, c, t, self.hand_groups, use_reentrant=False)
                 outs += ys
             elif not self.hand_groups:
                 h, c = self.cell(x[:, t], (h, c))
                 outs.append(h)
         return self.head(torch.stack(outs, dim=1))
 
-    def _group(self, x: torch.Tensor, h: torch.Tensor, c: torch.Tensor, first: int):
+    def _group(self, x: torch.Tensor, h: torch.Tensor, c: torch.Tensor, first: int, size: int):
         ys = []
-        for t in range(first, min(first + self.hand_groups, self.steps)):
+        for t in range(first, min(first + size, self.steps)):
             h, c = self.cell(x[:, t], (h, c))
             ys.append(h)
         return (h, c, *ys)

@@ -195,3 +195,30 @@ def test_each_call_of_a_looped_module_is_checkpointed_by_its_index(restore_buffe
     model.hand_groups = 0
     plan = _planned_at(model, inputs, peak, restore_buffers)
     assert plan.segments and all(len(s.chain) == 1 and s.chain[0].startswith("cell#") for s in plan.segments)
+
+
+class SharedBlock(nn.Module):
+    """One block applied ``n`` times, nothing between its calls; ``torch.zeros(x.shape[0], ...)`` keeps torch.fx out."""
+
+    def __init__(self, width: int, n: int) -> None:
+        super().__init__()
+        self.block = nn.Sequential(nn.Linear(width, 4 * width), nn.Tanh(), nn.Linear(4 * width, width))
+        self.n = n
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + torch.zeros(x.shape[0], x.shape[1])
+        for _ in range(self.n):
+            x = self.block(x)
+        return x
+
+
+@pytest.mark.slow
+def test_runs_of_consecutive_calls_of_a_shared_block_are_segments(restore_buffers):
+    """Under module hooks, consecutive calls of one module with no code between them form chains (``block#6``
+    to ``block#39``), re-run as a whole in backward."""
+    torch.manual_seed(0)
+    model = SharedBlock(32, 64)
+    inputs = (torch.randn(256, 32),)
+    plan = optimize(model, "50%", inputs=inputs)
+    assert_plan_is_exact(model, plan, inputs, default_loss, restore_buffers)
+    assert any(len(s.chain) > 1 and all(m.startswith("block#") for m in s.chain) for s in plan.segments)

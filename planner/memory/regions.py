@@ -119,47 +119,9 @@ def find_regions(profile: Profile, *, max_chunks: int | None = None, rules: Segm
     if max_chunks is None:
         per_block = 2 * len(block_nodes)
         max_chunks = per_block if DEFAULT_CHUNKS < per_block <= 2 * PER_BLOCK_UP_TO else DEFAULT_CHUNKS
-    block_edges = {b for first, stop in block_nodes for b in (first, stop)}
-    block_firsts = [first for first, _ in block_nodes]
-    # Rank cut positions in tiers: block edges, then shallower module boundaries; within a block (or, outside
-    # the blocks, a module call) fewer crossing bytes first, a block's k-th best cut before any block's
-    # (k+1)-th, so that every block can be cut inside before any is cut twice. The tier that does not fit
-    # whole is spread over the graph (``_spread``).
-    found = [s for s in rules.spans if s.hi <= end] if rules.spans is not None else []
-    chain_edges = {b for chain in found for b in (chain.lo, chain.hi)}
-    groups: dict[tuple[int, int | str | None], list[tuple[int, int]]] = {}  # (depth, block or call): cuts
-    for b in range(1, end):
-        if rules.spans is not None and b not in chain_edges:
-            continue
-        if any(p < b <= m for p, m in mutated_after):
-            continue
-        depth = -1 if b in block_edges else profile.calls.common_depth(b - 1, b)
-        inside = bisect.bisect_right(block_firsts, b) - 1
-        unit: int | str | None = inside if inside >= 0 and b < block_nodes[inside][1] else None
-        if unit is None and depth > 0:  # outside the repeated blocks: the module call the cut lies in
-            unit = profile.calls.calls[profile.calls.around[b][depth - 1]].entry  # (DenseNet's dense layers)
-        groups.setdefault((depth, unit), []).append((int(crossing[b]), b))
-    tiers: dict[tuple[int, int], list[tuple[int, int]]] = {}
-    for (depth, unit), members in groups.items():
-        for rank, cut in enumerate(sorted(members)):  # the chain itself (no unit): one tier
-            tiers.setdefault((depth, 0 if unit is None else rank), []).append(cut)
-    n_candidates = sum(len(members) for members in tiers.values())
-    chosen: list[int] = []
-    apart = any(a[1] < b[0] for a, b in itertools.pairwise(block_nodes))  # the loop's code between its calls
-    for tier in sorted(tiers):
-        room = max(0, max_chunks - 1) - len(chosen)
-        members = tiers[tier]
-        if len(members) > room:
-            cost = _cumulative_cost(profile, end)
-            if tier == (-1, 0) and apart:  # a call is a segment only when both its edges are cuts: whole calls
-                stop_of = dict(block_nodes)
-                chosen += [b for first in _quantiles(block_firsts, room // 2, cost, 0, end)
-                           for b in (first, stop_of[first]) if 0 < b < end]
-            else:
-                chosen += _spread(members, room, chosen, cost)
-            break
-        chosen += [b for _, b in members]
-    chosen.sort()
+    tiers = _tiers(profile, end, crossing, block_nodes, rules, mutated_after)
+    chosen = _choose(tiers, max(0, max_chunks - 1), block_nodes, _cumulative_cost(profile, end),
+                     whole_calls=rules.spans is not None)
     starts = (0, *chosen)
     stops = (*chosen, end)
     checkpointable = tuple(
@@ -173,10 +135,11 @@ def find_regions(profile: Profile, *, max_chunks: int | None = None, rules: Segm
         blocks, block_paths = (), ()
     chains = None
     if rules.spans is not None:
-        chains = {(index[c.lo], index[c.hi]): c.members for c in found if c.lo in index and c.hi in index}
+        chains = {(index[c.lo], index[c.hi]): c.members for c in rules.spans if c.lo in index and c.hi in index}
     return Regions(starts=starts, end=end, checkpointable=checkpointable, blocks=blocks, block_paths=block_paths,
-                   block_count=len(block_nodes), block_cuts=len(block_edges - {0, end}),
-                   capped=n_candidates > len(chosen), chains=chains, rules=rules)
+                   block_count=len(block_nodes),
+                   block_cuts=len({b for block in block_nodes for b in block} - {0, end}),
+                   capped=sum(map(len, tiers.values())) > len(chosen), chains=chains, rules=rules)
 
 
 def find_blocks(profile: Profile, end: int, *,
@@ -215,6 +178,61 @@ def loop_steps(calls: CallIndex, end: int, *,
     ranges = [(call.first if i == 0 or calls_only else steps[i - 1].last + 1, call.last + 1)
               for i, call in enumerate(steps)]
     return tuple(member(call.path, call.index) for call in steps), ranges
+
+
+def _tiers(profile: Profile, end: int, crossing: np.ndarray, block_nodes: list[tuple[int, int]],
+           rules: SegmentRules, mutated_after: list[tuple[int, int]]) -> dict[tuple[int, int], list[tuple[int, int]]]:
+    """Cut positions ``(crossing bytes, position)`` by tier ``(depth, rank)``: block edges (depth -1), then
+    shallower module boundaries; within a block (or, outside the blocks, a module call) fewer crossing bytes
+    first, a block's k-th best cut in tier k, so that every block can be cut inside before any is cut twice.
+    Positions outside any block or call (the chain itself) form one tier per depth. With ``rules.spans``,
+    only the spans' edges; never a position a later in-place write makes unsafe."""
+    block_edges = {b for block in block_nodes for b in block}
+    block_firsts = [first for first, _ in block_nodes]
+    found = [s for s in rules.spans if s.hi <= end] if rules.spans is not None else []
+    chain_edges = {b for chain in found for b in (chain.lo, chain.hi)}
+    groups: dict[tuple[int, int | str | None], list[tuple[int, int]]] = {}  # (depth, block or call): cuts
+    for b in range(1, end):
+        if rules.spans is not None and b not in chain_edges:
+            continue
+        if any(p < b <= m for p, m in mutated_after):
+            continue
+        depth = -1 if b in block_edges else profile.calls.common_depth(b - 1, b)
+        inside = bisect.bisect_right(block_firsts, b) - 1
+        unit: int | str | None = inside if inside >= 0 and b < block_nodes[inside][1] else None
+        if unit is None and depth > 0:  # outside the repeated blocks: the module call the cut lies in
+            unit = profile.calls.calls[profile.calls.around[b][depth - 1]].entry  # (DenseNet's dense layers)
+        groups.setdefault((depth, unit), []).append((int(crossing[b]), b))
+    tiers: dict[tuple[int, int], list[tuple[int, int]]] = {}
+    for (depth, unit), members in groups.items():
+        for rank, cut in enumerate(sorted(members)):
+            tiers.setdefault((depth, 0 if unit is None else rank), []).append(cut)
+    return tiers
+
+
+def _choose(tiers: dict[tuple[int, int], list[tuple[int, int]]], room: int, block_nodes: list[tuple[int, int]],
+            cost: np.ndarray, *, whole_calls: bool) -> list[int]:
+    """At most ``room`` cuts, sorted: whole tiers in order while they fit, then the next one spread over the graph
+    (``_spread``). ``whole_calls`` (plans run by hooks): when the blocks are a loop's calls with the loop's code
+    between them, a call is a segment only when both its edges are cuts, so whole calls are spread instead."""
+    chosen: list[int] = []
+    apart = whole_calls and any(a[1] < b[0] for a, b in itertools.pairwise(block_nodes))
+    end = len(cost) - 1
+    for tier in sorted(tiers):
+        members = tiers[tier]
+        left = room - len(chosen)
+        if len(members) <= left:
+            chosen += [b for _, b in members]
+            continue
+        if tier == (-1, 0) and apart:
+            stop_of = dict(block_nodes)
+            firsts = [first for first, _ in block_nodes]
+            chosen += [b for first in _quantiles(firsts, left // 2, cost, 0, end)
+                       for b in (first, stop_of[first]) if 0 < b < end]
+        else:
+            chosen += _spread(members, left, chosen, cost)
+        break
+    return sorted(chosen)
 
 
 CROSS_SLACK = 0.1
