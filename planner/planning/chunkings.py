@@ -9,10 +9,7 @@ bounds all of it.
 
 from __future__ import annotations
 
-import functools
-import math
 import time
-from collections.abc import Callable
 from dataclasses import replace
 
 from planner.common.budget import format_bytes
@@ -23,6 +20,7 @@ from planner.memory.saves import SaveOptions
 from planner.memory.simulate import simulate
 from planner.options import PlanOptions
 from planner.planning.prepared import Prepared, chunked
+from planner.solve.baselines import hand_placements
 from planner.solve.deadline import Deadline
 from planner.solve.peaks import min_peak_saves
 from planner.solve.registry import capabilities, get_solver
@@ -112,15 +110,12 @@ def widen(prepared: Prepared, budget_bytes: int, options: PlanOptions,
     if not prepared.rules.refinable:  # FSDP units captured as calls fix the chunking: not widened
         raise _unproven(first or _smallest(memory, budget_bytes, deadline), prepared)
     chunks, first_prepared = prepared.regions.n_chunks, prepared
-
-    def explained() -> InfeasibleBudget:  # the smallest peak at the prepared chunking, once asked
-        return first or _smallest(first_prepared.memory, budget_bytes, deadline)
-
+    searched, out_of_time = prepared, False
     while prepared.regions.capped and chunks < WIDEST_CHUNKS:
         searched = prepared
         if deadline.passed:
-            return _every_block(first_prepared, budget_bytes, deadline,
-                                functools.partial(_out_of_time, explained, searched))
+            out_of_time = True
+            break
         chunks *= 2
         prepared = chunked(prepared, chunks)
         try:
@@ -132,43 +127,47 @@ def widen(prepared: Prepared, budget_bytes: int, options: PlanOptions,
                                           prepared.baseline.peak_bytes, deadline, save_options_for(prepared, options),
                                           explain=not prepared.regions.capped)  # else a finer chunking is next
         except (NoSolution, OutOfTime):  # the DP screen or the solve ran out of time at this chunking
-            return _every_block(first_prepared, budget_bytes, deadline,
-                                functools.partial(_out_of_time, explained, searched))
+            out_of_time = True
+            break
         except _NoPlan:
             pass
-    finest = prepared  # the smallest peak at the finest chunking searched
-    return _every_block(first_prepared, budget_bytes, deadline, lambda: _unproven(
-        _smallest(finest.memory, budget_bytes, deadline) if finest is not first_prepared else explained(), finest))
+    found = _every_block(first_prepared, budget_bytes, deadline)
+    if found is not None:
+        return found
+    if out_of_time:  # the smallest peak at the prepared chunking
+        raise _unproven(first or _smallest(first_prepared.memory, budget_bytes, deadline), searched, out_of_time=True)
+    # the smallest peak at the finest chunking searched
+    raise _unproven((first if prepared is first_prepared else None) or _smallest(prepared.memory, budget_bytes,
+                                                                                  deadline), prepared)
 
 
 BLOCK_DP_SHARE = 0.5
 """Share of the time left that the chunk DP gets at one chunk per block, to beat the placements by hand."""
 
 
-def _every_block(prepared: Prepared, budget_bytes: int, deadline: Deadline,
-                 unproven: Callable[[], InfeasibleBudget]) -> tuple[Prepared, Solution]:
+def _every_block(prepared: Prepared, budget_bytes: int, deadline: Deadline) -> tuple[Prepared, Solution] | None:
     """Before saying no plan was found: a chain of more blocks (or loop steps) than the chunkings searched
     holds the placements people make by hand, which may fit. At one cut per block edge: the cheapest that fits
-    of every block checkpointed alone and groups of ``g`` consecutive blocks (``checkpoint_sequential``'s
-    placement, with and without its last group), or the chunk DP's plan when it finds one that re-runs less
-    in ``BLOCK_DP_SHARE`` of the time left (FEASIBLE either way: nothing proven); ``unproven()`` raised when
-    none fits. The DP alone can miss them: on an RNN whose every step's output is read at the end, its conservative
-    reading of the many storages open across a cut puts its smallest peak above the hand placement's."""
+    of those (``baselines.hand_placements``: every block alone, ``checkpoint_sequential``'s groups), or the chunk
+    DP's plan when it finds one that re-runs less in ``BLOCK_DP_SHARE`` of the time left (FEASIBLE either way:
+    nothing proven); None when none fits. The DP alone can miss them: on an RNN whose every step's output is read
+    at the end, its conservative reading of the many storages open across a cut puts its smallest peak above the
+    hand placement's."""
     blocks = prepared.regions.block_count
     if not blocks or blocks < prepared.regions.n_chunks or not prepared.rules.refinable:
-        raise unproven()
+        return None
     fine = chunked(prepared, prepared.regions.block_cuts + 1)  # a cut at every block edge
     if len(fine.regions.blocks) != blocks:
-        raise unproven()
+        return None
     began = time.perf_counter()
     best: Solution | None = None
-    for plan in _by_hand(fine.regions.blocks, fine.regions.allows):
+    for plan in hand_placements(fine.memory):
         timeline = simulate(fine.memory, plan)
         if timeline.peak_bytes <= budget_bytes and (best is None or timeline.recompute_us < best.recompute_us):
             best = Solution(plan=plan, status=SolverStatus.FEASIBLE, recompute_us=timeline.recompute_us,
                             bound_us=None, solve_time_s=0.0)
     if best is None:
-        raise unproven()
+        return None
     try:
         found = rotor(fine.memory, budget_bytes, deadline=deadline.within(BLOCK_DP_SHARE * deadline.left_s()))
         if found.recompute_us < best.recompute_us:
@@ -176,23 +175,6 @@ def _every_block(prepared: Prepared, budget_bytes: int, deadline: Deadline,
     except NoSolution:  # out of time, or none under the DP's conservative reading: the placement by hand fits
         pass
     return fine, replace(best, solve_time_s=time.perf_counter() - began)
-
-
-def _by_hand(blocks: tuple[tuple[int, int], ...], allows) -> list[tuple[tuple[int, int], ...]]:
-    """Every block alone, then groups of ``g`` consecutive blocks for ``g`` up to twice √n, every group
-    checkpointed and every group but the last (``checkpoint_sequential``); segments the executor cannot run
-    left out (a group of calls with the loop's code between them, under hooks)."""
-    n = len(blocks)
-    plans = []
-    for g in range(1, max(2, 2 * math.isqrt(n)) + 1):
-        groups = [(blocks[i][0], blocks[min(i + g, n) - 1][1]) for i in range(0, n, g)]
-        groups = [(a, b) for a, b in groups if allows(a, b)]
-        plans += [tuple(groups), tuple(groups[:-1])]
-    return plans
-
-
-def _out_of_time(explained: Callable[[], InfeasibleBudget], searched: Prepared) -> InfeasibleBudget:
-    return _unproven(explained(), searched, out_of_time=True)
 
 
 def _unproven(exc: InfeasibleBudget, prepared: Prepared, *, out_of_time: bool = False) -> InfeasibleBudget:

@@ -57,9 +57,25 @@ def sqrt_n(model: MemoryModel, budget_bytes: int, *, deadline: Deadline | None =
     if not units:
         return _fixed(model, ())
     groups = max(1, round(math.sqrt(len(units))))
-    size = math.ceil(len(units) / groups)
-    plan = [(units[i][0], units[min(i + size, len(units)) - 1][1]) for i in range(0, len(units), size)]
-    return _fixed(model, tuple(plan[:-1]))
+    return _fixed(model, tuple(_groups_of(units, math.ceil(len(units) / groups))[:-1]))
+
+
+def hand_placements(model: MemoryModel) -> list[ChunkPlan]:
+    """Every placement by hand over the model's blocks, as ``every_block`` and ``checkpoint_sequential`` make
+    them: each block alone, then groups of ``g`` consecutive blocks for ``g`` up to twice √n, every group
+    checkpointed and every group but the last; segments the executor cannot run left out (a group of calls with
+    the loop's code between them, under hooks). Empty when these chunks do not cut at every block's edges."""
+    blocks = list(model.regions.blocks)
+    plans = []
+    for size in range(1, max(2, 2 * math.isqrt(len(blocks))) + 1) if blocks else ():
+        groups = [(a, b) for a, b in _groups_of(blocks, size) if model.regions.allows(a, b)]
+        plans += [tuple(groups), tuple(groups[:-1])]
+    return plans
+
+
+def _groups_of(units: list[tuple[int, int]], size: int) -> list[tuple[int, int]]:
+    """Chunk ranges of consecutive groups of ``size`` units (the last one shorter)."""
+    return [(units[i][0], units[min(i + size, len(units)) - 1][1]) for i in range(0, len(units), size)]
 
 
 OP_SAC_SAVES = frozenset({
