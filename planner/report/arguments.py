@@ -147,23 +147,19 @@ def _shapes(text: str) -> tuple[tuple[int, ...] | ShapeRange, ...]:
     return tuple(specs)
 
 
-def _ranks(text: str) -> int:
-    if not re.fullmatch(r"\s*\d+\s*", text) or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"--world-size must be an integer >= 1 (the number of ranks), got {text!r}")
-    return int(text)
+def _at_least_one(flag: str, meaning: str = ""):
+    """The argparse type of ``flag``: an integer >= 1, else one line naming the flag and ``meaning``."""
+    def parse(text: str) -> int:
+        if not re.fullmatch(r"\s*\d+\s*", text) or int(text) < 1:
+            raise argparse.ArgumentTypeError(f"{flag} must be an integer >= 1{meaning}, got {text!r}")
+        return int(text)
+
+    return parse
 
 
-def _degree(text: str) -> int:
-    if not re.fullmatch(r"\s*\d+\s*", text) or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"--tensor-parallel must be an integer >= 1 (the ranks each layer is split "
-                                         f"over), got {text!r}")
-    return int(text)
-
-
-def _chunks(text: str) -> int:
-    if not re.fullmatch(r"\s*\d+\s*", text) or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"--max-chunks must be an integer >= 1, got {text!r}")
-    return int(text)
+_ranks = _at_least_one("--world-size", " (the number of ranks)")
+_degree = _at_least_one("--tensor-parallel", " (the ranks each layer is split over)")
+_chunks = _at_least_one("--max-chunks")
 
 
 def _seconds(text: str) -> float:
