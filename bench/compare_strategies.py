@@ -37,13 +37,19 @@ EXAMPLES = ["seed_cnn", "gpt", "resnet"]
 
 
 def load(name: str):
-    """The example as an importable module (``runpy`` namespaces are not: dynamo imports the module
+    """The example's model, inputs and loss_fn (``example_module``)."""
+    module = example_module(name)
+    return module.model, module.inputs, module.loss_fn
+
+
+def example_module(name: str):
+    """``examples/<name>.py`` as an importable module (``runpy`` namespaces are not: dynamo imports the module
     of every global it meets in inlined code, which fails for ``<run_path>``)."""
     spec = importlib.util.spec_from_file_location(f"ckplan_example_{name}", ROOT / "examples" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
-    return module.model, module.inputs, module.loss_fn
+    return module
 
 
 def mib(nbytes: float) -> str:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import importlib.util
 import math
 import platform
 import statistics
@@ -33,13 +32,18 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT))
+
+from compare_strategies import example_module  # noqa: E402
 
 
 class Residual(nn.Module):
-    def __init__(self, width: int) -> None:
+    """``x + fc2(relu(fc1(x)))``, ``fc1`` ``expand`` times as wide as ``x``."""
+
+    def __init__(self, width: int, expand: int = 2) -> None:
         super().__init__()
-        self.fc1, self.fc2 = nn.Linear(width, 2 * width), nn.Linear(2 * width, width)
+        self.fc1, self.fc2 = nn.Linear(width, expand * width), nn.Linear(expand * width, width)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.fc2(torch.relu(self.fc1(x)))
@@ -76,14 +80,6 @@ class Grouped(nn.Module):
             self.rnn.hand_groups = 0
 
 
-def _rnn_example():
-    spec = importlib.util.spec_from_file_location("ckplan_example_rnn", ROOT / "examples" / "rnn.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 def case(name: str):
     """``(model, inputs, loss_fn, {placement name: module})`` of one case."""
     from planner.capture.step import default_loss
@@ -95,7 +91,7 @@ def case(name: str):
         segments = round(math.sqrt(n))
         return blocks, (torch.randn(256, 64),), default_loss, {
             f"checkpoint_sequential({segments})": Hand(blocks, segments), "every block": Hand(blocks, 0)}
-    rnn = _rnn_example()
+    rnn = example_module("rnn")
     if name == "rnn-512":
         return rnn.model, rnn.inputs, rnn.loss_fn, {"groups of 23 steps": Grouped(rnn.model, 23),
                                                     "every step": Grouped(rnn.model, 1)}

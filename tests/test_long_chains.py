@@ -7,15 +7,14 @@ measure at or under it with the un-checkpointed model's gradients."""
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 from conftest import assert_plan_is_exact
 from torch import nn
-from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 
 from planner import optimize
 from planner.capture.inputs import as_inputs
@@ -26,15 +25,8 @@ from planner.memory.rules import SegmentRules
 from planner.memory.synthetic import GraphBuilder
 from planner.profiling.measure import measure_peak
 
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def _rnn_module():
-    spec = importlib.util.spec_from_file_location("ckplan_example_rnn", ROOT / "examples" / "rnn.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+from long_chains import Hand, Residual, example_module
 
 # -- where the cuts go (hand-made profiles) --------------------------------------------------------------------
 
@@ -103,39 +95,6 @@ def test_a_module_called_in_a_loop_gives_the_blocks():
 # -- real chains, planned at a hand placement's peak -----------------------------------------------------------
 
 
-class Residual(nn.Module):
-    def __init__(self, width: int, expand: int = 2) -> None:
-        super().__init__()
-        self.fc1, self.fc2 = nn.Linear(width, expand * width), nn.Linear(expand * width, width)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.fc2(torch.relu(self.fc1(x)))
-
-
-class EveryBlock(nn.Module):
-    """Each block of ``blocks`` under its own checkpoint: the hand placement."""
-
-    def __init__(self, blocks: nn.Sequential) -> None:
-        super().__init__()
-        self.blocks = blocks
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for block in self.blocks:
-            x = checkpoint(block, x, use_reentrant=False)
-        return x
-
-
-class Sequential(nn.Module):
-    """``checkpoint_sequential`` over ``blocks`` in ``segments`` segments: the hand placement."""
-
-    def __init__(self, blocks: nn.Sequential, segments: int) -> None:
-        super().__init__()
-        self.blocks, self.segments = blocks, segments
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return checkpoint_sequential(self.blocks, self.segments, x, use_reentrant=False)
-
-
 def _hand_peak(hand: nn.Module, inputs, loss_fn=default_loss) -> int:
     return measure_peak(hand, as_inputs(hand, inputs), loss_fn)
 
@@ -151,7 +110,7 @@ def test_a_thousand_blocks_fit_checkpoint_sequentials_peak(restore_buffers):
     torch.manual_seed(0)
     blocks = nn.Sequential(*[Residual(16) for _ in range(1000)])
     inputs = (torch.randn(256, 16),)
-    peak = _hand_peak(Sequential(blocks, 32), inputs)
+    peak = _hand_peak(Hand(blocks, 32), inputs)  # checkpoint_sequential
     plan = _planned_at(blocks, inputs, peak, restore_buffers)
     assert len(plan.segments) >= 8
 
@@ -163,22 +122,28 @@ def test_every_block_checkpointed_is_found_past_the_widest_chunking(restore_buff
     torch.manual_seed(0)
     blocks = nn.Sequential(*[Residual(16, expand=16) for _ in range(300)])
     inputs = (torch.randn(256, 16),)
-    peak = _hand_peak(EveryBlock(blocks), inputs)
+    peak = _hand_peak(Hand(blocks, 0), inputs)  # every block
     plan = _planned_at(blocks, inputs, peak, restore_buffers)
     assert len(plan.segments) > 40 and plan.solver_status == "FEASIBLE"  # nothing proven past the chunkings searched
+
+
+def _rnn_at_hand_peak(kind: str, groups: int):
+    """examples/rnn.py's network ``kind`` over 256 steps, its inputs, and the measured peak of ``groups`` steps per
+    checkpoint by hand."""
+    torch.manual_seed(0)
+    model = getattr(example_module("rnn"), kind)(vocab=64, width=32, steps=256)
+    inputs = (torch.randint(0, 64, (16, 256)),)
+    model.hand_groups = groups
+    peak = _hand_peak(model, inputs)
+    model.hand_groups = 0
+    return model, inputs, peak
 
 
 @pytest.mark.slow
 def test_an_unrolled_rnn_fits_its_hand_groups_peak(restore_buffers):
     """examples/rnn.py's LSTM over 256 steps (torch.fx unrolls the loop), at the peak of groups of 16 steps
     checkpointed by hand."""
-    rnn = _rnn_module()
-    torch.manual_seed(0)
-    model = rnn.UnrolledRNN(vocab=64, width=32, steps=256)
-    inputs = (torch.randint(0, 64, (16, 256)),)
-    model.hand_groups = 16
-    peak = _hand_peak(model, inputs)
-    model.hand_groups = 0
+    model, inputs, peak = _rnn_at_hand_peak("UnrolledRNN", 16)
     _planned_at(model, inputs, peak, restore_buffers)
 
 
@@ -186,13 +151,7 @@ def test_an_unrolled_rnn_fits_its_hand_groups_peak(restore_buffers):
 def test_each_call_of_a_looped_module_is_checkpointed_by_its_index(restore_buffers):
     """The same RNN where torch.fx fails: recorded eagerly, run by module hooks, every call of the cell its own
     segment (``cell#7``), at the peak of every call checkpointed by hand."""
-    rnn = _rnn_module()
-    torch.manual_seed(0)
-    model = rnn.EagerRNN(vocab=64, width=32, steps=256)
-    inputs = (torch.randint(0, 64, (16, 256)),)
-    model.hand_groups = 1
-    peak = _hand_peak(model, inputs)
-    model.hand_groups = 0
+    model, inputs, peak = _rnn_at_hand_peak("EagerRNN", 1)
     plan = _planned_at(model, inputs, peak, restore_buffers)
     assert plan.segments and all(len(s.chain) == 1 and s.chain[0].startswith("cell#") for s in plan.segments)
 
