@@ -7,6 +7,8 @@ prediction, never over the budget, at a roomy budget and at one near the smalles
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 from conftest import load_example
@@ -132,3 +134,23 @@ def test_planning_under_autocast_leaves_no_autocast_open():
         prepare(model, inputs=inputs, keep_output=False, follow_batch=False)
         assert _autocast_nesting() == before + 1
     assert _autocast_nesting() == before
+
+
+def test_a_forward_that_enters_autocast_itself_is_profiled_with_its_parameter_casts():
+    """accelerate's mixed precision (under Trainer bf16 too) wraps the model's forward in its own ``torch.autocast``.
+    The capture of such a forward runs under the loop's autocast, which stays open through the profile: the casts
+    it cached must not stand in for the profiled step's own, or the profile misses every parameter cast (measured:
+    +3% over the prediction under Trainer bf16). The profile sees each cast, and the plan measures as predicted."""
+    model, inputs, _ = qwen2()
+    wrapped = torch.autocast("cpu", dtype=torch.bfloat16)(type(model).forward)
+    model.forward = types.MethodType(wrapped, model)  # as accelerate's prepare_model wraps it
+    half = prepare(model, inputs=inputs, keep_output=False, autocast="bf16", follow_batch=False)
+    casts = [s for s in half.profile.storages if s.autocast_cached]
+    matrices = [p for p in model.parameters() if p.dim() == 2 and p is not model.model.embed_tokens.weight]
+    assert len(casts) >= len(matrices)  # each linear layer's weight cast once for the forward
+    plan = plan_for(half, "70%")
+    assert plan.segments
+    measured = measure_loop_peak(plan.module, [as_inputs(model, inputs)], loop=TrainingLoop(keep_output=False,
+                                                                                            autocast="bfloat16"))
+    assert measured <= plan.budget_bytes
+    assert measured <= plan.predicted_peak_bytes <= 1.01 * measured, (measured, plan.predicted_peak_bytes)

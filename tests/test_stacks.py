@@ -146,12 +146,7 @@ def test_a_model_with_hugging_faces_checkpointing_on_is_planned_without_it():
     assert measured == plan.predicted_peak_bytes
 
 
-@pytest.mark.parametrize("bf16", [
-    False,
-    pytest.param(True, marks=pytest.mark.xfail(strict=True, reason=(
-        "Trainer in bf16 on the CPU measures 4.98 MB against 4.80 MB predicted and a 4.81 MB budget (+3.6%): about "
-        "one float32 copy of the logits more at the loss than the profile of the same step holds; docs/limits.md"))),
-])
+@pytest.mark.parametrize("bf16", [False, True])
 def test_the_trainer_callback_plans_the_step_trainer_runs_and_the_whole_run_fits(bf16):
     """``PlanCallback`` from a budget in bytes, Trainer with 4 micro-steps per optimizer step, AdamW, 2 optimizer
     steps, in fp32 and in bf16: the callback reads the optimizer, the precision and the accumulation, and the peak

@@ -87,7 +87,8 @@ class StepRunner(fx.Interpreter):
 
     def step(self, inputs: Inputs, loss_fn: LossFn) -> None:
         self._step = object()  # marks the autograd nodes this step has hooked
-        try:
+        torch.clear_autocast_cache()  # each step casts the parameters itself, as a training step does: the casts
+        try:                          # a capture under the same autocast left cached would run unseen
             output = self._run_pytree(inputs) if self._specs() else (
                 self.run(*inputs.args) if not inputs.kwargs else self._run_kwargs(inputs))
             loss = self._loss(output, loss_fn)
