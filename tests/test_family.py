@@ -471,12 +471,11 @@ def test_a_group_larger_than_the_example_under_autocast_is_predicted_high_not_lo
     """Under bf16 autocast a group larger than the example is planned from a meta replay, which runs no autocast
     (activations at float32, no bf16 weight casts: docs/limits.md). On an LM, where activations outweigh the
     weights, that reads high: the group's measured peak is within the budget and at most its prediction."""
-    from planner.common.loop import TrainingLoop
-    from planner.profiling.measure import measure_loop_peak
-
     import copy
 
     from planner import prepare
+    from planner.common.loop import TrainingLoop
+    from planner.profiling.measure import measure_loop_peak
 
     model, large = make_model("qwen2"), batch(4, 160)
     plain = prepare(copy.deepcopy(model), inputs=large, keep_output=False, autocast="bf16").baseline.peak_bytes
