@@ -88,3 +88,49 @@ def test_what_a_plan_opens_is_one_rule_per_chunk_and_per_node(tower_prepared):
         nodes = [(regions.starts[a], regions.bounds(b - 1)[1]) for a, b in plan]
         per_chunk = {p for p, is_open in itertools.islice(zip(paths, opened(memory, plan)), 1, None) if is_open}
         assert per_chunk == opened_paths(profile.calls, nodes), plan
+
+
+class _Pair(torch.nn.Module):
+    """Two layers with ``contiguous()`` between them (diffusers' ResnetBlock2D calls it on its shortcut's input), and
+    a scale the forward applies only once it is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Sequential(torch.nn.Linear(32, 256), torch.nn.GELU())
+        self.b = torch.nn.Linear(256, 32)
+        self.scale: float | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x).contiguous()  # already contiguous: hands back its input, runs no op
+        if self.scale is not None:
+            h = h * self.scale
+        return x + self.b(h)
+
+
+def _pairs() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(*[_Pair() for _ in range(4)])
+
+
+def test_a_chain_runs_past_a_call_that_hands_back_its_input_and_stops_at_code_the_capture_did_not_see():
+    """Module hooks re-run a chain's members only: code between two members would be skipped by the re-run, so
+    the chain refuses to run past it. A call that hands back its own input (``contiguous()`` of a contiguous
+    tensor) runs nothing to skip; a multiplication the capture did not see (the forward changed after planning)
+    is named in a one-line error at the chain's first run."""
+    from planner import enable
+    from planner.rewrite.chains import ChainError
+
+    model, x = _pairs(), torch.randn(1024, 32)
+    plain = _pairs()
+    plain(x).sum().backward()
+    plan = enable(model, "50%", inputs=(x,), selective=False, time_limit_s=10)
+    assert any({f"{i}.a", f"{i}.b"} <= set(s.chain) for s in plan.segments for i in range(4)), plan.segments
+    model(x).sum().backward()
+    for p, q in zip(model.parameters(), plain.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)
+    changed = _pairs()
+    enable(changed, "50%", inputs=(x,), selective=False, time_limit_s=10)
+    for pair in changed:
+        pair.scale = 2.0  # the code between the members is watched on a chain's first run
+    with pytest.raises(ChainError, match=r"mul ran between .*\.a and .*\.b, which the re-run would skip"):
+        changed(x).sum().backward()

@@ -128,10 +128,13 @@ class _Watch(TorchFunctionMode):
         self.inside = True
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if (not self.inside and torch.is_grad_enabled()
-                and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tree_flatten(out)[0])):
-            self.foreign.append(getattr(func, "__name__", repr(func)))
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if not self.inside and torch.is_grad_enabled():
+            given = {id(t) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+            made = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+            if any(id(t) not in given for t in made):  # a call that hands back its own input (``contiguous()`` of
+                self.foreign.append(getattr(func, "__name__", repr(func)))  # a contiguous tensor) runs no op
         return out
 
 
