@@ -122,6 +122,15 @@ def test_a_plan_made_under_autocast_keeps_op_outputs_and_is_exact(prepared, name
     assert measured - slack <= plan.predicted_peak_bytes <= 1.01 * measured, (measured, plan.predicted_peak_bytes)
 
 
+def test_the_bf16_profile_counts_the_bf16_tensors_autograd_saves(prepared):
+    """The GPT example's profile under bf16 autocast holds about half the bytes autograd saves in float32."""
+    model, inputs, loss_fn, half = prepared["gpt"]
+    full = prepare(model, inputs=inputs, loss_fn=loss_fn, keep_output=False, follow_batch=False)
+    saved = [sum(p.storages[s].nbytes for n in p.nodes for s in n.saves if p.storages[s].producer >= 0)
+             for p in (full.profile, half.profile)]
+    assert 0.4 < saved[1] / saved[0] < 0.75, saved
+
+
 def test_planning_under_autocast_leaves_no_autocast_open():
     """Capturing a Hugging Face model under autocast (make_fx's tracing of its own ``torch.autocast`` can leave two
     entries open) leaves as many ``torch.autocast`` contexts open as before: an autocast never closed would keep

@@ -39,31 +39,6 @@ def test_zoo_model(name, budget, restore_buffers):
 
 
 @pytest.mark.slow
-def test_autocast_bf16_profile_sees_the_saved_bf16_activations(restore_buffers):
-    """Planned inside torch.autocast: the profile counts the bf16 tensors autograd saves (about half
-    the float32 bytes), the plan keeps op outputs as the fp32 plan does (autocast's parameter casts run past
-    SAC's counters: planner.rewrite.sac.autocast_safe), and it is exact and within budget when trained under the
-    same autocast, backward inside it (the re-run meets the forward's cached casts)."""
-    from conftest import load_example
-
-    from planner import prepare
-    from planner.memory.saves import cacheable
-
-    example = load_example("gpt")
-    model, inputs, loss_fn = example["model"], example["inputs"], example["loss_fn"]
-    full = prepare(model, inputs=inputs, loss_fn=loss_fn)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        half = prepare(model, inputs=inputs, loss_fn=loss_fn)
-        saved = [sum(p.storages[s].nbytes for n in p.nodes for s in n.saves if p.storages[s].producer >= 0)
-                 for p in (full.profile, half.profile)]
-        assert 0.4 < saved[1] / saved[0] < 0.75, saved
-        plan = plan_for(half, "70%")  # optimize under the same autocast: prepare, then plan_for
-        assert_plan_is_exact(model, plan, inputs, loss_fn, restore_buffers)
-    assert any(cacheable(half.memory, o) for o in range(half.memory.regions.end))  # op outputs a save can keep
-    # (kept and measured: tests/test_autocast.py)
-
-
-@pytest.mark.slow
 @pytest.mark.parametrize("budget", ["50%", "smallest"])
 def test_value_dependent_blocks_are_planned_on_their_own_forward(budget, restore_buffers):
     """fx cannot trace the blocks (value-dependent branch): the model is captured from one real forward
