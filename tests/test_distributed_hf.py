@@ -25,14 +25,15 @@ ROWS, LENGTH, VOCAB = 4, 128, 1000
 BUDGET = "85%"
 
 
-def make_model(kind: str) -> torch.nn.Module:
+def make_model(kind: str, width: int = 256) -> torch.nn.Module:
     """A tiny decoder with its key/value cache off, as a plan runs it (GPT-2's cache alone holds 2 x batch x
     length x width more per layer: ``docs/huggingface.md``), so the unplanned job is the step the baseline is."""
     torch.manual_seed(0)
     if kind == "qwen2":
-        return Qwen2ForCausalLM(Qwen2Config(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, use_cache=False,
-                                            num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2))
-    return GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=256, n_layer=4, n_head=4, resid_pdrop=0.0,
+        return Qwen2ForCausalLM(Qwen2Config(vocab_size=VOCAB, hidden_size=width, intermediate_size=2 * width,
+                                            use_cache=False, num_hidden_layers=4, num_attention_heads=4,
+                                            num_key_value_heads=2))
+    return GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=width, n_layer=4, n_head=4, resid_pdrop=0.0,
                                       embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False))
 
 
@@ -64,11 +65,12 @@ def hf_worker(rank: int, world_size: int, port: int, out_dir: str, kind: str, pa
             return DistributedDataParallel(module)
         return fully_shard_units(module, **({"mp_policy": mp} if mp else {}))
 
-    base = make_model(kind)
+    width = 128 if mixed else 256  # bf16 matmuls are slow on CPU: half the width, a quarter of their work
+    base = make_model(kind, width)
     buckets = 0 if parallel == "fsdp" else sum(p.numel() * p.element_size() for p in base.parameters())
-    book = heap_bookkeeping(make_model(kind), batch)
+    book = heap_bookkeeping(make_model(kind, width), batch)
     result = {"bookkeeping": book, "unplanned": _train(base, wrap(base), batch, buckets)}  # DDP's gradient buckets
-    plan = plan_on_rank0(make_model(kind), BUDGET, inputs=batch, parallel=parallel, optimizer="adamw",
+    plan = plan_on_rank0(make_model(kind, width), BUDGET, inputs=batch, parallel=parallel, optimizer="adamw",
                          mixed_precision=mp, time_limit_s=20, keep_output=False)  # the loop keeps only the loss
     result.update(segments=[list(s.chain) for s in plan.segments], budget=plan.budget_bytes,
                   predicted=plan.predicted_peak_bytes, baseline=plan.baseline_peak_bytes,
