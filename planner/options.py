@@ -88,6 +88,10 @@ class PlanOptions:
     gradient_accumulation_steps: int = _option(1, prepared=True, refused={**_COMPILED, **_PLANNING})
     """Micro-steps per optimizer step (Trainer's and accelerate's ``gradient_accumulation_steps``, Lightning's
     ``accumulate_grad_batches``): from the second on, the earlier gradients are alive through forward and backward."""
+    batches_held: int = _option(1, prepared=True, refused={**_COMPILED, **_PLANNING})
+    """Micro-batches the loop holds on the device at once: Trainer (and TRL) takes the ``gradient_accumulation_steps``
+    batches of an optimizer step from its loader together, to count their tokens, and holds them all through the
+    step (its callback sets this); a loop that makes each batch in turn holds 1."""
     zero_grad: ZeroGrad = _option(ZeroGrad.BEFORE_FORWARD, prepared=True, refused={**_COMPILED, **_PLANNING})
     """Where the loop clears the last step's gradients: ``before_forward`` (after ``optimizer.step()``, plain
     loops, Trainer) or ``before_backward`` (Lightning: the last step's gradients are alive through the forward)."""
@@ -151,6 +155,10 @@ class PlanOptions:
         if steps > 1 and self.sharded:
             raise OptionError("gradient_accumulation_steps > 1 is not modelled on the ranks of an FSDP job: plan each "
                               "micro-step's budget without it, or accumulate under parallel='ddp'")
+        held = self.batches_held
+        if isinstance(held, bool) or not isinstance(held, int) or held < 1:
+            raise OptionError(f"batches_held must be an integer >= 1 (micro-batches the loop holds at once), got "
+                              f"{held!r}")
         if not isinstance(self.zero_grad, ZeroGrad):
             choices = ", ".join(repr(z.value) for z in ZeroGrad)
             try:
@@ -171,7 +179,8 @@ class PlanOptions:
         """The training loop these options describe, with the optimizer's state as measured for the model and the
         autocast dtype the step runs under (the option's, or the caller's own)."""
         return TrainingLoop(keep_output=self.keep_output, gradient_accumulation_steps=self.gradient_accumulation_steps,
-                            zero_grad=self.zero_grad, set_to_none=self.set_to_none, optimizer=optimizer,
+                            batches_held=self.batches_held, zero_grad=self.zero_grad, set_to_none=self.set_to_none,
+                            optimizer=optimizer,
                             autocast=str(autocast).removeprefix("torch.") if autocast is not None else None)
 
     @property
@@ -199,6 +208,7 @@ class OptionArgs(TypedDict, total=False):
     units: Sequence[str] | None
     optimizer: Any
     gradient_accumulation_steps: int
+    batches_held: int
     zero_grad: ZeroGrad | str
     set_to_none: bool
     autocast: Any

@@ -39,6 +39,8 @@ def test_what_is_counted_is_said_in_the_summary_and_survives_json():
     assert loop.counted() == ("AdamW state 2.00 KiB (2 x float32 parameters)",
                               "gradients alive in forward and backward (4 micro-steps)", "autocast to bfloat16",
                               "output dropped before backward")
+    held = TrainingLoop(gradient_accumulation_steps=4, batches_held=4)
+    assert "4 micro-batches held at once" in held.counted() and TrainingLoop.from_dict(held.to_dict()) == held
     assert TrainingLoop.from_dict(loop.to_dict()) == loop
 
 
@@ -79,6 +81,7 @@ def test_a_bad_optimizer_is_one_line(value, says):
 
 @pytest.mark.parametrize(("options", "says"), [
     ({"gradient_accumulation_steps": 0}, "gradient_accumulation_steps must be an integer >= 1"),
+    ({"batches_held": 0}, "batches_held must be an integer >= 1"),
     ({"zero_grad": "after_backward"}, "zero_grad must be one of 'before_forward', 'before_backward'"),
     ({"autocast": "fp8"}, "autocast must be one of"),
     ({"gradient_accumulation_steps": 2, "world_size": 2}, "not modelled on the ranks of an FSDP job"),
@@ -94,6 +97,8 @@ LOOPS = {  # name: (options, the loop they describe)
     "zeros": ({"set_to_none": False}, TrainingLoop(set_to_none=False)),
     "adamw": ({"optimizer": "adamw", "gradient_accumulation_steps": 2},
               TrainingLoop(gradient_accumulation_steps=2)),
+    "held": ({"gradient_accumulation_steps": 4, "batches_held": 4},  # Trainer: a step's micro-batches together
+             TrainingLoop(gradient_accumulation_steps=4, batches_held=4)),
 }
 
 
@@ -106,7 +111,8 @@ def test_each_loop_is_predicted_as_measured_and_fits(name):
     plan = optimize(model, "70%", inputs=inputs, loss_fn=loss_fn, **options)
     assert plan.counted and plan.segments
     optimizer = torch.optim.AdamW(model.parameters()) if "optimizer" in options else None
-    batches = [as_inputs(model, inputs)] * (2 * loop.gradient_accumulation_steps)
+    window = [as_inputs(model, tuple(t.clone() for t in inputs)) for _ in range(loop.batches_held)]
+    batches = window * (2 * loop.gradient_accumulation_steps // loop.batches_held)
     measured = measure_loop_peak(plan.module, batches, loss_fn, loop=loop, optimizer=optimizer)
     assert measured <= plan.budget_bytes
     assert measured <= plan.predicted_peak_bytes <= 1.01 * measured, (measured, plan.predicted_peak_bytes)

@@ -116,8 +116,9 @@ REFUSED = [(option.name, where) for option in fields(PlanOptions) for where in o
 NOT_DEFAULT = {"keep_output": False, "solver": "rotor", "time_limit_s": 5.0, "max_chunks": 8, "selective": False,
                "must_save": ("fc*",), "must_recompute": ("fc*",), "profile": object(), "device": "h100",
                "world_size": 2, "parallel": "ddp", "units": ("blocks.*",), "tensor_parallel": 2, "optimizer": "adamw",
-               "gradient_accumulation_steps": 4, "zero_grad": "before_backward", "set_to_none": False,
-               "autocast": "bf16", "mixed_precision": object(), "follow_batch": True, "shapes": ((4, 8),)}
+               "gradient_accumulation_steps": 4, "batches_held": 4, "zero_grad": "before_backward",
+               "set_to_none": False, "autocast": "bf16", "mixed_precision": object(), "follow_batch": True,
+               "shapes": ((4, 8),)}
 
 
 @pytest.mark.parametrize("name, where", REFUSED, ids=[f"{w}-{n}" for n, w in REFUSED])
@@ -130,8 +131,8 @@ def test_an_option_that_does_not_apply_to_an_entry_point_is_one_line_naming_both
 
 def test_every_option_that_shapes_capture_or_profile_is_fixed_when_prepared():
     assert set(PREPARED) == {"loss_fn", "keep_output", "profile", "device", "world_size", "parallel", "units",
-                             "optimizer", "gradient_accumulation_steps", "zero_grad", "set_to_none", "autocast",
-                             "mixed_precision", "follow_batch", "shapes", "tensor_parallel"}
+                             "optimizer", "gradient_accumulation_steps", "batches_held", "zero_grad", "set_to_none",
+                             "autocast", "mixed_precision", "follow_batch", "shapes", "tensor_parallel"}
     prepared = SimpleNamespace(options=PlanOptions())
     for name, value in (("mixed_precision", object()), ("follow_batch", True)):
         with pytest.raises(OptionError, match=f"{name}= is fixed when the model is prepared"):

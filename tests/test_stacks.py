@@ -194,6 +194,7 @@ def test_the_trainer_callback_plans_the_step_trainer_runs_and_the_whole_run_fits
     assert plan is not None and plan.module is base and plan.segments
     assert plan.counted[0].startswith("AdamW state")
     assert plan.counted[1] == "gradients alive in forward and backward (4 micro-steps)"
+    assert "4 micro-batches held at once" in plan.counted  # Trainer takes an optimizer step's batches together
     assert ("autocast to bfloat16" in plan.counted) == bf16
     assert trainer.state.global_step == 2
     assert tracker.peak_bytes <= plan.budget_bytes, (tracker.peak_bytes, plan.predicted_peak_bytes, budget)

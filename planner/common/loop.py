@@ -65,6 +65,9 @@ class TrainingLoop:
     """Whether the model's output stays referenced through backward (a plain loop) or is dropped first (Trainer)."""
     gradient_accumulation_steps: int = 1
     """Micro-steps per optimizer step; from the second on, the earlier ones' gradients are alive throughout."""
+    batches_held: int = 1
+    """Micro-batches alive on the device at once (Trainer holds an optimizer step's ``gradient_accumulation_steps``
+    batches together); the profiled step counts one."""
     zero_grad: ZeroGrad = ZeroGrad.BEFORE_FORWARD
     """Where the loop clears the last step's gradients."""
     set_to_none: bool = True
@@ -96,6 +99,7 @@ class TrainingLoop:
     def to_dict(self) -> dict[str, Any]:
         """The JSON form (``from_dict`` reads it back): plain values, the enums by value."""
         return {"keep_output": self.keep_output, "gradient_accumulation_steps": self.gradient_accumulation_steps,
+                "batches_held": self.batches_held,
                 "zero_grad": self.zero_grad.value, "set_to_none": self.set_to_none, "autocast": self.autocast,
                 "optimizer": None if self.optimizer is None else asdict(self.optimizer)}
 
@@ -125,6 +129,8 @@ class TrainingLoop:
             out.append(f"gradients alive in forward and backward ({why})")
         elif self.gradients is Gradients.IN_FORWARD:
             out.append("gradients alive in forward (zeroed right before backward)")
+        if self.batches_held > 1:
+            out.append(f"{self.batches_held} micro-batches held at once")
         if self.autocast is not None:
             out.append(f"autocast to {self.autocast}")
         out.append("output kept through backward" if self.keep_output else "output dropped before backward")

@@ -35,15 +35,16 @@ def loop_offset(profile: Profile, loop: TrainingLoop) -> MemoryOffset:
     n = len(profile.nodes)
     state = loop.optimizer.state_bytes if loop.optimizer is not None else 0
     grads = profile.grad_bytes
-    fwd = np.full(n, state, dtype=np.int64)
-    bwd = np.full(n, state, dtype=np.int64)
+    held = (loop.batches_held - 1) * profile.input_bytes
+    fwd = np.full(n, state + held, dtype=np.int64)
+    bwd = np.full(n, state + held, dtype=np.int64)
     if loop.gradients in (Gradients.IN_FORWARD, Gradients.THROUGHOUT):
         fwd += grads
     if loop.gradients is Gradients.THROUGHOUT:  # unknown: as if the profile had made none yet (never under)
         bwd += np.array([grads - (node.bwd_grad_bytes or 0) for node in profile.nodes], dtype=np.int64)
     step = 0
     if loop.optimizer is not None and profile.end_bytes is not None:
-        step = profile.end_bytes + state + loop.optimizer.step_bytes
+        step = profile.end_bytes + state + held + loop.optimizer.step_bytes
     return MemoryOffset(fwd_bytes=fwd, bwd_bytes=bwd, param_bytes=profile.param_bytes, step_bytes=step)
 
 

@@ -66,11 +66,12 @@ def measure_loop_peak(module: nn.Module, batches: Sequence[Inputs], loss_fn: Los
     ``ZeroGrad.BEFORE_BACKWARD``, right before its backward, the output kept through backward (and the optimizer's
     step) when the loop keeps it, released at the end of each micro-step; forward and loss under the loop's
     autocast, backward outside it. On CUDA the allocator's peak, else the live storages: parameters, buffers,
-    gradients, optimizer state, everything the loop allocates, and each batch from its micro-step on (pass one
-    batch object repeated to count one, as a loader that makes each batch in turn holds). The module's
+    gradients, optimizer state, everything the loop allocates, and each batch from its micro-step on, or from the
+    first of the ``loop.batches_held`` taken together (pass one batch object repeated to count one, as a loader
+    that makes each batch in turn holds; k distinct ones repeated for a loop that holds k). The module's
     parameters train: pass a copy to keep the model as it was."""
     device = next(module.parameters()).device
-    every = loop.gradient_accumulation_steps
+    every, held = loop.gradient_accumulation_steps, loop.batches_held
 
     def clear() -> None:
         if optimizer is not None:
@@ -80,10 +81,11 @@ def measure_loop_peak(module: nn.Module, batches: Sequence[Inputs], loss_fn: Los
 
     def run() -> None:
         for i, inputs in enumerate(batches):
-            if tracker is not None:  # counted from its micro-step on (the caller holds it after)
-                for t in tree_leaves((inputs.args, inputs.kwargs)):
-                    if isinstance(t, torch.Tensor):
-                        tracker.track(t)
+            if tracker is not None and i % held == 0:  # counted from its micro-step on (the caller holds it after),
+                for batch in batches[i:i + held]:     # with the others the loop holds at once
+                    for t in tree_leaves((batch.args, batch.kwargs)):
+                        if isinstance(t, torch.Tensor):
+                            tracker.track(t)
             first = i % every == 0
             if first and loop.zero_grad is ZeroGrad.BEFORE_FORWARD:
                 clear()

@@ -151,6 +151,7 @@ def assemble(recorder: MemoryRecorder, captured: Captured, model: nn.Module, inp
         checkpoint_overhead_ms=times.checkpoint_overhead_ms, sac_op_us=times.sac_op_us,
         baseline_peak_bytes=recorder.tracker.peak_bytes,
         end_bytes=recorder.end_bytes,
+        input_bytes=recorder.input_bytes,
         keep_output=recorder.keep_output,
         fingerprint=captured.fingerprint,
         capture_method=captured.method,
@@ -197,6 +198,8 @@ class MemoryRecorder(StepRunner):
         """Per node: bytes of parameter gradients alive when its backward started."""
         self.end_bytes: int | None = None
         """Live bytes once backward has finished."""
+        self.input_bytes = 0
+        """Bytes of the step's input tensors, each once: what a loader's batch of their shapes holds."""
         self._grads = GradBytes([p for p in dict.fromkeys(model.parameters()) if p.requires_grad], self._here)
         self._index_of: dict[int, int] = {}
         self._producer = -1
@@ -216,9 +219,10 @@ class MemoryRecorder(StepRunner):
         self._writes: set[int] = set()
 
     def step(self, inputs: Inputs, loss_fn: LossFn) -> None:
-        for value in tree_leaves((inputs.args, inputs.kwargs)):
-            if isinstance(value, torch.Tensor) and not self.tracker.track(value):
-                continue  # already counted (e.g. shares a parameter's storage)
+        tensors = [v for v in tree_leaves((inputs.args, inputs.kwargs)) if isinstance(v, torch.Tensor)]
+        for value in tensors:
+            self.tracker.track(value)  # unless counted already (e.g. one sharing a parameter's storage)
+        self.input_bytes = sum(local_of(t).numel() * t.element_size() for t in {id(t): t for t in tensors}.values())
         self.tracker.trace = []
         with self.tracker, torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t):
             super().step(inputs, loss_fn)

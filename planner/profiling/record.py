@@ -144,6 +144,9 @@ class Profile:
     """How many pieces the measured step ran in: 1 when it ran whole (memory and times measured); more
     when it did not fit where the model is (memory from a meta-tensor replay, times measured piece by
     piece, ``planner.profiling.fitting``)."""
+    input_bytes: int = 0
+    """Bytes of the step's inputs (the example batch), which a loop that holds several micro-batches at once holds
+    more of (``planner.common.loop.TrainingLoop.batches_held``)."""
     profile_peak_bytes: int | None = None
     """Peak bytes the profiling itself held on ``device``: the un-checkpointed peak when the step ran
     whole, the largest piece's otherwise; None for an estimate (nothing ran)."""

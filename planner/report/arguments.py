@@ -56,6 +56,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gradient-accumulation-steps", type=_micro_steps, default=1, metavar="N",
                    help="micro-steps per optimizer step: the earlier ones' gradients are alive through the next "
                         "forward and backward (default: 1)")
+    p.add_argument("--batches-held", type=_at_least_one("--batches-held", " (micro-batches alive at once)"),
+                   default=1, metavar="N",
+                   help="micro-batches the loop holds at once: Trainer and TRL take an optimizer step's together, "
+                        "so N = their gradient_accumulation_steps (default: 1)")
     p.add_argument("--zero-grad", choices=[z.value for z in ZeroGrad], default=ZeroGrad.BEFORE_FORWARD.value,
                    help="where the loop clears the gradients: before_backward is Lightning's order, which keeps the "
                         "last step's through the forward (default: before_forward)")

@@ -5,7 +5,8 @@ training.
 
 At ``on_train_begin`` (the optimizer made, the model placed and wrapped) the callback reads the step the Trainer
 will run from its arguments and objects: the optimizer it created (its kind, hyperparameters and parameters),
-``bf16``/``fp16`` (the step runs under ``torch.autocast`` in that dtype), ``gradient_accumulation_steps``, the
+``bf16``/``fp16`` (the step runs under ``torch.autocast`` in that dtype), ``gradient_accumulation_steps`` (and the
+micro-batches Trainer holds together: all of an optimizer step's), the
 model's own loss (``outputs.loss``), and an output Trainer drops before backward. It takes the first batch of the
 training loader (the random generators put back: training sees the same batches) and plans the model object in
 place (``planner.enable``), so the Trainer, its optimizer and its accelerate wrappers keep the object they hold.
@@ -59,11 +60,13 @@ class PlanCallback(TrainerCallback):
 
 def trainer_step(args: Any, optimizer: Any) -> dict[str, Any]:
     """The options of the step a Trainer with these ``TrainingArguments`` runs: its optimizer, its autocast, its
-    micro-steps, and no output kept through backward (``compute_loss`` returns the loss alone)."""
+    micro-steps (whose batches it takes from the loader together and holds through the optimizer step), and no
+    output kept through backward (``compute_loss`` returns the loss alone)."""
     autocast = torch.bfloat16 if getattr(args, "bf16", False) else torch.float16 if getattr(args, "fp16", False) \
         else None
+    steps = int(getattr(args, "gradient_accumulation_steps", 1) or 1)
     return {"optimizer": _unwrapped(optimizer), "autocast": autocast, "keep_output": False,
-            "gradient_accumulation_steps": int(getattr(args, "gradient_accumulation_steps", 1) or 1)}
+            "gradient_accumulation_steps": steps, "batches_held": steps}
 
 
 def _unwrapped(optimizer: Any) -> Any:
