@@ -82,7 +82,7 @@ def _with_a_kept_op(half, budget: str):
     keep: list[int] = []
     for fraction in (budget, "60%", "50%", "45%"):  # the first budget whose plan holds an offered op in a segment
         budget_bytes = parse_budget(fraction, baseline_peak_bytes=half.baseline.peak_bytes)
-        prepared, solution = solve_prepared(half, budget_bytes, half.options, Deadline.after(30))
+        prepared, solution = solve_prepared(half, budget_bytes, half.options, Deadline.after(10))
         keep = sorted(expressible(prepared.memory, solution.plan, frozenset(offered)))
         if keep:
             break

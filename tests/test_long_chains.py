@@ -99,8 +99,8 @@ def _hand_peak(hand: nn.Module, inputs, loss_fn=default_loss) -> int:
     return measure_peak(hand, as_inputs(hand, inputs), loss_fn)
 
 
-def _planned_at(model, inputs, peak, restore_buffers, loss_fn=default_loss):
-    plan = optimize(model, peak, inputs=inputs, loss_fn=loss_fn)
+def _planned_at(model, inputs, peak, restore_buffers, loss_fn=default_loss, **options):
+    plan = optimize(model, peak, inputs=inputs, loss_fn=loss_fn, **options)
     assert_plan_is_exact(model, plan, inputs, loss_fn, restore_buffers)  # measured <= peak, exact gradients
     return plan
 
@@ -142,9 +142,10 @@ def _rnn_at_hand_peak(kind: str, groups: int):
 @pytest.mark.slow
 def test_an_unrolled_rnn_fits_its_hand_groups_peak(restore_buffers):
     """examples/rnn.py's LSTM over 256 steps (torch.fx unrolls the loop), at the peak of groups of 16 steps
-    checkpointed by hand."""
+    checkpointed by hand, within a 10 s search."""
     model, inputs, peak = _rnn_at_hand_peak("UnrolledRNN", 16)
-    _planned_at(model, inputs, peak, restore_buffers)
+    _planned_at(model, inputs, peak, restore_buffers, time_limit_s=10)  # nothing is proven on this chain, so the
+    # search runs to its limit (30 s by default); what it holds at 10 s fits
 
 
 @pytest.mark.slow
