@@ -21,7 +21,7 @@ import planner
 from planner import ProfileFileError, ProfileMismatch, load_profile, optimize, sweep
 from planner.capture.inputs import as_inputs
 from planner.capture.step import default_loss
-from planner.profiling.devices import device_names, load_device
+from planner.profiling.devices import SPEC_DIR, device_names, load_device
 from planner.profiling.estimate import Roofline
 from planner.profiling.measure import measure_peak
 
@@ -110,13 +110,18 @@ def test_a_damaged_profile_file_is_one_clear_line(measured, tmp_path, damage, me
 
 
 def test_bundled_device_specs_cite_their_source():
-    assert {"h100", "h200", "a100-80gb", "a100-40gb", "l4", "rtx4090", "generic-cpu"} <= set(device_names())
+    assert {"h100", "h200", "gh200", "a100-80gb", "a100-40gb", "l4", "rtx4090", "generic-cpu"} <= set(device_names())
     for name in device_names():
         spec = load_device(name)
         assert spec.name == name and spec.memory_bytes > 2**30 and spec.bytes_per_s > 1e9
         assert spec.flops_per_s("float32") > 1e10 and spec.flops_per_s("bfloat16") >= spec.flops_per_s("float32")
         assert ("datasheet" in spec.source or "whitepaper" in spec.source) if spec.kind == "gpu" else spec.source
     assert load_device("h100").flops_per_s("bfloat16") == pytest.approx(989.4e12)
+    for name in ("h100", "h200", "gh200"):  # a host link to offload activations over, its figures cited
+        spec, raw = load_device(name), json.loads((SPEC_DIR / f"{name}.json").read_text())
+        assert spec.device_to_host_gb_per_s > 0 and spec.host_to_device_gb_per_s > 0 and raw["host_link_source"]
+    assert load_device("gh200").host_to_device_gb_per_s > load_device("h100").host_to_device_gb_per_s
+    assert load_device("generic-cpu").device_to_host_gb_per_s is None
 
 
 def test_unknown_device_and_bad_spec_file_say_what_to_use(tmp_path):
@@ -127,6 +132,10 @@ def test_unknown_device_and_bad_spec_file_say_what_to_use(tmp_path):
     (tmp_path / "mine.json").write_text('{"schema": "ckplan.device", "version": 1, "name": "x"}')
     with pytest.raises(ProfileFileError, match="lacks the field 'description'"):
         load_device(tmp_path / "mine.json")
+    one_way = {**json.loads((SPEC_DIR / "h100.json").read_text()), "host_to_device_gb_per_s": None}
+    (tmp_path / "one_way.json").write_text(json.dumps(one_way))
+    with pytest.raises(ProfileFileError, match="needs both device_to_host_gb_per_s and host_to_device_gb_per_s"):
+        load_device(tmp_path / "one_way.json")
     with pytest.raises(ValueError, match="profile= or device=, not both"):
         optimize(tower(), "60%", inputs=tower_inputs(), device="h100",
                  profile=planner.profile(tower(), inputs=tower_inputs(), device="h100"))

@@ -53,6 +53,11 @@ class DeviceSpec:
     interconnect_gb_per_s: float | None = None
     """Bandwidth of the link between the devices of one node in each direction, 10^9 bytes/s (NVLink): what a
     tensor-parallel all-reduce moves at; None: collectives are not timed."""
+    device_to_host_gb_per_s: float | None = None
+    """Bandwidth of a copy from device memory to pinned host memory, 10^9 bytes/s (what an activation offloaded to
+    the host leaves at); None where the spec gives no host link (a CPU: nothing to offload to)."""
+    host_to_device_gb_per_s: float | None = None
+    """Bandwidth of a copy from pinned host memory back to the device, 10^9 bytes/s; None as above."""
 
     def flops_per_s(self, precision: str) -> float:
         """Peak FLOP/s of a matmul in ``precision``; float32's when the device has no faster unit for it."""
@@ -105,6 +110,10 @@ def load_device(device: str | Path) -> DeviceSpec:
         raise ProfileFileError(f"device spec {path} lacks the field {exc.args[0]!r}; see docs/profiles.md") from None
     except (TypeError, ValueError) as exc:
         raise ProfileFileError(f"device spec {path} has a malformed field ({exc}); see docs/profiles.md") from None
+    links = (spec.device_to_host_gb_per_s, spec.host_to_device_gb_per_s)
+    if (links[0] is None) != (links[1] is None) or any(link is not None and link <= 0 for link in links):
+        raise ProfileFileError(f"device spec {path} needs both device_to_host_gb_per_s and host_to_device_gb_per_s, "
+                               "each positive, or neither (no host link)")
     if "float32" not in spec.peak_dense_tflops or spec.memory_bandwidth_gb_per_s <= 0:
         raise ProfileFileError(f"device spec {path} needs a float32 rate in peak_dense_tflops and a positive "
                                "memory_bandwidth_gb_per_s")
