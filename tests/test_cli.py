@@ -478,3 +478,17 @@ def test_shapes_plans_each_shape_group_ahead_and_saves_them_all(work):
 def test_bad_follow_batch_flags_are_one_line_and_exit_2(work, flags, message):
     result = ckplan("mlp.py", *flags, cwd=work)
     assert result.returncode == 2 and message in result.stderr and no_traceback(result), result.stderr
+
+
+@pytest.mark.slow
+def test_a_reader_that_stops_reading_ends_the_report_quietly(work):
+    """``ckplan model.py | head``: a reader that closes the pipe before the report is written leaves no traceback,
+    and the plan made is exit 0 (rich's console would exit 1)."""
+    read, write = os.pipe()
+    os.close(read)  # closed before ckplan writes: every write meets a broken pipe
+    try:
+        result = subprocess.run([sys.executable, "-m", "planner", "mlp.py", "--budget", "90%"], stdout=write,
+                                stderr=subprocess.PIPE, text=True, cwd=work, env=_env(), timeout=300)
+    finally:
+        os.close(write)
+    assert result.returncode == 0 and TRACEBACK not in result.stderr and "Exception" not in result.stderr, result

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import sys
 import traceback
 from collections.abc import Callable
@@ -231,9 +232,25 @@ def _write_outputs(args: argparse.Namespace, plan: Plan, model_class: str) -> No
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Runs ``ckplan``; returns the exit code (argparse exits 2 itself on a bad command line)."""
-    args = build_parser().parse_args(argv)
-    out, err = Console(), Console(stderr=True)
+    """Runs ``ckplan``; returns the exit code (argparse exits 2 itself on a bad command line). A reader that stops
+    reading the report (``ckplan model.py | head``) ends it quietly, as any filter's output ends: exit 0."""
+    try:
+        return _main(build_parser().parse_args(argv))
+    except BrokenPipeError:
+        devnull = os.open(os.devnull, os.O_WRONLY)  # Python flushes stdout at exit, into the closed pipe again
+        os.dup2(devnull, sys.stdout.fileno())
+        return EXIT_OK
+
+
+class _Console(Console):
+    """rich's console, whose closed pipe reaches ``main`` (rich's own answer is to exit 1)."""
+
+    def on_broken_pipe(self) -> None:
+        raise BrokenPipeError
+
+
+def _main(args: argparse.Namespace) -> int:
+    out, err = _Console(), _Console(stderr=True)
     try:
         if args.compiled:
             return _compiled(args, out, err)
