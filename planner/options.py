@@ -133,12 +133,8 @@ class PlanOptions:
                                             or self.max_chunks < 1):
             raise OptionError(f"max_chunks must be an int >= 1 (got {self.max_chunks!r}); e.g. max_chunks=128 for "
                               "finer plans")
-        if isinstance(self.world_size, bool) or not isinstance(self.world_size, int) or self.world_size < 1:
-            raise OptionError(f"world_size must be an integer >= 1 (the number of ranks), got {self.world_size!r}")
-        tp = self.tensor_parallel
-        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
-            raise OptionError(f"tensor_parallel must be an integer >= 1 (the ranks each layer is split over), got "
-                              f"{tp!r}")
+        _check_count("world_size", self.world_size, "the number of ranks")
+        _check_count("tensor_parallel", self.tensor_parallel, "the ranks each layer is split over")
         if self.shapes is not None:
             specs = [self.shapes] if isinstance(self.shapes, Mapping | ShapeRange) else list(self.shapes)
             if specs and all(isinstance(d, int) and not isinstance(d, bool) for d in specs):
@@ -148,17 +144,11 @@ class PlanOptions:
         if self.follow_batch and self.sharded:
             raise OptionError(f"follow_batch cannot follow the batch on the ranks of an FSDP job (world_size="
                               f"{self.world_size}): plan for one shape, or follow the batch with parallel='ddp'")
-        steps = self.gradient_accumulation_steps
-        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-            raise OptionError(f"gradient_accumulation_steps must be an integer >= 1 (micro-steps per optimizer step), "
-                              f"got {steps!r}")
-        if steps > 1 and self.sharded:
+        _check_count("gradient_accumulation_steps", self.gradient_accumulation_steps, "micro-steps per optimizer step")
+        if self.gradient_accumulation_steps > 1 and self.sharded:
             raise OptionError("gradient_accumulation_steps > 1 is not modelled on the ranks of an FSDP job: plan each "
                               "micro-step's budget without it, or accumulate under parallel='ddp'")
-        held = self.batches_held
-        if isinstance(held, bool) or not isinstance(held, int) or held < 1:
-            raise OptionError(f"batches_held must be an integer >= 1 (micro-batches the loop holds at once), got "
-                              f"{held!r}")
+        _check_count("batches_held", self.batches_held, "micro-batches the loop holds at once")
         if not isinstance(self.zero_grad, ZeroGrad):
             choices = ", ".join(repr(z.value) for z in ZeroGrad)
             try:
@@ -187,6 +177,12 @@ class PlanOptions:
     def sharded(self) -> bool:
         """Whether the plan is for the ranks of an FSDP job (``parallel="fsdp"``, the default past one rank)."""
         return self.parallel == "fsdp" or (self.parallel is None and self.world_size > 1)
+
+
+def _check_count(name: str, value: Any, meaning: str) -> None:
+    """Raises OptionError unless ``value`` is an integer >= 1 (a bool is not), naming the option and ``meaning``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise OptionError(f"{name} must be an integer >= 1 ({meaning}), got {value!r}")
 
 
 class OptionArgs(TypedDict, total=False):

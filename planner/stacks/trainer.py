@@ -5,11 +5,11 @@ training.
 
 At ``on_train_begin`` (the optimizer made, the model placed and wrapped) the callback reads the step the Trainer
 will run from its arguments and objects: the optimizer it created (its kind, hyperparameters and parameters),
-``bf16``/``fp16`` (the step runs under ``torch.autocast`` in that dtype), ``gradient_accumulation_steps`` (and the
-micro-batches Trainer holds together: all of an optimizer step's), the
-model's own loss (``outputs.loss``), and an output Trainer drops before backward. It takes the first batch of the
-training loader (the random generators put back: training sees the same batches) and plans the model object in
-place (``planner.enable``), so the Trainer, its optimizer and its accelerate wrappers keep the object they hold.
+``bf16``/``fp16`` (the step runs under ``torch.autocast`` in that dtype), ``gradient_accumulation_steps`` (whose
+micro-batches Trainer takes from the loader together and holds through the optimizer step), the model's own loss
+(``outputs.loss``), and an output Trainer drops before backward. It takes the first batch of the training loader
+(the random generators put back: training sees the same batches) and plans the model object in place
+(``planner.enable``), so the Trainer, its optimizer and its accelerate wrappers keep the object they hold.
 ``gradient_checkpointing=True`` (TRL's default) is left off with one warning: the plan replaces it.
 """
 
