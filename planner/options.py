@@ -117,6 +117,13 @@ class PlanOptions:
     given to every tensor argument shaped like the example's largest, or a ``{argument: shape}`` dict.
     Each is made from the example batch's values (cut, or grown by repeating the last slice). A
     ``ShapeRange((4, 64), (4, 512))`` plans every group between the two."""
+    offload: bool | str | None = _option(None, prepared=False, refused={**_PLANNING, **_COMPILED}, neutral=(False,))
+    """Let the plan copy kept activations to host memory and back (``docs/offload.md``): ``"auto"`` or True, on; False,
+    off; None (default): on where the device has a host link that runs beside compute (a GPU, or a GPU's spec with
+    ``device=``), off on a CPU. Under ``follow_batch`` it is off: each group's plan keeps or re-runs."""
+    host_budget: int | str | None = _option(None, prepared=False, refused={**_PLANNING, **_COMPILED})
+    """Most pinned host memory the plan's offloaded activations may hold, per rank (``"64GB"``, bytes); pinned memory
+    cannot be swapped out. None: no limit."""
     progress: Callable[[str], None] | None = _option(None, prepared=False)
     """Called with the name of each stage as it starts (``capture``, ``profile``, ``solve``, ``rewrite``)."""
 
@@ -161,6 +168,13 @@ class PlanOptions:
                               f"{self.set_to_none!r}")
         if self.autocast is not None:
             object.__setattr__(self, "autocast", autocast_dtype(self.autocast))
+        if self.offload == "auto":
+            object.__setattr__(self, "offload", True)
+        if self.offload is not None and not isinstance(self.offload, bool):
+            raise OptionError(f"offload must be 'auto' (or True), False or None (on where the device has a host link), "
+                              f"got {self.offload!r}")
+        if self.host_budget is not None:
+            object.__setattr__(self, "host_budget", _host_bytes(self.host_budget))
         limit = self.time_limit_s
         if isinstance(limit, bool) or not isinstance(limit, int | float) or not 0 <= limit < float("inf"):
             raise OptionError(f"time_limit_s must be a number of seconds >= 0 (got {limit!r}); e.g. time_limit_s=60")
@@ -177,6 +191,18 @@ class PlanOptions:
     def sharded(self) -> bool:
         """Whether the plan is for the ranks of an FSDP job (``parallel="fsdp"``, the default past one rank)."""
         return self.parallel == "fsdp" or (self.parallel is None and self.world_size > 1)
+
+
+def _host_bytes(value: Any) -> int:
+    """``host_budget=`` in bytes: an integer, or a size such as ``"64GB"`` (``planner.common.budget``)."""
+    from planner.common.budget import parse_budget
+
+    try:
+        nbytes = parse_budget(value)
+    except ValueError as exc:
+        raise OptionError(f"host_budget must be bytes or a size such as '64GB' (pinned host memory per rank): {exc}"
+                          ) from None
+    return nbytes
 
 
 def _check_count(name: str, value: Any, meaning: str) -> None:
@@ -211,6 +237,8 @@ class OptionArgs(TypedDict, total=False):
     mixed_precision: Any
     follow_batch: bool | None
     shapes: Sequence[Any] | None
+    offload: bool | str | None
+    host_budget: int | str | None
     progress: Callable[[str], None] | None
 
 

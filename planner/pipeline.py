@@ -22,10 +22,12 @@ from planner.errors import InfeasibleBudget, OptionError
 from planner.follow.family import Family
 from planner.follow.groups import GroupPlan
 from planner.follow.shapes import ShapeGrid, realize, shaped, spread
+from planner.memory.offload import Offloads, offloaded_bytes
 from planner.memory.simulate import Timeline, simulate
 from planner.options import PREPARED, OptionArgs, PlanOptions, resolve
 from planner.plan import MemoryTimeline, Plan
 from planner.planning.chunkings import save_options_for, solve_budget, solve_prepared
+from planner.planning.offloading import host_link, offload_limits, solve_offloaded
 from planner.planning.prepared import Prepared, chunked, prepared_from
 from planner.planning.step import captured_and_profiled
 from planner.profiling.api import step_device_type
@@ -33,6 +35,7 @@ from planner.profiling.devices import load_device
 from planner.profiling.optimizer import optimizer_state
 from planner.profiling.record import Profile
 from planner.rewrite.modules import PlannedShapes
+from planner.rewrite.offload import OffloadSpec, install_offloads, targets_of
 from planner.rewrite.segment import Segment, segments_of
 from planner.solve.deadline import Deadline
 from planner.solve.registry import get_solver
@@ -181,23 +184,33 @@ def plan_for(prepared: Prepared, budget: int | str, *, options: PlanOptions | No
     stage("solve")
     started = time.perf_counter()
     deadline = Deadline.after(opts.time_limit_s)  # one limit for every solve below, not one each
+    following = follows(prepared, opts)
+    limits = offload_limits(prepared, opts, follows=following)
+
+    def solve_at(budget_bytes: int, deadline: Deadline) -> tuple[Prepared, Solution]:
+        solved, solution = solve_prepared(prepared, budget_bytes, opts, deadline)
+        memory, baseline = solved.memory, solved.baseline
+        if solved.distributed is not None and not solution.interrupted:  # FSDP: one unit per segment
+            solution = split_at_units(
+                memory, solution, budget_bytes, solved.distributed, solved.profile, deadline=deadline,
+                resolve=lambda b: solve_budget(opts.solver, memory, b, baseline.peak_bytes, deadline,
+                                               save_options_for(solved, opts)))
+        return solved, solution
+
     try:
-        prepared, solution = solve_prepared(prepared, budget_bytes, opts, deadline)
+        if limits is None:
+            prepared, solution = solve_at(budget_bytes, deadline)
+        else:
+            prepared, solution = solve_offloaded(prepared, budget_bytes, limits, deadline, solve_at)
     except InfeasibleBudget as exc:
         setting = _setting(prepared)
         if not setting:
             raise
         raise exc.planned_for(setting) from None
-    memory, baseline = prepared.memory, prepared.baseline
-    if prepared.distributed is not None and not solution.interrupted:  # FSDP: one unit per segment
-        solution = split_at_units(memory, solution, budget_bytes, prepared.distributed, prepared.profile,
-                                  deadline=deadline,
-                                  resolve=lambda b: solve_budget(opts.solver, memory, b, baseline.peak_bytes, deadline,
-                                                                 save_options_for(prepared, opts)))
     solution = replace(solution, solve_time_s=time.perf_counter() - started)  # the whole stage, widening included
     stage("rewrite")
     return plan_from_solution(prepared, solution, budget_bytes, target=target,
-                              follow=opts if follows(prepared, opts) else None)
+                              follow=opts if following else None)
 
 
 def follows(prepared: Prepared, options: PlanOptions) -> bool:
@@ -208,6 +221,8 @@ def follows(prepared: Prepared, options: PlanOptions) -> bool:
     ones, which must all run one plan), and the example has a tensor argument to follow."""
     if options.follow_batch is not None:
         return options.follow_batch
+    if options.offload is True:  # a plan with copies is made for one shape
+        return False
     return (prepared.executor.kind is ExecutorKind.HOOKS and options.loss_fn is None and not options.sharded
             and options.tensor_parallel == 1 and tensor_parallel_degree(prepared.model) == 1
             and bool(shaped(bind(prepared.model, prepared.example.args, prepared.example.kwargs) or {})))
@@ -239,7 +254,8 @@ def plan_from_solution(prepared: Prepared, solution: Solution, budget_bytes: int
     """
     memory, baseline = prepared.memory, prepared.baseline
     segments = segments_of(prepared.profile, prepared.regions, memory, solution.plan, solution.saves)
-    predicted = simulate(memory, solution.plan, solution.saves)
+    predicted = simulate(memory, solution.plan, solution.saves, solution.offloads)
+    offload = offload_spec(prepared, solution.offloads)
     shapes = tensor_shapes(prepared.model, prepared.example.args, prepared.example.kwargs)
     planned = PlannedShapes(shapes=shapes, predicted_peak_bytes=predicted.peak_bytes,
                             fixed_bytes=predicted.breakdown.parameters_bytes, budget_bytes=budget_bytes)
@@ -247,15 +263,17 @@ def plan_from_solution(prepared: Prepared, solution: Solution, budget_bytes: int
                                                  budget_bytes, follow)
     built = prepared.executor.build(prepared.model, prepared.captured, segments, target=target, planned=planned,
                                     follow=family)
+    install_offloads(built.module, offload)
     return Plan(
         module=built.module,
         budget_bytes=budget_bytes,
         predicted_peak_bytes=predicted.peak_bytes,
         baseline_peak_bytes=baseline.peak_bytes,
-        predicted_overhead=solution.recompute_us / memory.step_us,
+        predicted_overhead=(solution.recompute_us + solution.offloads.exposed_us) / memory.step_us,
         recompute_ms=solution.recompute_us / 1000,
         step_ms=prepared.profile.step_ms,
         segments=segments,
+        offload=offload,
         solver_status=solution.status,
         solve_time_s=solution.solve_time_s,
         recompute_bound_ms=(None if solution.bound_us is None  # nothing proven
@@ -283,6 +301,22 @@ def plan_from_solution(prepared: Prepared, solution: Solution, budget_bytes: int
             baseline_backward_bytes=tuple(int(b) if ok else None for b, ok in zip(baseline.bwd_bytes, memory.has_bwd)),
         ),
     )
+
+
+def offload_spec(prepared: Prepared, offloads: Offloads) -> OffloadSpec | None:
+    """What the executor needs to run ``offloads`` (each storage found by the op that makes it), with what the
+    model predicts of them; None when the plan offloads nothing."""
+    if not offloads.n:
+        return None
+    memory, nodes = prepared.memory, prepared.profile.nodes
+    link = host_link(prepared.profile)
+    return OffloadSpec(
+        targets=targets_of([nd.kernels for nd in nodes], [int(memory.producer[s]) for s in offloads.storages],
+                           [int(memory.size[s]) for s in offloads.storages], offloads.group),
+        offloaded_bytes=offloaded_bytes(memory, offloads), exposed_ms=offloads.exposed_us / 1000,
+        d2h_busy_ms=offloads.d2h_busy_us / 1000, forward_ms=offloads.fwd_us / 1000,
+        h2d_busy_ms=offloads.h2d_busy_us / 1000, backward_ms=offloads.bwd_us / 1000,
+        link=link.source if link is not None else "")
 
 
 def _setting(prepared: Prepared) -> str:

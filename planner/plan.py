@@ -35,6 +35,7 @@ from planner.options import OptionArgs, PlanOptions, resolve
 from planner.profiling.devices import SacCostSource
 from planner.rewrite.executor import executor_for
 from planner.rewrite.modules import PlannedShapes
+from planner.rewrite.offload import OffloadSpec, OffloadTarget, install_offloads
 from planner.rewrite.segment import Segment
 from planner.solve.result import SolverStatus
 
@@ -125,6 +126,9 @@ class Plan:
     """How many pieces the profiled step ran in (1: whole; more when it did not fit where it was profiled)."""
     profile_peak_bytes: int | None = None
     """Peak bytes profiling held on the device (``Profile.profile_peak_bytes``); None for an estimate."""
+    offload: OffloadSpec | None = field(default=None, repr=False)
+    """The activations the plan copies to host memory and back, and what the model predicts of the copies
+    (``docs/offload.md``); None: it offloads nothing."""
     planned_inputs: dict[str, tuple[int, ...]] = field(default_factory=dict, repr=False)
     """Shape of each tensor argument of the example call, by parameter name: a plan that runs the
     model's own forward warns once when a training call is larger (``planner.rewrite.modules``)."""
@@ -156,9 +160,11 @@ class Plan:
         opts = resolve(options, overrides, where="Plan.apply")
         family = None if self.family is None else \
             self.family.bound(model, replace(self.family.options, loss_fn=opts.loss_fn))  # new groups planned on model
-        return executor_for(self.capture_method).apply(model, self.segments, fingerprint=self.fingerprint,
-                                                       inputs=inputs, units=opts.units, planned=self.planned_shapes(),
-                                                       follow=family)
+        module = executor_for(self.capture_method).apply(model, self.segments, fingerprint=self.fingerprint,
+                                                         inputs=inputs, units=opts.units,
+                                                         planned=self.planned_shapes(), follow=family)
+        install_offloads(module, self.offload)
+        return module
 
     def planned_shapes(self) -> PlannedShapes | None:
         """What the shape warning of a plan run by hooks compares calls with; None without shapes."""
@@ -178,6 +184,8 @@ class Plan:
             f"(budget {format_bytes(self.budget_bytes)}), recompute {self.recompute_ms:.2f} ms per step "
             f"= +{100 * self.predicted_overhead:.1f}% of a {self.step_ms:.2f} ms step",
         ]
+        if self.offload is not None:
+            lines.append(f"  {offload_text(self.offload)}")
         if self.counted:
             lines.append(f"  counted: {'; '.join(self.counted)}")
         lines += [f"  ({note.splitlines()[0][:160]})" for note in self.capture_notes]
@@ -208,6 +216,7 @@ class Plan:
         data["timeline"] = None if self.timeline is None else {k: list(v) for k, v in asdict(self.timeline).items()}
         data["segments"] = [asdict(s) for s in self.segments]
         data["family"] = None if self.family is None else self.family.to_dict()
+        data["offload"] = None if self.offload is None else asdict(self.offload)
         return data
 
     def save(self, path: str | Path) -> None:
@@ -241,6 +250,16 @@ class Plan:
         return (f"Plan(segments={len(self.segments)}, peak {format_bytes(self.predicted_peak_bytes)} of budget "
                 f"{format_bytes(self.budget_bytes)}, overhead +{100 * self.predicted_overhead:.1f}%, "
                 f"{self.solver_status})")
+
+
+def offload_text(offload: OffloadSpec) -> str:
+    """One line on a plan's offloads: how much, how busy the host link is, what the copies cost."""
+    def busy(part: float, whole: float) -> str:
+        return f"{100 * part / whole:.0f}%" if whole > 0 else "-"
+    return (f"offloads {len(offload.targets)} activation(s), {format_bytes(offload.offloaded_bytes)}, to host memory: "
+            f"host link busy {busy(offload.d2h_busy_ms, offload.forward_ms)} of the forward out, "
+            f"{busy(offload.h2d_busy_ms, offload.backward_ms)} of the backward back; copies add "
+            f"{offload.exposed_ms:.2f} ms")
 
 
 def _describe(segment: Segment) -> str:
@@ -296,6 +315,11 @@ def _plan_from_dict(data: dict[str, Any]) -> Plan:
               "planned_inputs": planned}
     family = data.get("family")
     values["family"] = None if family is None else Family.from_dict(family)
+    offload = data.get("offload")
+    if offload is not None:
+        targets = tuple(record_from_json(OffloadTarget, t, f"plan.offload.targets[{i}]")
+                        for i, t in enumerate(as_list(offload["targets"], "plan.offload.targets")))
+        values["offload"] = record_from_json(OffloadSpec, {**offload, "targets": targets}, "plan.offload")
     return record_from_json(Plan, values, "plan", convert={
         "solver_status": SolverStatus, "capture_method": CaptureMethod, "sac_cost_source": SacCostSource,
         "peak_breakdown": PeakBreakdown.from_dict})

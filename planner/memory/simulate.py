@@ -20,7 +20,6 @@ forward allocation of one of the re-run nodes.
 """
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -28,7 +27,9 @@ import numpy as np
 from planner.memory.breakdown import PeakBreakdown
 from planner.memory.excess import excess_of
 from planner.memory.model import ChunkPlan, MemoryModel, prefix_by
+from planner.memory.offload import NO_OFFLOADS, Offloads, relief
 from planner.memory.release import release_of
+from planner.memory.reruns import kept_given, rerun_chunk, segment_recompute_us
 from planner.memory.saves import NEVER, Saves, bump_relief, check_saves, kept_by_saves, rerun_parts
 
 STEP_PHASE = "optimizer step"
@@ -56,6 +57,8 @@ class Timeline:
     """Largest activations kept alive at the peak: (producing node, bytes, why it stays)."""
     saves: Saves = frozenset()
     """Nodes inside segments whose outputs selective checkpointing keeps (not re-run)."""
+    offloads: Offloads = NO_OFFLOADS
+    """Kept activations copied to host memory and back (``planner.memory.offload``)."""
 
 
 def check_plan(model: MemoryModel, plan: ChunkPlan) -> None:
@@ -72,27 +75,20 @@ def check_plan(model: MemoryModel, plan: ChunkPlan) -> None:
 
 def kept_storages(model: MemoryModel, plan: ChunkPlan) -> np.ndarray:
     """Boolean per storage: does the plan keep it alive until backward?"""
-    return _kept(model, release_of(model, plan))
+    return kept_given(model, release_of(model, plan))
 
 
-def _kept(model: MemoryModel, release: np.ndarray) -> np.ndarray:
-    """Kept storages given the plan's releases: the always-kept ones, and those the plan can free that
-    something holds (``planner.memory.release``)."""
-    kept = model.always_kept.copy()
-    varying = model.varying()
-    kept[varying] = release[varying] < NEVER
-    return kept
-
-
-def simulate(model: MemoryModel, plan: ChunkPlan, saves: Saves = frozenset()) -> Timeline:
+def simulate(model: MemoryModel, plan: ChunkPlan, saves: Saves = frozenset(), offloads: Offloads = NO_OFFLOADS
+             ) -> Timeline:
     """Predicted memory of every node of one training step under ``plan``, whose segments keep
-    the outputs of the ``saves`` nodes (selective checkpointing, ``planner.memory.saves``)."""
+    the outputs of the ``saves`` nodes (selective checkpointing, ``planner.memory.saves``) and copy the
+    ``offloads`` to host memory between their last forward use and their reload (``planner.memory.offload``)."""
     check_plan(model, plan)
     saves = frozenset(int(o) for o in saves)
     check_saves(model, plan, saves)
     n = model.n_nodes
     release = release_of(model, plan)
-    kept = _kept(model, release)
+    kept = kept_given(model, release)
     cached, release = kept_by_saves(model, saves, release)
     kept |= cached
     weight = model.size * kept
@@ -108,18 +104,22 @@ def simulate(model: MemoryModel, plan: ChunkPlan, saves: Saves = frozenset()) ->
             t = model.recompute_at[last]
             rerun = model.const_recompute[last] + kept_bwd[t] + rerun_bytes(model, first, last, stop, saves)
             bwd[t] = max(bwd[t], rerun)
+    fwd_away, bwd_away = relief(model, offloads)
+    fwd = fwd - fwd_away
+    bwd = np.where(model.has_bwd, bwd - bwd_away, -1)
     fwd_peak, bwd_peak = int(fwd.max(initial=0)), int(bwd.max(initial=0))
     if fwd_peak >= bwd_peak:
         phase, node, peak = "forward", int(fwd.argmax()), fwd_peak
         alive = kept & (model.last_use < node)
-        live_kept, bump = int(prefix_by(model.last_use + 1, weight * ~model.fwd_fixed, n)[node]), 0
+        live_kept, bump = int(prefix_by(model.last_use + 1, weight * ~model.fwd_fixed, n)[node] - fwd_away[node]), 0
     else:
         phase, node, peak = "backward", int(bwd.argmax()), bwd_peak
         alive = kept & (release <= node)
-        live_kept, bump = int(kept_bwd[node]), int(recomputed[node])
+        live_kept, bump = int(kept_bwd[node] - bwd_away[node]), int(recomputed[node])
     if model.step_bytes > peak:  # the optimizer's step after backward: activations gone, its own bytes there
         phase, node, peak = STEP_PHASE, n - 1, model.step_bytes
         alive, live_kept, bump = np.zeros_like(kept), 0, 0
+    alive[list(_away_at(offloads, phase, node))] = False
     largest = sorted(np.flatnonzero(alive & (model.size > 0)), key=lambda s: -model.size[s])[:3]
     return Timeline(
         plan=tuple(plan), fwd_bytes=fwd, bwd_bytes=bwd, peak_bytes=peak, peak_phase=phase, peak_node=node,
@@ -129,34 +129,15 @@ def simulate(model: MemoryModel, plan: ChunkPlan, saves: Saves = frozenset()) ->
                                 gradients_inputs_workspace_bytes=peak - model.param_bytes - live_kept - bump),
         largest_kept=tuple((model.node_names[model.producer[s]], int(model.size[s]),
                             _why_kept(model, plan, int(s), saves)) for s in largest),
-        saves=saves,
+        saves=saves, offloads=offloads,
     )
 
 
-def segment_recompute_us(model: MemoryModel, first: int, stop: int, saves: Iterable[int] = ()) -> int:
-    """Recompute time of one checkpointed segment (chunks ``[first, stop)``), microseconds: its forward
-    time plus the checkpoint call; when it keeps some of ``saves`` (selective checkpointing; other
-    segments' saves are ignored), minus those nodes' forward time plus SAC's dispatch charge over it.
-    Every strategy and report counts a segment's cost with this (CP-SAT's objective encodes it)."""
-    cost = int(model.chunk_cost_us[first:stop].sum()) - rerun_skip_us(model, first, stop) + model.segment_cost_us
-    if not saves:
-        return cost
-    lo, hi = model.regions.starts[first], model.regions.bounds(stop - 1)[1]
-    mine = [o for o in saves if lo <= o < hi]
-    if mine:
-        cost += int(model.sac_chunk_us[first:stop].sum()) - sum(int(model.node_cost_us[o]) for o in mine)
-    return cost
-
-
-def rerun_skip_us(model: MemoryModel, first: int, stop: int) -> int:
-    """Forward time of segment ``[first, stop)`` its re-run never runs: torch stops re-running once the
-    last saved tensor is back (``MemoryModel.skip_us``; a segment that saves nothing is never re-run)."""
-    if not len(model.skip_us):
-        return 0
-    last = rerun_chunk(model, first, stop)
-    if last is None:
-        return int(model.chunk_cost_us[first:stop].sum())
-    return int(model.skip_us[last] + model.chunk_cost_us[last + 1:stop].sum())
+def _away_at(offloads: Offloads, phase: str, node: int) -> list[int]:
+    """The offloaded storages off the device at ``node`` in ``phase``."""
+    if phase == "forward":
+        return [s for s, gone in zip(offloads.storages, offloads.gone) if gone <= node]
+    return [s for s, trigger in zip(offloads.storages, offloads.trigger) if trigger < node]
 
 
 def _why_kept(model: MemoryModel, plan: ChunkPlan, s: int, saves: Saves = frozenset()) -> str:
@@ -185,12 +166,6 @@ def freed_bytes(model: MemoryModel, plan: ChunkPlan) -> list[int]:
                          for s in range(len(model.size))], dtype=bool)
         out.append(int(model.size[inside & before & ~after].sum() - model.size[held & after & ~before].sum()))
     return out
-
-
-def rerun_chunk(model: MemoryModel, first: int, stop: int) -> int | None:
-    """Chunk whose backward triggers the re-run of segment ``[first, stop)``: its last saving chunk."""
-    last = int(model.last_rerun[stop - 1]) if stop > first else -1
-    return last if last >= first else None
 
 
 def rerun_bytes(model: MemoryModel, first: int, last: int, stop: int, saves: Saves = frozenset()) -> int:

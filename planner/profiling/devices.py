@@ -59,6 +59,13 @@ class DeviceSpec:
     host_to_device_gb_per_s: float | None = None
     """Bandwidth of a copy from pinned host memory back to the device, 10^9 bytes/s; None as above."""
 
+    @property
+    def host_link(self) -> tuple[float, float] | None:
+        """``(device_to_host, host_to_device)`` GB/s, or None where the spec gives no host link."""
+        if self.device_to_host_gb_per_s is None or self.host_to_device_gb_per_s is None:
+            return None
+        return self.device_to_host_gb_per_s, self.host_to_device_gb_per_s
+
     def flops_per_s(self, precision: str) -> float:
         """Peak FLOP/s of a matmul in ``precision``; float32's when the device has no faster unit for it."""
         tflops = self.peak_dense_tflops.get(precision) or self.peak_dense_tflops["float32"]
@@ -173,3 +180,4 @@ def sac_op_cost(profile: Profile, spec: DeviceSpec | None = None) -> SacCost:
         return SacCost(op_us=spec.sac_op_us, source=SacCostSource.DEVICE_SPEC,
                        host_us=spec.op_overhead_us if spec.kind == "gpu" else None)
     return SacCost(op_us=DEFAULT_SAC_OP_US, source=SacCostSource.DEFAULT)
+

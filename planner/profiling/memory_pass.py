@@ -27,6 +27,7 @@ from planner.capture.step import LossFn, default_loss, sync, untouched
 from planner.compat.torch_private import disable_current_modes, tree_leaves
 from planner.errors import ProfileError
 from planner.profiling.eager import eager_excess, eager_forward_trace
+from planner.profiling.link import measure_host_link
 from planner.profiling.memtrack import GradBytes, LiveStorages, local_of, storage_key
 from planner.profiling.record import LOSS_NODE, NodeCost, Profile, StorageCost
 from planner.profiling.runner import StepRunner
@@ -118,8 +119,12 @@ def eager_excess_of(recorder: MemoryRecorder, captured: Captured, model: nn.Modu
 
 def assemble(recorder: MemoryRecorder, captured: Captured, model: nn.Module, inputs: Inputs, *,
              times: StepTimes, excess: list[int] | None, device: str, estimated_for: str = "", pieces: int = 1,
-             profile_peak_bytes: int | None = None) -> Profile:
-    """The ``Profile`` of a recorded step with its times (measured or estimated)."""
+             profile_peak_bytes: int | None = None, host_link: tuple[float, float] | None = None) -> Profile:
+    """The ``Profile`` of a recorded step with its times (measured or estimated); ``host_link``: the GB/s of copies
+    to and from pinned host memory (default: measured on the device now, ``planner.profiling.link``; an estimate
+    passes its spec's)."""
+    if host_link is None and not estimated_for:
+        host_link = measure_host_link(torch.device(device))
     nodes = tuple(
         NodeCost(
             name=rec["name"], kind=rec["kind"], target=rec["target"], scope=rec["scope"],
@@ -158,6 +163,7 @@ def assemble(recorder: MemoryRecorder, captured: Captured, model: nn.Module, inp
         estimated_for=estimated_for,
         pieces=pieces,
         profile_peak_bytes=profile_peak_bytes,
+        d2h_gb_per_s=host_link[0] if host_link else None, h2d_gb_per_s=host_link[1] if host_link else None,
     )
 
 

@@ -150,6 +150,11 @@ class Profile:
     profile_peak_bytes: int | None = None
     """Peak bytes the profiling itself held on ``device``: the un-checkpointed peak when the step ran
     whole, the largest piece's otherwise; None for an estimate (nothing ran)."""
+    d2h_gb_per_s: float | None = None
+    """Copies from ``device`` to pinned host memory, GB/s: measured when the step was profiled, the device spec's
+    for an estimate; None when unknown (a profile saved before it was recorded, a spec without a host link)."""
+    h2d_gb_per_s: float | None = None
+    """Copies from pinned host memory to ``device``, GB/s (as ``d2h_gb_per_s``)."""
     calls: CallIndex = field(init=False, repr=False, compare=False)
     """The module calls of the graph (built from the nodes' scopes, not stored in the file)."""
 

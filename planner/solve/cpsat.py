@@ -15,8 +15,9 @@ import numpy as np
 from ortools.sat.python import cp_model
 
 from planner.memory.model import ChunkPlan, MemoryModel, prefix_by
+from planner.memory.reruns import rerun_chunk, rerun_skip_us
 from planner.memory.saves import NEVER, SaveOptions
-from planner.memory.simulate import recomputed_from, rerun_bytes, rerun_chunk, rerun_skip_us, simulate
+from planner.memory.simulate import recomputed_from, rerun_bytes, simulate
 from planner.solve.cpsat_saves import (
     add_saves,
     backward_reliefs,

@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass
 
 from planner.memory.model import ChunkPlan
+from planner.memory.offload import NO_OFFLOADS, Offloads
 
 
 class SolverStatus(str, enum.Enum):
@@ -40,6 +41,8 @@ class Solution:
     """Wall time the strategy took, seconds."""
     saves: frozenset = frozenset()
     """Nodes inside segments whose outputs selective checkpointing keeps (``planner.memory.saves``)."""
+    offloads: Offloads = NO_OFFLOADS
+    """Kept activations the plan copies to host memory and back (``planner.memory.offload``)."""
     interrupted: bool = False
     """Ctrl-C stopped the solve that returned it (``planner.solve.incumbent``): the caller returns it as it
     is, searching no further."""

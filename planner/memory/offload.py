@@ -1,0 +1,252 @@
+"""Host offload in the memory model: which kept activations a plan copies to host memory, when each leaves the
+device and comes back, what the host link's queues cost (torch-free; ``docs/offload.md`` derives it).
+
+A storage the plan keeps until backward through ckplan's saved-tensor hooks (saved by a node outside every
+segment, or held as a segment's input; not one selective checkpointing caches) can be offloaded: when it is
+first packed for backward, a copy to host memory is queued on the device-to-host link; the device storage
+is freed once that copy is done and the forward has passed its last use. In backward, storages are reloaded
+group by group (a group: the offloaded storages whose first unpack falls in one chunk): the first unpack of
+group ``g`` issues the reloads of group ``g + 1``, one group ahead, and waits for its own. A reloaded
+buffer is device memory from the moment its reload is issued until the storage's release.
+
+On a link that runs beside compute (a GPU's copy engines) a copy costs nothing while the compute hides it;
+a reload that is not done when its group is first unpacked stalls the step by the difference. On a link
+that does not (``HostLink.overlaps`` False: a CPU, where the host store is the same memory) every copy is
+synchronous and costs its whole time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from planner.memory.model import NEVER, ChunkPlan, MemoryModel
+from planner.memory.release import release_of, segment_starts
+from planner.memory.reruns import kept_given, rerun_chunk, segment_recompute_us
+from planner.memory.saves import Saves, kept_by_saves
+
+MIN_OFFLOAD_BYTES = 2 * 2**20
+"""Smallest storage worth offloading (as Unsloth's layer-input offload): below it a copy's fixed cost and the
+pack hook's work outweigh the bytes freed."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class HostLink:
+    """The link between the device and host memory that offloaded activations cross."""
+
+    d2h_bytes_per_us: float
+    """Device-to-host copy rate, bytes per microsecond (= MB/s / 1e0: 1 GB/s is 1000 bytes/us)."""
+    h2d_bytes_per_us: float
+    """Host-to-device copy rate, bytes per microsecond."""
+    overlaps: bool
+    """Whether copies run beside compute (a GPU's copy engines on a side stream); False: each copy stalls the
+    step for its whole time (a CPU)."""
+    source: str = ""
+    """Where the rates come from (the device spec's ``host_link_source``, or measured here)."""
+
+    @classmethod
+    def from_gb_per_s(cls, d2h: float, h2d: float, *, overlaps: bool, source: str = "") -> HostLink:
+        return cls(d2h_bytes_per_us=d2h * 1e3, h2d_bytes_per_us=h2d * 1e3, overlaps=overlaps, source=source)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Offloads:
+    """The storages a plan offloads and their schedule (``schedule``)."""
+
+    storages: tuple[int, ...]
+    """Offloaded storages, in the order their copies to the host are queued (first packed first)."""
+    group: tuple[int, ...]
+    """Per storage: its reload group, 0 the first reloaded in backward."""
+    gone: tuple[int, ...]
+    """Per storage: the first forward node during which it is off the device."""
+    trigger: tuple[int, ...]
+    """Per storage: the backward node at whose start its reload is issued (it is on the device from then on)."""
+    release: tuple[int, ...]
+    """Per storage: the backward node that frees it (its earliest holder)."""
+    exposed_us: int
+    """Time the copies add to the step: reloads the backward waits for, or every copy on a link that does not
+    overlap compute, plus the marking pass over the forward's ops."""
+    d2h_busy_us: int
+    """Time the device-to-host link is busy in forward."""
+    h2d_busy_us: int
+    """Time the host-to-device link is busy in backward."""
+    fwd_us: int
+    """The forward's compute time the copies to the host run beside."""
+    bwd_us: int
+    """The backward's compute time (re-runs included) the reloads run beside."""
+
+    @property
+    def n(self) -> int:
+        return len(self.storages)
+
+
+NO_OFFLOADS = Offloads(storages=(), group=(), gone=(), trigger=(), release=(), exposed_us=0, d2h_busy_us=0,
+                       h2d_busy_us=0, fwd_us=0, bwd_us=0)
+
+
+def offloaded_bytes(model: MemoryModel, offloads: Offloads) -> int:
+    return int(sum(int(model.size[s]) for s in offloads.storages))
+
+
+@dataclass(frozen=True, slots=True)
+class _Holding:
+    """Where ckplan's hooks see each kept storage under one plan."""
+
+    release: np.ndarray
+    pack: np.ndarray
+    """Per storage: the first node whose forward packs it through the hooks (NEVER: none does)."""
+    need: np.ndarray
+    """Per storage: the backward node that first unpacks it (-1: none does)."""
+    eligible: np.ndarray
+    """Per storage: offloadable under the plan (kept through the hooks, unpacked in backward, not cached)."""
+
+
+def holding(model: MemoryModel, plan: ChunkPlan, saves: Saves = frozenset()) -> _Holding:
+    """Pack and first-unpack nodes of every storage under ``plan``: a saver outside every segment packs it at
+    its node and unpacks it in its backward; a segment holding it as input packs it where the segment starts
+    and unpacks it where the segment is re-run."""
+    start = segment_starts(model, plan)
+    owner = model.regions.chunk_of()
+    release = release_of(model, plan)
+    kept = kept_given(model, release)
+    cached, release = kept_by_saves(model, saves, release)
+    n_s = len(model.size)
+    pack = np.full(n_s, NEVER, dtype=np.int64)
+    need = np.full(n_s, -1, dtype=np.int64)
+    reruns = {}
+    for first, stop in plan:
+        last = rerun_chunk(model, first, stop)
+        reruns[first] = None if last is None else int(model.recompute_at[last])
+    for s in range(n_s):
+        if not kept[s] or cached[s]:
+            continue
+        for u in model.savers[s]:
+            if u >= len(owner) or owner[u] < 0 or start[owner[u]] < 0:
+                pack[s] = min(pack[s], u)
+                need[s] = max(need[s], u)
+        p = model.producer_chunk[s]
+        for w in set(model.consumer_chunks[s]):
+            first = int(start[w])
+            if first > p:
+                pack[s] = min(pack[s], model.regions.starts[first])
+                rerun = reruns.get(first)
+                if rerun is not None:
+                    need[s] = max(need[s], rerun)
+    eligible = (kept & ~cached & ~model.fwd_fixed & (need >= 0) & (pack < NEVER) & (model.producer >= 0)
+                & (release < NEVER))
+    return _Holding(release=release, pack=pack, need=need, eligible=eligible)
+
+
+def candidates(model: MemoryModel, plan: ChunkPlan, saves: Saves = frozenset(), *,
+               min_bytes: int = MIN_OFFLOAD_BYTES) -> np.ndarray:
+    """Storages the plan could offload: held through the hooks, at least ``min_bytes``, produced by a node the
+    executor can find at run time (``MemoryModel.markable``), largest first."""
+    held = holding(model, plan, saves)
+    ok = held.eligible & (model.size >= min_bytes)
+    if len(model.markable):
+        ok &= model.markable[np.clip(model.producer, 0, None)]
+    found = np.flatnonzero(ok)
+    return found[np.argsort(-model.size[found], kind="stable")]
+
+
+def _rerun_us(model: MemoryModel, plan: ChunkPlan, saves: Saves) -> np.ndarray:
+    """Per node: forward time re-run just before its backward (the segments whose re-run it triggers)."""
+    out = np.zeros(model.n_nodes, dtype=np.int64)
+    for first, stop in plan:
+        last = rerun_chunk(model, first, stop)
+        if last is not None:
+            out[model.recompute_at[last]] += segment_recompute_us(model, first, stop, saves)
+    return out
+
+
+def schedule(model: MemoryModel, plan: ChunkPlan, saves: Saves, storages, link: HostLink,
+             held: _Holding | None = None) -> Offloads | None:
+    """The schedule of offloading ``storages`` under ``plan``, or None when a copy to the host cannot finish
+    within the forward (the storage would never leave the device)."""
+    if not len(storages):
+        return NO_OFFLOADS
+    held = held or holding(model, plan, saves)
+    order = sorted((int(held.pack[s]), int(s)) for s in storages)
+    chosen = [s for _, s in order]
+    size = model.size
+    fwd_end = np.cumsum(model.node_cost_us)
+    fwd_start = fwd_end - model.node_cost_us
+    n = model.n_nodes
+    exposed = 0.0
+    gone, free, d2h_busy = [], 0.0, 0.0
+    for s in chosen:
+        copy = size[s] / link.d2h_bytes_per_us
+        d2h_busy += copy
+        last = int(model.last_use[s])
+        if not link.overlaps:  # synchronous: the copy is done when the pack returns
+            exposed += copy
+            gone.append(last + 1)
+            continue
+        begin = max(float(fwd_end[held.pack[s]]), free)
+        free = begin + copy
+        at = max(last + 1, int(np.searchsorted(fwd_start, free, side="left")))
+        if at >= n:
+            return None
+        gone.append(at)
+    need = {s: int(held.need[s]) for s in chosen}
+    owner = model.regions.chunk_of()
+    key = {s: owner[need[s]] if need[s] < len(owner) and owner[need[s]] >= 0 else model.n_chunks for s in chosen}
+    keys = sorted(set(key.values()), reverse=True)
+    group_of = {k: g for g, k in enumerate(keys)}
+    unpack_at = [max(need[s] for s in chosen if key[s] == k) for k in keys]  # each group's first unpack
+    members: list[list[int]] = [[] for _ in keys]
+    for s in sorted(chosen, key=lambda x: -need[x]):
+        members[group_of[key[s]]].append(s)
+    issue_at = [unpack_at[0], *unpack_at[:-1]]  # one group ahead; the first on demand
+    # the backward's compute, node n-1 first: its clock at the start of each node
+    rerun = _rerun_us(model, plan, saves)
+    per_node = (model.bwd_cost_us if len(model.bwd_cost_us) else 2 * model.node_cost_us) + rerun
+    elapsed = np.concatenate([[0], np.cumsum(per_node[::-1])])  # elapsed[k]: before the k-th node from the end
+    stall, link_free, h2d_busy = 0.0, 0.0, 0.0
+    ends: dict[int, float] = {}
+
+    def issue(g: int, now: float) -> None:
+        nonlocal link_free, h2d_busy, exposed
+        if g >= len(keys) or g in ends:
+            return
+        copy = sum(float(size[s]) for s in members[g]) / link.h2d_bytes_per_us
+        h2d_busy += copy
+        if link.overlaps:
+            link_free = max(link_free, now) + copy
+            ends[g] = link_free
+        else:
+            exposed += copy
+            ends[g] = now
+    for g, at in enumerate(unpack_at):
+        now = float(elapsed[n - 1 - at]) + stall
+        issue(g, now)
+        issue(g + 1, now)
+        stall += max(0.0, ends[g] - now)
+    exposed += stall
+    fwd_us = int(fwd_end[-1]) if n else 0
+    return Offloads(
+        storages=tuple(chosen), group=tuple(group_of[key[s]] for s in chosen), gone=tuple(gone),
+        trigger=tuple(issue_at[group_of[key[s]]] for s in chosen), release=tuple(int(held.release[s]) for s in chosen),
+        exposed_us=round(exposed) + (marking_us(model) if chosen else 0), d2h_busy_us=round(d2h_busy),
+        h2d_busy_us=round(h2d_busy), fwd_us=fwd_us, bwd_us=int(elapsed[-1]))
+
+
+def marking_us(model: MemoryModel) -> int:
+    """Time the executor's dispatch mode adds to the forward to find the offloaded ops as they run: half of what
+    selective checkpointing's modes cost over every chunk (they run in forward and re-run, this in forward)."""
+    return int(model.sac_chunk_us.sum()) // 2 if len(model.sac_chunk_us) else 0
+
+
+def relief(model: MemoryModel, offloads: Offloads) -> tuple[np.ndarray, np.ndarray]:
+    """``(forward, backward)``: per node, the bytes the offloaded storages are off the device that the plan's
+    timeline counts as kept."""
+    n = model.n_nodes
+    fwd = np.zeros(n + 1, dtype=np.int64)
+    bwd = np.zeros(n + 1, dtype=np.int64)
+    for s, gone, trigger, release in zip(offloads.storages, offloads.gone, offloads.trigger, offloads.release):
+        fwd[min(gone, n)] += model.size[s]
+        lo = max(trigger + 1, release)
+        if lo < n:  # off the device in backward before its reload is issued, i.e. at nodes above the trigger
+            bwd[lo] += model.size[s]
+    return np.cumsum(fwd)[:n], np.cumsum(bwd)[:n]

@@ -1,0 +1,109 @@
+"""The plan for a budget when activations may also go to host memory: keep, re-run or offload.
+
+The checkpointing strategies plan for the device budget and for a few budgets between it and the
+un-checkpointed peak (``RUNGS``); each plan above the budget is brought under it by offloading kept
+activations (``planner.solve.offload.choose_offloads``), and the plan whose re-runs and exposed copies cost
+the least wins. All of it shares the solve stage's ``Deadline``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+
+from planner.errors import InfeasibleBudget, OptionError, OutOfTime
+from planner.memory.offload import MIN_OFFLOAD_BYTES, HostLink
+from planner.options import PlanOptions
+from planner.planning.prepared import Prepared
+from planner.profiling.record import Profile
+from planner.solve.deadline import Deadline
+from planner.solve.offload import OffloadLimits, choose_offloads
+from planner.solve.result import Solution, SolverStatus
+
+RUNGS = 6
+"""Budgets above the device's that are planned and then offloaded down to it: evenly spaced up to the
+un-checkpointed peak, the last of them (no checkpointing at all) included; when checkpointing alone cannot fit,
+the smallest peak it reaches comes first."""
+FIRST_SHARE = 0.4
+"""Share of the time limit the plan at the device budget itself gets; the rungs share the rest."""
+
+SolveAt = Callable[[int, Deadline], tuple[Prepared, Solution]]
+"""Plans a budget in bytes before a deadline (``plan_for``'s strategy, FSDP's unit split included)."""
+
+
+def host_link(profile: Profile) -> HostLink | None:
+    """The host link offloaded activations cross, from the profile: its measured copies (the device spec's for an
+    estimate). Copies overlap compute everywhere but on a CPU, where the host store is the same memory and every
+    copy is synchronous. None when the profile does not know the link."""
+    if profile.d2h_gb_per_s is None or profile.h2d_gb_per_s is None:
+        return None
+    source = (f"device spec {profile.estimated_for}" if profile.estimated_for
+              else f"measured on {profile.device} when profiled")
+    return HostLink.from_gb_per_s(profile.d2h_gb_per_s, profile.h2d_gb_per_s,
+                                  overlaps=not profile.device.startswith("cpu"), source=source)
+
+
+def offload_limits(prepared: Prepared, options: PlanOptions, *, follows: bool = False) -> OffloadLimits | None:
+    """What bounds the plan's offloads, or None when it offloads nothing (``PlanOptions.offload``).
+
+    Raises:
+        OptionError: ``offload=True`` where the profile does not know the host link, or with ``follow_batch``.
+    """
+    if options.offload is False or (options.offload is None and follows):
+        return None
+    link = host_link(prepared.profile)
+    if options.offload is None:
+        if link is None or not link.overlaps:
+            return None
+    elif follows:
+        raise OptionError("offload= plans one shape's copies: pass follow_batch=False with it")
+    elif link is None:
+        raise OptionError("offload needs the host link's copy rates, which this profile lacks (a profile saved "
+                          "without them, or a device spec without device_to_host_gb_per_s): profile again, or add "
+                          "them to the spec (docs/profiles.md)")
+    host = options.host_budget
+    return OffloadLimits(link=link, host_budget_bytes=host if isinstance(host, int) else None,
+                         min_bytes=MIN_OFFLOAD_BYTES)
+
+
+def solve_offloaded(prepared: Prepared, budget_bytes: int, limits: OffloadLimits, deadline: Deadline,
+                    solve_at: SolveAt) -> tuple[Prepared, Solution]:
+    """The cheapest of: the plan for ``budget_bytes`` itself, and the plans for each rung above it offloaded
+    down to it. A plan with offloads is ``FEASIBLE`` (its re-runs are optimal for the rung's budget only).
+
+    Raises:
+        InfeasibleBudget / OutOfTime: as the plain solve, when no plan fits even with offloads.
+    """
+    best: tuple[int, Prepared, Solution] | None = None
+    failure: InfeasibleBudget | OutOfTime | None = None
+    try:
+        plain, solution = solve_at(budget_bytes, deadline.within(deadline.left_s() * FIRST_SHARE))
+        best = (solution.recompute_us, plain, solution)
+    except (InfeasibleBudget, OutOfTime) as exc:
+        failure = exc
+    top = prepared.baseline.peak_bytes
+    rungs = [budget_bytes + (top - budget_bytes) * rung // RUNGS for rung in range(1, RUNGS + 1)]
+    floor = getattr(failure, "min_peak_bytes", None)
+    if floor is not None and budget_bytes < floor < rungs[0]:  # the smallest peak checkpointing reaches, offloaded
+        rungs.insert(0, floor)
+    for i, higher in enumerate(rungs):
+        left = deadline.left_s()
+        if deadline.passed or (best is not None and best[2].interrupted):
+            break
+        if higher <= budget_bytes:
+            break
+        try:
+            rung_prepared, solution = solve_at(higher, deadline.within(left / (len(rungs) - i)))
+        except (InfeasibleBudget, OutOfTime):
+            continue
+        offloads = choose_offloads(rung_prepared.memory, solution.plan, solution.saves, budget_bytes, limits)
+        if offloads is None or not offloads.n:
+            continue
+        cost = solution.recompute_us + offloads.exposed_us
+        if best is None or cost < best[0]:
+            best = (cost, rung_prepared, replace(solution, offloads=offloads, status=SolverStatus.FEASIBLE,
+                                                 bound_us=None))
+    if best is None:
+        assert failure is not None
+        raise failure
+    return best[1], best[2]

@@ -1,0 +1,327 @@
+"""Runs a plan's offloads: kept activations copied to host memory in forward and back before backward needs them.
+
+A planned module with offloads carries an ``Offloader`` on its root: while a training forward runs, a dispatch
+mode counts the ops that write fresh memory by name, as the profile recorded them (``NodeCost.kernels``), and
+marks the storages of the ops the plan offloads (``OffloadTarget``: an op's name and occurrence); a
+``saved_tensors_hooks`` pair sees every tensor autograd keeps outside the plan's segments, and every segment
+input ``torch.utils.checkpoint`` keeps, so that the first time a marked storage is packed its bytes are copied
+to host memory and the device storage is let go (the forward frees it after its last use). In backward the
+first unpack of a reload group brings its storages back and issues the next group's reloads, one group ahead;
+each saved view is rebuilt over the reloaded bytes.
+
+On a GPU copies run on a side stream into pinned host memory (torch's caching host allocator pools it), ordered
+by events; a storage leaves the device once its copy is done. On a CPU the host store is the same memory: copies
+are synchronous and made outside every dispatch mode, so that ``planner.profiling.memtrack.LiveStorages`` counts
+device-resident bytes only (the host copies are the tagged store it leaves out), and the plan's predicted peak
+can be checked exactly on a machine without a GPU.
+"""
+
+from __future__ import annotations
+
+import warnings
+import weakref
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from planner.capture.ops import kernel_name, writes_new_memory
+from planner.compat.torch_private import TorchDispatchMode, disable_current_modes, storage_id, tree_leaves
+from planner.profiling.memtrack import dtensor_class
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class OffloadTarget:
+    """One offloaded storage, as the executor finds it: the op that makes it and its size."""
+
+    kernel: str
+    """Name of the op (``planner.capture.ops.kernel_name``)."""
+    occurrence: int
+    """Its occurrence among the forward's ops of that name, from 0."""
+    nbytes: int
+    """Bytes of the storage (an output of the op of another size is not it)."""
+    group: int
+    """Reload group: 0 is brought back first in backward."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class OffloadSpec:
+    """What a plan offloads and what the model predicts of it."""
+
+    targets: tuple[OffloadTarget, ...]
+    offloaded_bytes: int
+    """Bytes copied to host memory each step (pinned host memory the plan holds)."""
+    exposed_ms: float
+    """Time the copies add to the step (reloads waited for; every copy on a CPU), ms."""
+    d2h_busy_ms: float
+    """Time the device-to-host link is busy in forward, ms."""
+    forward_ms: float
+    """The forward's compute time the copies run beside, ms."""
+    h2d_busy_ms: float
+    """Time the host-to-device link is busy in backward, ms."""
+    backward_ms: float
+    """The backward's compute time (re-runs included) the reloads run beside, ms."""
+    link: str = ""
+    """Where the link's rates come from."""
+
+    @property
+    def groups(self) -> int:
+        return 1 + max((t.group for t in self.targets), default=-1)
+
+
+class _Saved:
+    """What autograd holds for a packed view of an offloaded storage: the shared handle and the view's layout."""
+
+    __slots__ = ("dtype", "handle", "offset", "size", "stride")
+
+    def __init__(self, handle: _Handle, tensor: torch.Tensor) -> None:
+        self.handle = handle
+        self.dtype, self.size, self.stride, self.offset = (tensor.dtype, tensor.size(), tensor.stride(),
+                                                           tensor.storage_offset())
+
+
+class _Handle:
+    """One offloaded storage: its bytes on the host, and on the device until the copy out is done or once its
+    reload is issued."""
+
+    def __init__(self, step: _Step, storage: torch.UntypedStorage, group: int) -> None:
+        self.step, self.group = step, group
+        self.device = storage.device
+        self.on_device: torch.Tensor | None = _bytes_of(storage)
+        self.host: torch.Tensor | None = None
+        self.copied: Any = None
+        self.ready: Any = None
+
+    def copy_out(self) -> None:
+        source = self.on_device
+        assert source is not None
+        cuda = self.device.type == "cuda"
+        with disable_current_modes():  # the host copy is not device memory: trackers must not count it
+            self.host = torch.empty(source.numel(), dtype=torch.uint8, pin_memory=cuda)
+            if not cuda:
+                self.host.copy_(source)
+                self.on_device = None
+                return
+            produced = torch.cuda.current_stream(self.device).record_event()
+            side = self.step.offloader.side_stream(self.device)
+            side.wait_event(produced)
+            with torch.cuda.stream(side):
+                self.host.copy_(source, non_blocking=True)
+                self.copied = side.record_event()
+        self.step.copying.append(self)
+
+    def poll(self) -> bool:
+        """Lets the device storage go once its copy to the host is done; True when it is."""
+        if self.copied is not None and self.copied.query():
+            self.on_device, self.copied = None, None
+        return self.copied is None
+
+    def reload(self) -> None:
+        """Brings the bytes back to the device (issued: on a GPU, on the side stream)."""
+        if self.on_device is not None:  # never left
+            return
+        assert self.host is not None
+        buffer = torch.empty(self.host.numel(), dtype=torch.uint8, device=self.device)
+        if self.device.type != "cuda":
+            buffer.copy_(self.host)
+        else:
+            side = self.step.offloader.side_stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):
+                buffer.copy_(self.host, non_blocking=True)
+                self.ready = side.record_event()
+            buffer.record_stream(side)
+        self.on_device = buffer
+
+    def view(self, saved: _Saved) -> torch.Tensor:
+        self.step.unpacked(self.group)
+        if self.on_device is None:
+            self.reload()
+        if self.ready is not None:
+            torch.cuda.current_stream(self.device).wait_event(self.ready)
+            self.ready = None
+        assert self.on_device is not None
+        out = torch.empty(0, dtype=saved.dtype, device=self.device)
+        return out.set_(self.on_device.untyped_storage(), saved.offset, saved.size, saved.stride)
+
+
+def _bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:
+    """The storage's bytes as a flat uint8 tensor (holds the storage)."""
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+
+
+class _Step:
+    """The offloads of one training forward and its backward."""
+
+    def __init__(self, offloader: Offloader) -> None:
+        self.offloader = offloader
+        self.groups: dict[int, list[weakref.ref[_Handle]]] = {}
+        self.copying: list[_Handle] = []
+        self.reached: set[int] = set()
+        self.host_bytes = 0
+
+    def add(self, handle: _Handle) -> None:
+        self.groups.setdefault(handle.group, []).append(weakref.ref(handle))
+        handle.copy_out()
+        self.host_bytes += handle.host.numel() if handle.host is not None else 0
+        self.offloader.host_peak_bytes = max(self.offloader.host_peak_bytes, self.host_bytes)
+
+    def poll(self) -> None:
+        if self.copying:
+            self.copying = [h for h in self.copying if not h.poll()]
+
+    def unpacked(self, group: int) -> None:
+        """The first unpack of ``group``: its reloads, and the next group's, are issued."""
+        if group in self.reached:
+            return
+        self.reached.add(group)
+        self.poll()
+        for g in (group, group + 1):
+            for ref in self.groups.get(g, ()):
+                handle = ref()
+                if handle is not None:
+                    if handle.copied is not None:  # still copying out: wait for it, then let the device copy go
+                        handle.copied.synchronize()
+                        handle.poll()
+                    handle.reload()
+
+
+class _Marking(TorchDispatchMode):
+    """Counts the forward's fresh-memory ops by name and marks the storages of the targeted ones."""
+
+    def __init__(self, offloader: Offloader) -> None:
+        super().__init__()
+        self.offloader = offloader
+        self.seen: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        distributed = dtensor_class()
+        if distributed is not None and any(issubclass(t, distributed) for t in types):
+            return NotImplemented  # counted as the local ops DTensor runs, as the profile counted them
+        out = func(*args, **(kwargs or {}))
+        if writes_new_memory(func):
+            name = kernel_name(func)
+            if name in self.offloader.names:
+                occurrence = self.seen[name]
+                self.seen[name] += 1
+                target = self.offloader.wanted.get((name, occurrence))
+                if target is not None:
+                    self.offloader.mark(out, target)
+        return out
+
+
+class Offloader:
+    """The forward hooks of a planned module's root that run its offloads (``OffloadSpec``)."""
+
+    def __init__(self, spec: OffloadSpec) -> None:
+        self.spec = spec
+        self.wanted = {(t.kernel, t.occurrence): t for t in spec.targets}
+        self.names = {t.kernel for t in spec.targets}
+        self.host_peak_bytes = 0
+        """Most bytes the host store held at once (the last steps')."""
+        self.missed = 0
+        """Targets not found by the last forward (the model ran other ops than the plan's)."""
+        self._streams: dict[torch.device, Any] = {}
+        self._active: list[tuple[Any, ...]] = []
+        self._step: _Step | None = None
+        self._marked: dict[int, tuple[weakref.ref, OffloadTarget]] = {}
+        self._handles: dict[int, tuple[weakref.ref, weakref.ref[_Handle]]] = {}
+        self._warned = False
+
+    def side_stream(self, device: torch.device) -> Any:
+        if device not in self._streams:
+            self._streams[device] = torch.cuda.Stream(device)
+        return self._streams[device]
+
+    def begin(self, module: nn.Module, args: Any, kwargs: Any = None) -> None:
+        if not (module.training and torch.is_grad_enabled()) or self._active:
+            return
+        self._step, self._marked, self._handles = _Step(self), {}, {}
+        marking = _Marking(self)
+        hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        marking.__enter__()
+        hooks.__enter__()
+        self._active.append((marking, hooks))
+
+    def end(self, module: nn.Module, args: Any, *rest: Any) -> None:
+        if not self._active:
+            return
+        marking, hooks = self._active.pop()
+        hooks.__exit__(None, None, None)
+        marking.__exit__(None, None, None)
+        found = sum(1 for (name, k) in self.wanted if marking.seen[name] > k)
+        self.missed = len(self.wanted) - found
+        if self.missed and not self._warned:
+            self._warned = True
+            warnings.warn(f"ckplan: {self.missed} of the plan's {len(self.wanted)} offloaded activations were not "
+                          "found in this forward (it ran other ops than the profiled step): they stay on the device "
+                          "and the step may exceed the predicted peak; plan again for this model and input",
+                          stacklevel=2)
+        self._marked = {}
+        if self._step is not None:
+            self._step.poll()
+
+    def mark(self, out: Any, target: OffloadTarget) -> None:
+        if self._step is not None:
+            self._step.poll()
+        for leaf in tree_leaves(out):
+            if isinstance(leaf, torch.Tensor) and leaf.device.type != "meta":
+                storage = leaf.untyped_storage()
+                if storage.nbytes() == target.nbytes:
+                    self._marked[storage_id(storage)] = (weakref.ref(storage), target)
+
+    def _pack(self, tensor: torch.Tensor) -> Any:
+        if self._step is None or tensor.device.type == "meta" or type(tensor) is not torch.Tensor:
+            return tensor
+        storage = tensor.untyped_storage()
+        key = storage_id(storage)
+        known = self._handles.get(key)
+        if known is not None and known[0]() is storage and (handle := known[1]()) is not None:
+            return _Saved(handle, tensor)
+        marked = self._marked.get(key)
+        if marked is None or marked[0]() is not storage:
+            return tensor
+        del self._marked[key]
+        handle = _Handle(self._step, storage, marked[1].group)
+        self._step.add(handle)
+        self._handles[key] = (weakref.ref(storage), weakref.ref(handle))
+        return _Saved(handle, tensor)
+
+    @staticmethod
+    def _unpack(saved: Any) -> torch.Tensor:
+        return saved.handle.view(saved) if isinstance(saved, _Saved) else saved
+
+
+def install_offloads(module: nn.Module, spec: OffloadSpec | None) -> Offloader | None:
+    """Puts the offloads of ``spec`` on the planned ``module``'s root (nothing when None or empty)."""
+    if spec is None or not spec.targets:
+        return None
+    offloader = Offloader(spec)
+    module.register_forward_pre_hook(offloader.begin, with_kwargs=True)
+    module.register_forward_hook(offloader.end, always_call=True)
+    module._ckplan_offloader = offloader  # type: ignore[assignment]
+    return offloader
+
+
+def offloader_of(module: nn.Module) -> Offloader | None:
+    """The offloads a planned module runs, if any."""
+    return getattr(module, "_ckplan_offloader", None)
+
+
+def targets_of(kernels: Sequence[Sequence[str]], producers: Sequence[int], sizes: Sequence[int],
+               groups: Sequence[int]) -> tuple[OffloadTarget, ...]:
+    """The targets of offloaded storages made by single-op nodes ``producers`` (per node, ``kernels``: its
+    fresh-memory ops in order), each named by its op's occurrence among the forward's ops of that name."""
+    first: dict[int, tuple[str, int]] = {}
+    seen: Counter[str] = Counter()
+    wanted = set(producers)
+    for i, names in enumerate(kernels):
+        for name in names:
+            if i in wanted and i not in first:
+                first[i] = (name, seen[name])
+            seen[name] += 1
+    return tuple(OffloadTarget(kernel=first[p][0], occurrence=first[p][1], nbytes=int(n), group=int(g))
+                 for p, n, g in zip(producers, sizes, groups))

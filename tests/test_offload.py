@@ -1,0 +1,173 @@
+"""Offloading kept activations to host memory: the schedule by hand, the choice under a budget, and plans run by
+both executors with exact gradients and the predicted device peak measured exactly (the host copies are the
+tagged store ``LiveStorages`` leaves out on a CPU)."""
+
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+import planner
+from planner import OptionError, load_plan
+from planner.capture.inputs import as_inputs
+from planner.memory.offload import HostLink, holding, marking_us, relief, schedule
+from planner.memory.simulate import simulate
+from planner.memory.synthetic import GraphBuilder, memory_model
+from planner.options import PlanOptions
+from planner.pipeline import plan_from_solution
+from planner.planning.chunkings import solve_prepared
+from planner.planning.offloading import offload_limits
+from planner.profiling.measure import measure_peak
+from planner.rewrite.offload import offloader_of
+from planner.solve.deadline import Deadline
+from planner.solve.offload import OffloadLimits, choose_offloads
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+import gpt
+
+MB = 10_000_000
+FAST = HostLink.from_gb_per_s(10, 10, overlaps=True)
+"""10 GB/s: 10 MB copies in 1 ms, as long as one synthetic op runs."""
+
+
+def _chain():
+    """a -> b -> c -> d, each 10 MB, each saved by the next op; 1 ms per op forward, 2 ms backward."""
+    g = GraphBuilder()
+    a = g.op("a", [0], [MB], kernels=("aten.a",))[0]
+    b = g.op("b", [a], [MB], saves=[a], kernels=("aten.b",))[0]
+    c = g.op("c", [b], [MB], saves=[b], kernels=("aten.c",))[0]
+    d = g.op("d", [c], [MB], saves=[c], kernels=("aten.d",))[0]
+    return memory_model(g.build([d])), a
+
+
+def test_one_offloaded_storage_leaves_when_its_copy_is_done_and_comes_back_when_unpacked():
+    model, a = _chain()
+    held = holding(model, ())
+    assert (held.pack[a], held.need[a], held.release[a]) == (1, 1, 1)  # packed, unpacked and freed by b
+    off = schedule(model, (), frozenset(), [a], FAST)
+    # the copy starts when b has packed it (end of b: 2 ms), takes 1 ms, so a is gone from node 3 (c ends at 3 ms)
+    assert off.gone == (3,)
+    # its reload is issued on demand when b's backward unpacks it: 1 ms the backward waits for
+    assert off.trigger == (1,)
+    assert off.exposed_us == 1000 + marking_us(model)
+    fwd, bwd = relief(model, off)
+    assert list(fwd) == [0, 0, 0, MB, MB]
+    assert list(bwd) == [0, 0, MB, MB, MB]
+    base, with_offload = simulate(model, ()), simulate(model, (), frozenset(), off)
+    assert list(with_offload.fwd_bytes) == list(base.fwd_bytes - fwd)
+    assert with_offload.peak_bytes <= base.peak_bytes
+
+
+def test_on_a_link_that_does_not_overlap_compute_every_copy_costs_its_time():
+    model, a = _chain()
+    cpu = HostLink.from_gb_per_s(10, 10, overlaps=False)
+    off = schedule(model, (), frozenset(), [a], cpu)
+    assert off.gone == (2,)  # synchronous: off the device right after its last use
+    assert off.exposed_us == 2000 + marking_us(model)
+
+
+def test_a_copy_the_forward_cannot_finish_is_not_made():
+    model, a = _chain()
+    slow = HostLink.from_gb_per_s(1, 1, overlaps=True)  # 10 ms for 10 MB: the forward is over in 4
+    assert schedule(model, (), frozenset(), [a], slow) is None
+
+
+def test_offloads_bring_a_plan_under_a_budget_it_is_over():
+    model, _ = _chain()
+    base = simulate(model, ())
+    limits = OffloadLimits(link=FAST, min_bytes=MB)
+    budget = base.peak_bytes - MB // 2
+    off = choose_offloads(model, (), frozenset(), budget, limits)
+    assert off is not None and off.n >= 1
+    assert simulate(model, (), frozenset(), off).peak_bytes <= budget
+    assert choose_offloads(model, (), frozenset(), base.peak_bytes, limits).n == 0  # fits: nothing moves
+    assert choose_offloads(model, (), frozenset(), budget, replace(limits, host_budget_bytes=MB // 2)) is None
+
+
+def _gpt():
+    torch.manual_seed(0)
+    config = gpt.Config(width=256, layers=4, context=256, dropout=0.0)
+    return gpt.GPT(config), torch.randint(0, config.vocab, (8, config.context))
+
+
+def _grads(model, module, batch):
+    model.zero_grad(set_to_none=True)
+    out = module(**batch) if isinstance(batch, dict) else module(batch)
+    (out.loss if hasattr(out, "loss") else out.sum()).backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def _offloaded_plan(prepared, plan_fraction, fraction):
+    """The plan for ``plan_fraction`` of the un-checkpointed peak, offloaded down to ``fraction`` of it."""
+    options = PlanOptions(offload=True, time_limit_s=4, follow_batch=False)
+    base = prepared.baseline.peak_bytes
+    solved, solution = solve_prepared(prepared, int(base * plan_fraction), options, Deadline.after(4))
+    offloads = choose_offloads(solved.memory, solution.plan, solution.saves, int(base * fraction),
+                               offload_limits(prepared, options))
+    assert offloads is not None and offloads.n
+    return plan_from_solution(solved, replace(solution, offloads=offloads), int(base * fraction))
+
+
+def _check(plan, model, batch):
+    """Exact gradients, and the device peak measured is the predicted one; the host store holds the planned bytes."""
+    inputs = as_inputs(plan.module, batch if isinstance(batch, dict) else (batch,))
+    measured = measure_peak(plan.module, inputs)
+    offloader = offloader_of(plan.module)
+    assert offloader.missed == 0
+    assert measured == plan.predicted_peak_bytes <= plan.budget_bytes
+    assert offloader.host_peak_bytes == plan.offload.offloaded_bytes
+    expected = _grads(model, model, batch)
+    for got, want in zip(_grads(model, plan.module, batch), expected):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("plan_fraction, fraction", [(1.0, 0.8), (0.5, 0.42)])
+def test_a_rewritten_graph_offloads_exactly_as_predicted(plan_fraction, fraction):
+    model, x = _gpt()
+    prepared = planner.prepare(model, inputs=(x,))
+    plan = _offloaded_plan(prepared, plan_fraction, fraction)
+    assert plan.offload is not None and "offloads" in plan.summary()
+    _check(plan, model, x)
+
+
+@pytest.mark.slow
+def test_a_hugging_face_model_offloads_exactly_as_predicted_through_its_own_modules():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.Qwen2Config(vocab_size=512, hidden_size=256, intermediate_size=704, num_hidden_layers=3,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
+    model = transformers.Qwen2ForCausalLM(config).train()
+    ids = torch.randint(1, 512, (4, 512))
+    batch = {"input_ids": ids, "labels": ids}
+    prepared = planner.prepare(model, inputs=batch, follow_batch=False)
+    assert prepared.executor.kind.value == "hooks"
+    plan = _offloaded_plan(prepared, 1.0, 0.8)
+    _check(plan, model, batch)
+
+
+def test_a_saved_plan_with_offloads_applies_and_runs_them(tmp_path):
+    model, x = _gpt()
+    plan = _offloaded_plan(planner.prepare(model, inputs=(x,)), 1.0, 0.8)
+    plan.save(tmp_path / "plan.json")
+    loaded = load_plan(tmp_path / "plan.json")
+    assert loaded.offload == plan.offload
+    module = loaded.apply(model, inputs=(x,))
+    assert offloader_of(module) is not None
+    measured = measure_peak(module, as_inputs(module, (x,)))
+    assert measured == plan.predicted_peak_bytes
+
+
+def test_offload_is_off_on_a_cpu_unless_asked_and_its_options_are_checked():
+    model, x = _gpt()
+    prepared = planner.prepare(model, inputs=(x,))
+    assert offload_limits(prepared, PlanOptions()) is None  # a CPU's copies stall the step: not by default
+    assert offload_limits(prepared, PlanOptions(offload="auto")).link.overlaps is False
+    assert PlanOptions(host_budget="2GB").host_budget == 2_000_000_000
+    with pytest.raises(OptionError, match="offload must be"):
+        PlanOptions(offload="yes")
+    with pytest.raises(OptionError, match="host_budget"):
+        PlanOptions(host_budget="lots")
+    with pytest.raises(OptionError, match="follow_batch=False"):
+        offload_limits(prepared, PlanOptions(offload=True), follows=True)
