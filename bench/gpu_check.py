@@ -112,7 +112,7 @@ def compiled_rows(name: str, device: torch.device, runs: int) -> list[str]:
     return rows
 
 
-def llama(layers: int, hidden: int, device: torch.device):
+def llama(layers: int, hidden: int, device: torch.device, tokens: int = 2048):
     """A Llama-shaped decoder from a config (random weights, bf16), ``layers`` deep: ~1.1B parameters at 16 x 2048."""
     import transformers
 
@@ -122,7 +122,7 @@ def llama(layers: int, hidden: int, device: torch.device):
                                       attn_implementation="sdpa")
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config).to(device=device, dtype=torch.bfloat16)
-    ids = torch.randint(0, 32000, (1, 2048), device=device)
+    ids = torch.randint(0, 32000, (1, tokens), device=device)
     return model, {"input_ids": ids, "labels": ids}
 
 
@@ -182,10 +182,99 @@ def llama_rows(device: torch.device, runs: int, layers: int, hidden: int) -> lis
     return rows
 
 
+def offload_rows(device: torch.device, runs: int, layers: int, hidden: int, tokens: int, out: Path) -> list[str]:
+    """Offload on the device: the host link measured when profiling, and at full activation checkpointing's measured
+    peak, ckplan with and without offload, a plan made to offload (a plan for a higher budget offloaded down to
+    that peak), and layer-input offload as Unsloth and transformers' ``offload`` flag do it (every layer checkpointed,
+    its kept inputs copied to pinned host memory by torch's ``save_on_cpu``), each at its own measured peak: device
+    peak allocated and reserved against the prediction, step time against the prediction, gradients against
+    the plain model's."""
+    from dataclasses import replace
+
+    from planner.capture.inputs import as_inputs
+    from planner.options import PlanOptions
+    from planner.pipeline import plan_for, plan_from_solution, prepare
+    from planner.planning.chunkings import solve_prepared
+    from planner.planning.offloading import offload_limits
+    from planner.profiling.measure import measure_peak, step_times_ms
+    from planner.profiling.record import save_profile
+    from planner.solve.deadline import Deadline
+    from planner.solve.offload import choose_offloads
+
+    model, batch = llama(layers, hidden, device, tokens=tokens)
+    example = as_inputs(model, batch)
+    prepared = prepare(model, inputs=batch, keep_output=False, follow_batch=False)
+    prof = prepared.profile
+    save_profile(prof, out / f"llama-offload-{torch.cuda.get_device_name(device).split()[-1].lower()}.json"
+                 if device.type == "cuda" else out / "llama-offload-cpu.json")
+    rows = [f"| host link | measured when profiled: {prof.d2h_gb_per_s:.1f} GB/s to pinned host memory, "
+            f"{prof.h2d_gb_per_s:.1f} GB/s back | | | | |"]
+
+    def measured(module) -> tuple[int, int]:
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        allocated = measure_peak(module, example, keep_output=False)
+        reserved = torch.cuda.max_memory_reserved(device) if device.type == "cuda" else allocated
+        return allocated, reserved
+
+    def grads(module) -> list[torch.Tensor]:
+        model.zero_grad(set_to_none=True)
+        module(**batch).loss.backward()
+        return [p.grad.detach().clone() for p in model.parameters()]
+
+    reference = grads(model)
+    full = plan_for(prepared, prepared.baseline.peak_bytes - 1, solver="every_block")
+    peak = measured(full.module)[0]
+    plans = {"full AC (every layer)": full,
+             "ckplan at full AC's measured peak, no offload": plan_for(prepared, peak, offload=False, time_limit_s=20),
+             "ckplan at full AC's measured peak, offload auto": plan_for(prepared, peak, offload="auto",
+                                                                         time_limit_s=20)}
+    options = PlanOptions(offload=True, follow_batch=False, keep_output=False, time_limit_s=20)
+    higher = peak + (prepared.baseline.peak_bytes - peak) // 8
+    solved, solution = solve_prepared(prepared, higher, replace(options, selective=False), Deadline.after(20))
+    offloads = choose_offloads(solved.memory, solution.plan, solution.saves, peak, offload_limits(prepared, options))
+    if offloads is not None and offloads.n:
+        plans["a plan made to offload: 1/8 of the way up, offloaded down to full AC's peak"] = plan_from_solution(
+            solved, replace(solution, offloads=offloads), peak)
+
+    class SaveOnCpu(torch.nn.Module):  # layer-input offload: full AC with what it keeps copied to pinned memory
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, **kwargs):
+            with torch.autograd.graph.save_on_cpu(pin_memory=True):
+                return self.inner(**kwargs)
+
+    modules = {name: plan.module for name, plan in plans.items()}
+    modules["layer-input offload (full AC under save_on_cpu, as Unsloth / HF offload)"] = SaveOnCpu(full.module)
+    times = step_times_ms([model, *modules.values()], example, runs=runs)
+    for (name, module), ms in zip(modules.items(), times[1:]):
+        allocated, reserved = measured(module)
+        worst = max(float((a.float() - b.float()).abs().max()) for a, b in zip(grads(module), reference))
+        plan = plans.get(name)
+        if plan is None:
+            rows.append(f"| {name} | | {mib(allocated)} allocated, {mib(reserved)} reserved | | "
+                        f"{ms:.1f} ms ({100 * (ms / times[0] - 1):+.1f}%) | max grad diff {worst:.2e} |")
+            continue
+        off = plan.offload
+        what = (f"{off.storages} storages, {mib(off.offloaded_bytes)} MiB; link busy "
+                f"{100 * off.d2h_busy_ms / off.forward_ms:.0f}% out, {100 * off.h2d_busy_ms / off.backward_ms:.0f}% "
+                f"back; exposed {off.exposed_ms:.1f} ms" if off else "none")
+        predicted_ms = prof.step_ms * (1 + plan.predicted_overhead)
+        rows.append(f"| {name} | {what} | {mib(plan.predicted_peak_bytes)} / {mib(allocated)} allocated, "
+                    f"{mib(reserved)} reserved ({100 * (plan.predicted_peak_bytes / allocated - 1):+.2f}%) | "
+                    f"{predicted_ms:.1f} ms | {ms:.1f} ms ({100 * (ms / times[0] - 1):+.1f}%) | "
+                    f"max grad diff {worst:.2e} |")
+    rows.insert(1, f"| no checkpointing | | {mib(prepared.baseline.peak_bytes)} predicted | {prof.step_ms:.1f} ms | "
+                   f"{times[0]:.1f} ms | |")
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--examples", nargs="+", default=[*EXAMPLES, "gpt_large"])
+    parser.add_argument("--examples", nargs="*", default=[*EXAMPLES, "gpt_large"])
     parser.add_argument("--budgets", nargs="+", type=int, default=[70, 50, 30])
     parser.add_argument("--runs", type=int, default=20)
     parser.add_argument("--spec", default="h200", help="bundled device spec for the roofline row ('' to skip)")
@@ -193,6 +282,8 @@ def main() -> None:
     parser.add_argument("--llama", nargs=2, type=int, default=[16, 2048], metavar=("LAYERS", "HIDDEN"),
                         help="the Llama-shaped decoder's depth and width (default 16 x 2048: 1.1B parameters); "
                              "0 0 to skip")
+    parser.add_argument("--offload", nargs=3, type=int, default=[8, 2048, 8192], metavar=("LAYERS", "HIDDEN", "TOKENS"),
+                        help="the decoder the offload rows plan (default 8 x 2048, 1 x 8192 tokens); 0 0 0 to skip")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     device = torch.device(args.device)
@@ -223,6 +314,14 @@ def main() -> None:
                   "|---|---|---|---|---|---|---|"]
         lines += llama_rows(device, args.runs, *args.llama)
         print("\n".join(lines[-4:]), flush=True)
+    if args.offload[0]:
+        lines += ["", f"Offload, a Llama-shaped decoder {args.offload[0]} x {args.offload[1]}, bf16, 1 x {args.offload[2]} "
+                  "tokens, the logits dropped before backward: peak MiB predicted / measured at the allocator; step "
+                  "time predicted, and measured (median, interleaved) against the un-checkpointed step.", "",
+                  "| plan | offloaded | peak pred / meas | step pred | step meas | gradients |",
+                  "|---|---|---|---|---|---|"]
+        lines += offload_rows(device, args.runs, *args.offload, out)
+        print("\n".join(lines[-8:]), flush=True)
     (out / "gpu_check.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

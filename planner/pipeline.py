@@ -187,14 +187,15 @@ def plan_for(prepared: Prepared, budget: int | str, *, options: PlanOptions | No
     following = follows(prepared, opts)
     limits = offload_limits(prepared, opts, follows=following)
 
-    def solve_at(budget_bytes: int, deadline: Deadline) -> tuple[Prepared, Solution]:
-        solved, solution = solve_prepared(prepared, budget_bytes, opts, deadline)
+    def solve_at(budget_bytes: int, deadline: Deadline, selective: bool = True) -> tuple[Prepared, Solution]:
+        options = opts if selective else replace(opts, selective=False)
+        solved, solution = solve_prepared(prepared, budget_bytes, options, deadline)
         memory, baseline = solved.memory, solved.baseline
         if solved.distributed is not None and not solution.interrupted:  # FSDP: one unit per segment
             solution = split_at_units(
                 memory, solution, budget_bytes, solved.distributed, solved.profile, deadline=deadline,
                 resolve=lambda b: solve_budget(opts.solver, memory, b, baseline.peak_bytes, deadline,
-                                               save_options_for(solved, opts)))
+                                               save_options_for(solved, options)))
         return solved, solution
 
     try:
@@ -313,7 +314,7 @@ def offload_spec(prepared: Prepared, offloads: Offloads) -> OffloadSpec | None:
     return OffloadSpec(
         targets=targets_of([nd.kernels for nd in nodes], [int(memory.producer[s]) for s in offloads.storages],
                            [int(memory.size[s]) for s in offloads.storages], offloads.group),
-        offloaded_bytes=offloaded_bytes(memory, offloads), exposed_ms=offloads.exposed_us / 1000,
+        storages=offloads.n, offloaded_bytes=offloaded_bytes(memory, offloads), exposed_ms=offloads.exposed_us / 1000,
         d2h_busy_ms=offloads.d2h_busy_us / 1000, forward_ms=offloads.fwd_us / 1000,
         h2d_busy_ms=offloads.h2d_busy_us / 1000, backward_ms=offloads.bwd_us / 1000,
         link=link.source if link is not None else "")

@@ -256,7 +256,7 @@ def offload_text(offload: OffloadSpec) -> str:
     """One line on a plan's offloads: how much, how busy the host link is, what the copies cost."""
     def busy(part: float, whole: float) -> str:
         return f"{100 * part / whole:.0f}%" if whole > 0 else "-"
-    return (f"offloads {len(offload.targets)} activation(s), {format_bytes(offload.offloaded_bytes)}, to host memory: "
+    return (f"offloads {offload.storages} activation(s), {format_bytes(offload.offloaded_bytes)}, to host memory: "
             f"host link busy {busy(offload.d2h_busy_ms, offload.forward_ms)} of the forward out, "
             f"{busy(offload.h2d_busy_ms, offload.backward_ms)} of the backward back; copies add "
             f"{offload.exposed_ms:.2f} ms")

@@ -63,7 +63,7 @@ def build_model(profile: Profile, regions: Regions, *, offset: MemoryOffset | No
         # times
         node_cost_us=node_us, chunk_cost_us=_chunk_us(regions, node_us),
         bwd_cost_us=np.array([round(nd.bwd_ms * 1000) for nd in nodes], dtype=np.int64),
-        markable=np.array([len(nd.kernels) == 1 for nd in nodes], dtype=bool),
+        markable=np.array([len(nd.kernels) > 0 for nd in nodes], dtype=bool),
         skip_us=_skip_us(profile, regions, recompute_at, node_us),
         sac_chunk_us=_sac_chunk_us(profile, regions, sac_op_us, sac_host_us),
         segment_cost_us=round(profile.checkpoint_overhead_ms * 1000), step_us=max(1, round(profile.step_ms * 1000)),

@@ -113,8 +113,8 @@ class MemoryModel:
     """Backward time of each node, microseconds (what reloads from the host run beside; empty: twice the
     forward's)."""
     markable: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))
-    """Per node: its forward dispatches one op that writes fresh memory, which the offload executor finds by its
-    name and occurrence (``planner.memory.offload``); empty: every node."""
+    """Per node: its forward dispatches ops that write fresh memory, which the offload executor finds by their
+    names and occurrences (``planner.memory.offload``); empty: every node."""
     stop_rise: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     """Per node: bytes its forward allocates up to its last saved tensor (``NodeCost.stop_peak_bytes``;
     ``fwd_rise`` when unknown). A re-run ending at the node stops there."""

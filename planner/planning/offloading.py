@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from planner.errors import InfeasibleBudget, OptionError, OutOfTime
+from planner.memory.model import MemoryModel
 from planner.memory.offload import MIN_OFFLOAD_BYTES, HostLink
 from planner.options import PlanOptions
 from planner.planning.prepared import Prepared
@@ -21,14 +22,28 @@ from planner.solve.offload import OffloadLimits, choose_offloads
 from planner.solve.result import Solution, SolverStatus
 
 RUNGS = 6
-"""Budgets above the device's that are planned and then offloaded down to it: evenly spaced up to the
-un-checkpointed peak, the last of them (no checkpointing at all) included; when checkpointing alone cannot fit,
-the smallest peak it reaches comes first."""
+"""Budgets above the device's that are planned and then offloaded down to it (``rungs_above``); when
+checkpointing alone cannot fit, the smallest peak it reaches comes first. Rungs are planned with whole segments:
+an op output selective checkpointing keeps is held by its cache, which the offload hooks do not see, while
+everything a whole-segment plan keeps passes through them."""
 FIRST_SHARE = 0.4
 """Share of the time limit the plan at the device budget itself gets; the rungs share the rest."""
 
-SolveAt = Callable[[int, Deadline], tuple[Prepared, Solution]]
-"""Plans a budget in bytes before a deadline (``plan_for``'s strategy, FSDP's unit split included)."""
+SolveAt = Callable[[int, Deadline, bool], tuple[Prepared, Solution]]
+"""Plans a budget in bytes before a deadline, with op-level saves or without (``plan_for``'s strategy, FSDP's unit
+split included)."""
+
+
+def rungs_above(budget_bytes: int, top_bytes: int, link: HostLink, memory: MemoryModel) -> list[int]:
+    """The budgets above ``budget_bytes`` worth planning and offloading down to it: ``RUNGS`` of them, closer
+    together near the budget (1/32 of the way to the un-checkpointed peak ``top_bytes``, then 1/16, ... 1), and
+    none further than a link that overlaps compute can carry out during the forward (no choice of offloads can
+    take more off the device)."""
+    reach = top_bytes
+    if link.overlaps:
+        reach = min(reach, budget_bytes + int(link.d2h_bytes_per_us * int(memory.node_cost_us.sum())))
+    rungs = sorted({budget_bytes + (reach - budget_bytes) // 2 ** (RUNGS - 1 - i) for i in range(RUNGS)})
+    return [r for r in rungs if r > budget_bytes]
 
 
 def host_link(profile: Profile) -> HostLink | None:
@@ -77,15 +92,14 @@ def solve_offloaded(prepared: Prepared, budget_bytes: int, limits: OffloadLimits
     best: tuple[int, Prepared, Solution] | None = None
     failure: InfeasibleBudget | OutOfTime | None = None
     try:
-        plain, solution = solve_at(budget_bytes, deadline.within(deadline.left_s() * FIRST_SHARE))
+        plain, solution = solve_at(budget_bytes, deadline.within(deadline.left_s() * FIRST_SHARE), True)
         best = (solution.recompute_us, plain, solution)
     except (InfeasibleBudget, OutOfTime) as exc:
         failure = exc
-    top = prepared.baseline.peak_bytes
-    rungs = [budget_bytes + (top - budget_bytes) * rung // RUNGS for rung in range(1, RUNGS + 1)]
+    rungs = rungs_above(budget_bytes, prepared.baseline.peak_bytes, limits.link, prepared.memory)
     floor = getattr(failure, "min_peak_bytes", None)
-    if floor is not None and budget_bytes < floor < rungs[0]:  # the smallest peak checkpointing reaches, offloaded
-        rungs.insert(0, floor)
+    if floor is not None and budget_bytes < floor < (rungs[0] if rungs else floor + 1):
+        rungs.insert(0, floor)  # the smallest peak checkpointing reaches, offloaded down to the budget
     for i, higher in enumerate(rungs):
         left = deadline.left_s()
         if deadline.passed or (best is not None and best[2].interrupted):
@@ -93,9 +107,11 @@ def solve_offloaded(prepared: Prepared, budget_bytes: int, limits: OffloadLimits
         if higher <= budget_bytes:
             break
         try:
-            rung_prepared, solution = solve_at(higher, deadline.within(left / (len(rungs) - i)))
+            rung_prepared, solution = solve_at(higher, deadline.within(left / (len(rungs) - i)), False)
         except (InfeasibleBudget, OutOfTime):
             continue
+        if best is not None and solution.recompute_us >= best[0]:
+            continue  # re-runs as much as the best plan so far: offloads cannot make it cheaper
         offloads = choose_offloads(rung_prepared.memory, solution.plan, solution.saves, budget_bytes, limits)
         if offloads is None or not offloads.n:
             continue

@@ -76,6 +76,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--drop-output", action="store_true",
                    help="the training loop drops the model's output before backward, as Hugging Face Trainer "
                         "does (default: a plain loop that keeps it; docs/huggingface.md)")
+    p.add_argument("--offload", choices=["auto", "off"],
+                   help="copy kept activations to host memory and back where that costs less than re-running them: "
+                        "auto turns it on, off turns it off (default: on where the device has a host link that runs "
+                        "beside compute, a GPU or a GPU's spec; off on a CPU; docs/offload.md)")
+    p.add_argument("--host-budget", type=_host_budget, metavar="SIZE",
+                   help="most pinned host memory the offloaded activations may hold, per rank, e.g. 64GB (default: "
+                        "no limit)")
     p.add_argument("--whole-segments", action="store_true",
                    help="re-run whole segments (no op-level saves inside them; docs/selective.md)")
     p.add_argument("--follow-batch", action=argparse.BooleanOptionalAction, default=None,
@@ -121,6 +128,14 @@ def _budget(text: str) -> int | str:
         check_budget(value)
     except BudgetError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+    return value
+
+
+def _host_budget(text: str) -> int | str:
+    """``--host-budget``: a size (``64GB``) or bytes, not a share (pinned memory has no un-checkpointed peak)."""
+    value = _budget(text)
+    if isinstance(value, str) and value.strip().endswith("%"):
+        raise argparse.ArgumentTypeError(f"--host-budget is a size such as 64GB, not a share ({text!r})")
     return value
 
 

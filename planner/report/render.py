@@ -20,7 +20,7 @@ from rich.text import Text
 
 from planner.common.budget import format_bytes
 from planner.errors import InfeasibleBudget
-from planner.plan import GROUP_COLUMNS, Plan, Segment, group_cells, shapes_text
+from planner.plan import GROUP_COLUMNS, Plan, Segment, group_cells, offload_text, shapes_text
 from planner.solve.result import SolverStatus
 
 MAX_PATHS = 3
@@ -123,7 +123,11 @@ def header(plan: Plan, *, model_file: str, solver: str) -> Table:
         grid.add_row("counted", "; ".join(plan.counted))
     grid.add_row("overhead", Text.assemble(
         (f"+{100 * plan.predicted_overhead:.1f}%", "bold yellow"),
-        f" predicted: {plan.recompute_ms:.2f} ms recomputed per {plan.step_ms:.2f} ms step"))
+        f" predicted: {plan.recompute_ms:.2f} ms recomputed per {plan.step_ms:.2f} ms step"
+        + (f", {plan.offload.exposed_ms:.2f} ms of copies the compute does not hide" if plan.offload else "")))
+    if plan.offload is not None:
+        grid.add_row("offload", offload_text(plan.offload).removeprefix("offloads ").replace(
+            " activation(s), ", " activations, ", 1))
     saved = sum(len(seg.saved_nodes) for seg in plan.segments)
     keeps = f", {saved} op output{'' if saved == 1 else 's'} kept inside them" if saved else ""
     grid.add_row("plan", Text.assemble(

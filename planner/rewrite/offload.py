@@ -52,6 +52,8 @@ class OffloadSpec:
     """What a plan offloads and what the model predicts of it."""
 
     targets: tuple[OffloadTarget, ...]
+    storages: int
+    """How many storages are offloaded (a storage made by a node of several ops has a target per op)."""
     offloaded_bytes: int
     """Bytes copied to host memory each step (pinned host memory the plan holds)."""
     exposed_ms: float
@@ -207,8 +209,7 @@ class _Marking(TorchDispatchMode):
             if name in self.offloader.names:
                 occurrence = self.seen[name]
                 self.seen[name] += 1
-                target = self.offloader.wanted.get((name, occurrence))
-                if target is not None:
+                for target in self.offloader.wanted.get((name, occurrence), ()):
                     self.offloader.mark(out, target)
         return out
 
@@ -218,7 +219,9 @@ class Offloader:
 
     def __init__(self, spec: OffloadSpec) -> None:
         self.spec = spec
-        self.wanted = {(t.kernel, t.occurrence): t for t in spec.targets}
+        self.wanted: dict[tuple[str, int], list[OffloadTarget]] = {}
+        for t in spec.targets:
+            self.wanted.setdefault((t.kernel, t.occurrence), []).append(t)
         self.names = {t.kernel for t in spec.targets}
         self.host_peak_bytes = 0
         """Most bytes the host store held at once (the last steps')."""
@@ -313,15 +316,16 @@ def offloader_of(module: nn.Module) -> Offloader | None:
 
 def targets_of(kernels: Sequence[Sequence[str]], producers: Sequence[int], sizes: Sequence[int],
                groups: Sequence[int]) -> tuple[OffloadTarget, ...]:
-    """The targets of offloaded storages made by single-op nodes ``producers`` (per node, ``kernels``: its
-    fresh-memory ops in order), each named by its op's occurrence among the forward's ops of that name."""
-    first: dict[int, tuple[str, int]] = {}
+    """The targets of offloaded storages made by nodes ``producers`` (per node, ``kernels``: its fresh-memory ops in
+    order), each op named by its occurrence among the forward's ops of that name. A node of several ops gives one
+    target per op: the storage is the output of that size of whichever of them makes it."""
+    ops: dict[int, list[tuple[str, int]]] = {}
     seen: Counter[str] = Counter()
     wanted = set(producers)
     for i, names in enumerate(kernels):
         for name in names:
-            if i in wanted and i not in first:
-                first[i] = (name, seen[name])
+            if i in wanted:
+                ops.setdefault(i, []).append((name, seen[name]))
             seen[name] += 1
-    return tuple(OffloadTarget(kernel=first[p][0], occurrence=first[p][1], nbytes=int(n), group=int(g))
-                 for p, n, g in zip(producers, sizes, groups))
+    return tuple(OffloadTarget(kernel=name, occurrence=k, nbytes=int(n), group=int(g))
+                 for p, n, g in zip(producers, sizes, groups) for name, k in ops.get(p, ()))
