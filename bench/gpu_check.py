@@ -1,4 +1,4 @@
-"""The checks to run on a CUDA device, all in one go (no GPU has measured ckplan yet).
+"""The checks to run on a CUDA device, all in one go (an H200's results: ``bench/results/gpu_h200.md``).
 
 Per example: profile one step on the device and save it to ``profiles/<example>-<gpu>.json``; plan at
 each budget, selective and whole-segment, from that profile; measure every plan's peak
@@ -10,7 +10,10 @@ each one's measured peak, timed interleaved. Then a ~1B Llama-shaped Hugging Fac
 1 x 2048 tokens): the prediction error of every plan against the allocator's peak (allocated and reserved);
 every layer (HF/torchtitan full AC), torchtitan's op-level policy (``op_sac``) and ckplan at the op-level
 policy's measured peak, timed interleaved; and the does-not-fit case: the process capped with
-``torch.cuda.set_per_process_memory_fraction`` below the plain step, planned and stepped under the cap. Writes
+``torch.cuda.set_per_process_memory_fraction`` below the plain step, planned and stepped under the cap. Then offload
+(``--offload``, 8 x 2048 at 8192 tokens): the host link measured when profiling, plans with and without offload at
+full checkpointing's peak, a plan offloading its kept layer inputs, and torch's ``save_on_cpu`` around full
+checkpointing (layer-input offload as Unsloth and transformers' flag do it). Writes
 ``gpu_check.md`` (and the profiles) under ``--out``::
 
     python bench/gpu_check.py --out "$OUT"                # on a CUDA machine (the small examples and gpt_large)
@@ -130,6 +133,7 @@ def llama_rows(device: torch.device, runs: int, layers: int, hidden: int) -> lis
     """Prediction against the allocator (allocated, reserved), the hand policies against ckplan at the op-level
     policy's measured peak, and a cap below the plain step."""
     from planner.capture.inputs import as_inputs
+    from planner.errors import PlannerError
     from planner.pipeline import plan_for, prepare
     from planner.profiling.measure import measure_peak, step_times_ms
 
@@ -170,8 +174,12 @@ def llama_rows(device: torch.device, runs: int, layers: int, hidden: int) -> lis
             except torch.OutOfMemoryError:
                 plain = "out of memory"
             torch.cuda.empty_cache()
-            fitted = prepare(model, inputs=batch, keep_output=False, budget=int(cap * 0.95))
-            plan = plan_for(fitted, int(cap * 0.95))
+            try:
+                fitted = prepare(model, inputs=batch, keep_output=False, budget=int(cap * 0.95))
+                plan = plan_for(fitted, int(cap * 0.95))
+            except PlannerError as exc:
+                rows.append(f"| llama | capped at {mib(cap)}: plain step {plain} | | {str(exc)[:300]} | | | |")
+                return rows
             allocated, reserved = measured(plan.module)
             rows.append(f"| llama | capped at {mib(cap)}: plain step {plain} | {len(plan.segments)} / "
                         f"{sum(len(s.saved_ops) for s in plan.segments)} | {mib(plan.predicted_peak_bytes)} / "
@@ -183,9 +191,9 @@ def llama_rows(device: torch.device, runs: int, layers: int, hidden: int) -> lis
 
 
 def offload_rows(device: torch.device, runs: int, layers: int, hidden: int, tokens: int, out: Path) -> list[str]:
-    """Offload on the device: the host link measured when profiling, and at full activation checkpointing's measured
-    peak, ckplan with and without offload, a plan made to offload (a plan for a higher budget offloaded down to
-    that peak), and layer-input offload as Unsloth and transformers' ``offload`` flag do it (every layer checkpointed,
+    """Offload on the device: the host link measured when profiling, and at full activation checkpointing's predicted
+    peak, ckplan with and without offload, full checkpointing with ckplan offloading its kept layer inputs down to
+    a lower peak, and layer-input offload as Unsloth and transformers' ``offload`` flag do it (every layer checkpointed,
     its kept inputs copied to pinned host memory by torch's ``save_on_cpu``), each at its own measured peak: device
     peak allocated and reserved against the prediction, step time against the prediction, gradients against
     the plain model's."""
@@ -194,11 +202,10 @@ def offload_rows(device: torch.device, runs: int, layers: int, hidden: int, toke
     from planner.capture.inputs import as_inputs
     from planner.options import PlanOptions
     from planner.pipeline import plan_for, plan_from_solution, prepare
-    from planner.planning.chunkings import solve_prepared
     from planner.planning.offloading import offload_limits
     from planner.profiling.measure import measure_peak, step_times_ms
     from planner.profiling.record import save_profile
-    from planner.solve.deadline import Deadline
+    from planner.solve.baselines import every_block
     from planner.solve.offload import choose_offloads
 
     model, batch = llama(layers, hidden, device, tokens=tokens)
@@ -220,22 +227,26 @@ def offload_rows(device: torch.device, runs: int, layers: int, hidden: int, toke
     def grads(module) -> list[torch.Tensor]:
         model.zero_grad(set_to_none=True)
         module(**batch).loss.backward()
-        return [p.grad.detach().clone() for p in model.parameters()]
+        return [p.grad.detach().to("cpu", copy=True) for p in model.parameters()]
 
-    reference = grads(model)
+    reference = grads(model)  # on the host: the measured peaks below count the device's own tensors only
+    model.zero_grad(set_to_none=True)  # measured peaks start without gradients
     full = plan_for(prepared, prepared.baseline.peak_bytes - 1, solver="every_block")
-    peak = measured(full.module)[0]
+    peak = full.predicted_peak_bytes  # the plans below are compared at the same predicted peak
     plans = {"full AC (every layer)": full,
-             "ckplan at full AC's measured peak, no offload": plan_for(prepared, peak, offload=False, time_limit_s=20),
-             "ckplan at full AC's measured peak, offload auto": plan_for(prepared, peak, offload="auto",
+             "ckplan at full AC's peak, no offload": plan_for(prepared, peak, offload=False, time_limit_s=20),
+             "ckplan at full AC's peak, offload auto": plan_for(prepared, peak, offload="auto",
                                                                          time_limit_s=20)}
     options = PlanOptions(offload=True, follow_batch=False, keep_output=False, time_limit_s=20)
-    higher = peak + (prepared.baseline.peak_bytes - peak) // 8
-    solved, solution = solve_prepared(prepared, higher, replace(options, selective=False), Deadline.after(20))
-    offloads = choose_offloads(solved.memory, solution.plan, solution.saves, peak, offload_limits(prepared, options))
-    if offloads is not None and offloads.n:
-        plans["a plan made to offload: 1/8 of the way up, offloaded down to full AC's peak"] = plan_from_solution(
-            solved, replace(solution, offloads=offloads), peak)
+    every = every_block(prepared.memory, 0)  # layer-input offload planned by ckplan: full AC, its kept inputs moved
+    kept = full.peak_breakdown.kept_activations_bytes if full.peak_breakdown else 0
+    for share in (0.75, 0.5, 0.25):
+        lower = full.predicted_peak_bytes - int(kept * share)
+        offloads = choose_offloads(prepared.memory, every.plan, every.saves, lower, offload_limits(prepared, options))
+        if offloads is not None and offloads.n:
+            plans[f"full AC, its kept layer inputs offloaded by ckplan down to {100 * share:.0f}% less kept"] = (
+                plan_from_solution(prepared, replace(every, offloads=offloads), lower))
+            break
 
     class SaveOnCpu(torch.nn.Module):  # layer-input offload: full AC with what it keeps copied to pinned memory
         def __init__(self, inner):
@@ -252,6 +263,7 @@ def offload_rows(device: torch.device, runs: int, layers: int, hidden: int, toke
     for (name, module), ms in zip(modules.items(), times[1:]):
         allocated, reserved = measured(module)
         worst = max(float((a.float() - b.float()).abs().max()) for a, b in zip(grads(module), reference))
+        model.zero_grad(set_to_none=True)
         plan = plans.get(name)
         if plan is None:
             rows.append(f"| {name} | | {mib(allocated)} allocated, {mib(reserved)} reserved | | "
@@ -287,6 +299,8 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     device = torch.device(args.device)
+    if device.type == "cuda" and device.index is None:  # the allocator's settings want an index
+        device = torch.device("cuda", torch.cuda.current_device())
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     what = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"

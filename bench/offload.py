@@ -8,7 +8,7 @@ allocated), one sequence of 8k, 32k or 128k tokens, bf16 mixed precision, AdamW,
 (torchtitan's loop). For each device and length, at the predicted peak of torchtitan's full activation
 checkpointing (every decoder layer) and of its default op-level policy (``op_sac``): the policy itself, ckplan
 without offload, and ckplan with offload (the host link of the device spec: 53 GB/s each way on H100/H200 over
-PCIe, 170 GB/s out and 410 GB/s back on GH200). Step times are predicted: the roofline's un-checkpointed step plus
+PCIe, 170 GB/s out and 410 GB/s back on GH200), within a host budget per rank (``HOST_BUDGET``). Step times are predicted: the roofline's un-checkpointed step plus
 the plan's re-runs plus the copy time the compute does not hide (``docs/offload.md``). Each device and length runs
 in a fresh process.
 """
@@ -30,6 +30,9 @@ sys.path.insert(0, str(ROOT / "bench"))
 import large_models  # noqa: E402  (the same Llama shapes and builder)
 
 DEVICES = ("h100", "h200", "gh200")
+HOST_BUDGET = {"h100": "256GB", "h200": "256GB", "gh200": "480GB"}
+"""Pinned host memory per rank the offloads may hold: a DGX H100/H200's 2 TB of host memory over its 8 GPUs, a
+GH200 superchip's 480 GB of LPDDR5X."""
 LENGTHS = (8192, 32768, 131072)
 
 
@@ -68,7 +71,8 @@ def one(device: str, tokens: int, time_limit_s: float) -> dict:
         rows.append(row(name, fixed))
         for offload in (False, True):
             start = time.perf_counter()
-            ours = planner.plan_for(prepared, fixed.predicted_peak_bytes, offload=offload)
+            ours = planner.plan_for(prepared, fixed.predicted_peak_bytes, offload=offload,
+                                    host_budget=HOST_BUDGET[device] if offload else None)
             rows.append(row(f"ckplan at that peak, {'with' if offload else 'without'} offload", ours,
                             time.perf_counter() - start))
     fwd_ms = sum(n.fwd_ms for n in prepared.profile.nodes)
@@ -114,7 +118,8 @@ def report(results: list[dict], args: argparse.Namespace) -> str:
              "dropped before backward. Memory from the meta replay (exact for the Hugging Face Llama code), times "
              "from the device spec's roofline and host link: every figure is a prediction, none is measured on a GPU. "
              "Step time = the un-checkpointed step + re-runs + the copy time the compute does not hide. "
-             "\"vs full AC\": step time saved against full activation checkpointing's own step.", ""]
+             "\"vs full AC\": step time saved against full activation checkpointing's own step. Host budget per rank: "
+             + ", ".join(f"{d} {b}" for d, b in HOST_BUDGET.items()) + ".", ""]
     for r in results:
         full = r["rows"][0]["step_ms"]
         lines += [f"## {r['device'].upper()}, {r['tokens'] // 1024}k tokens", "",

@@ -38,7 +38,7 @@ from planner.rewrite.modules import PlannedShapes
 from planner.rewrite.offload import OffloadSpec, install_offloads, targets_of
 from planner.rewrite.segment import Segment, segments_of
 from planner.solve.deadline import Deadline
-from planner.solve.registry import get_solver
+from planner.solve.registry import capabilities, get_solver
 from planner.solve.result import Solution
 
 UserInputs = tuple | Mapping | torch.Tensor | None
@@ -185,7 +185,7 @@ def plan_for(prepared: Prepared, budget: int | str, *, options: PlanOptions | No
     started = time.perf_counter()
     deadline = Deadline.after(opts.time_limit_s)  # one limit for every solve below, not one each
     following = follows(prepared, opts)
-    limits = offload_limits(prepared, opts, follows=following)
+    limits = offload_limits(prepared, opts, follows=following) if capabilities(opts.solver).reads_budget else None
 
     def solve_at(budget_bytes: int, deadline: Deadline, selective: bool = True) -> tuple[Prepared, Solution]:
         options = opts if selective else replace(opts, selective=False)
