@@ -167,69 +167,89 @@ def schedule(model: MemoryModel, plan: ChunkPlan, saves: Saves, storages, link: 
     if not len(storages):
         return NO_OFFLOADS
     held = held or holding(model, plan, saves)
-    order = sorted((int(held.pack[s]), int(s)) for s in storages)
-    chosen = [s for _, s in order]
-    size = model.size
+    chosen = [s for _, s in sorted((int(held.pack[s]), int(s)) for s in storages)]
+    out = _copies_out(model, held, chosen, link)
+    if out is None:
+        return None
+    gone, d2h_busy, exposed_out = out
+    back = _reloads(model, plan, saves, held, chosen, link)
+    return Offloads(
+        storages=tuple(chosen), group=back.group, gone=tuple(gone), trigger=back.trigger,
+        release=tuple(int(held.release[s]) for s in chosen),
+        exposed_us=round(exposed_out + back.exposed) + marking_us(model), d2h_busy_us=round(d2h_busy),
+        h2d_busy_us=round(back.busy), fwd_us=int(model.node_cost_us.sum()), bwd_us=back.bwd_us)
+
+
+def _copies_out(model: MemoryModel, held: _Holding, chosen: list[int],
+                link: HostLink) -> tuple[list[int], float, float] | None:
+    """``(gone, busy, exposed)`` of the copies to the host, queued in pack order: the node each storage is gone
+    from, the link's busy time and the time the step waits for it (all of it on a link that does not overlap
+    compute); None when a copy ends after the forward."""
     fwd_end = np.cumsum(model.node_cost_us)
     fwd_start = fwd_end - model.node_cost_us
-    n = model.n_nodes
-    exposed = 0.0
-    gone, free, d2h_busy = [], 0.0, 0.0
+    gone, free, busy, exposed = [], 0.0, 0.0, 0.0
     for s in chosen:
-        copy = size[s] / link.d2h_bytes_per_us
-        d2h_busy += copy
+        copy = model.size[s] / link.d2h_bytes_per_us
+        busy += copy
         last = int(model.last_use[s])
         if not link.overlaps:  # synchronous: the copy is done when the pack returns
             exposed += copy
             gone.append(last + 1)
             continue
-        begin = max(float(fwd_end[held.pack[s]]), free)
-        free = begin + copy
+        free = max(float(fwd_end[held.pack[s]]), free) + copy
         at = max(last + 1, int(np.searchsorted(fwd_start, free, side="left")))
-        if at >= n:
+        if at >= model.n_nodes:
             return None
         gone.append(at)
-    need = {s: int(held.need[s]) for s in chosen}
+    return gone, busy, exposed
+
+
+@dataclass(frozen=True, slots=True)
+class _Back:
+    group: tuple[int, ...]
+    trigger: tuple[int, ...]
+    busy: float
+    exposed: float
+    bwd_us: int
+
+
+def _reloads(model: MemoryModel, plan: ChunkPlan, saves: Saves, held: _Holding, chosen: list[int],
+             link: HostLink) -> _Back:
+    """The reloads in backward: groups by the chunk of each storage's first unpack, the last chunk's first; the first
+    unpack of group g issues g's reloads (if not yet) and g + 1's, and waits for g's, stalling the step while the
+    link is behind (every reload stalls it on a link that does not overlap compute)."""
+    n = model.n_nodes
     owner = model.regions.chunk_of()
+    need = {s: int(held.need[s]) for s in chosen}
     key = {s: owner[need[s]] if need[s] < len(owner) and owner[need[s]] >= 0 else model.n_chunks for s in chosen}
     keys = sorted(set(key.values()), reverse=True)
     group_of = {k: g for g, k in enumerate(keys)}
     unpack_at = [max(need[s] for s in chosen if key[s] == k) for k in keys]  # each group's first unpack
-    members: list[list[int]] = [[] for _ in keys]
-    for s in sorted(chosen, key=lambda x: -need[x]):
-        members[group_of[key[s]]].append(s)
+    group_bytes = [0.0] * len(keys)
+    for s in chosen:
+        group_bytes[group_of[key[s]]] += float(model.size[s])
     issue_at = [unpack_at[0], *unpack_at[:-1]]  # one group ahead; the first on demand
-    # the backward's compute, node n-1 first: its clock at the start of each node
-    rerun = _rerun_us(model, plan, saves)
-    per_node = (model.bwd_cost_us if len(model.bwd_cost_us) else 2 * model.node_cost_us) + rerun
-    elapsed = np.concatenate([[0], np.cumsum(per_node[::-1])])  # elapsed[k]: before the k-th node from the end
-    stall, link_free, h2d_busy = 0.0, 0.0, 0.0
+    per_node = (model.bwd_cost_us if len(model.bwd_cost_us) else 2 * model.node_cost_us) + _rerun_us(model, plan, saves)
+    elapsed = np.concatenate([[0], np.cumsum(per_node[::-1])])  # before the k-th node from the end
+    stall, link_free, busy, exposed = 0.0, 0.0, 0.0, 0.0
     ends: dict[int, float] = {}
-
-    def issue(g: int, now: float) -> None:
-        nonlocal link_free, h2d_busy, exposed
-        if g >= len(keys) or g in ends:
-            return
-        copy = sum(float(size[s]) for s in members[g]) / link.h2d_bytes_per_us
-        h2d_busy += copy
-        if link.overlaps:
-            link_free = max(link_free, now) + copy
-            ends[g] = link_free
-        else:
-            exposed += copy
-            ends[g] = now
     for g, at in enumerate(unpack_at):
         now = float(elapsed[n - 1 - at]) + stall
-        issue(g, now)
-        issue(g + 1, now)
+        for h in (g, g + 1):
+            if h >= len(keys) or h in ends:
+                continue
+            copy = group_bytes[h] / link.h2d_bytes_per_us
+            busy += copy
+            if link.overlaps:
+                link_free = max(link_free, now) + copy
+                ends[h] = link_free
+            else:
+                exposed += copy
+                ends[h] = now
         stall += max(0.0, ends[g] - now)
-    exposed += stall
-    fwd_us = int(fwd_end[-1]) if n else 0
-    return Offloads(
-        storages=tuple(chosen), group=tuple(group_of[key[s]] for s in chosen), gone=tuple(gone),
-        trigger=tuple(issue_at[group_of[key[s]]] for s in chosen), release=tuple(int(held.release[s]) for s in chosen),
-        exposed_us=round(exposed) + (marking_us(model) if chosen else 0), d2h_busy_us=round(d2h_busy),
-        h2d_busy_us=round(h2d_busy), fwd_us=fwd_us, bwd_us=int(elapsed[-1]))
+    return _Back(group=tuple(group_of[key[s]] for s in chosen),
+                 trigger=tuple(issue_at[group_of[key[s]]] for s in chosen), busy=busy, exposed=exposed + stall,
+                 bwd_us=int(elapsed[-1]))
 
 
 def marking_us(model: MemoryModel) -> int:
