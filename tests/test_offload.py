@@ -86,10 +86,13 @@ def test_offloads_bring_a_plan_under_a_budget_it_is_over():
     assert choose_offloads(model, (), frozenset(), budget, replace(limits, host_budget_bytes=MB // 2)) is None
 
 
-def _gpt():
+@pytest.fixture(scope="module")
+def gpt_prepared():
+    """A GPT whose hidden states are 2 MiB (the smallest offloaded), captured and profiled once."""
     torch.manual_seed(0)
     config = gpt.Config(width=256, layers=4, context=256, dropout=0.0)
-    return gpt.GPT(config), torch.randint(0, config.vocab, (8, config.context))
+    model, x = gpt.GPT(config), torch.randint(0, config.vocab, (8, config.context))
+    return model, x, planner.prepare(model, inputs=(x,))
 
 
 def _grads(model, module, batch):
@@ -124,9 +127,8 @@ def _check(plan, model, batch):
 
 
 @pytest.mark.parametrize("plan_fraction, fraction", [(1.0, 0.8), (0.5, 0.42)])
-def test_a_rewritten_graph_offloads_exactly_as_predicted(plan_fraction, fraction):
-    model, x = _gpt()
-    prepared = planner.prepare(model, inputs=(x,))
+def test_a_rewritten_graph_offloads_exactly_as_predicted(gpt_prepared, plan_fraction, fraction):
+    model, x, prepared = gpt_prepared
     plan = _offloaded_plan(prepared, plan_fraction, fraction)
     assert plan.offload is not None and "offloads" in plan.summary()
     _check(plan, model, x)
@@ -147,9 +149,9 @@ def test_a_hugging_face_model_offloads_exactly_as_predicted_through_its_own_modu
     _check(plan, model, batch)
 
 
-def test_a_saved_plan_with_offloads_applies_and_runs_them(tmp_path):
-    model, x = _gpt()
-    plan = _offloaded_plan(planner.prepare(model, inputs=(x,)), 1.0, 0.8)
+def test_a_saved_plan_with_offloads_applies_and_runs_them(gpt_prepared, tmp_path):
+    model, x, prepared = gpt_prepared
+    plan = _offloaded_plan(prepared, 1.0, 0.8)
     plan.save(tmp_path / "plan.json")
     loaded = load_plan(tmp_path / "plan.json")
     assert loaded.offload == plan.offload
@@ -159,9 +161,8 @@ def test_a_saved_plan_with_offloads_applies_and_runs_them(tmp_path):
     assert measured == plan.predicted_peak_bytes
 
 
-def test_offload_is_off_on_a_cpu_unless_asked_and_its_options_are_checked():
-    model, x = _gpt()
-    prepared = planner.prepare(model, inputs=(x,))
+def test_offload_is_off_on_a_cpu_unless_asked_and_its_options_are_checked(gpt_prepared):
+    _, _, prepared = gpt_prepared
     assert offload_limits(prepared, PlanOptions()) is None  # a CPU's copies stall the step: not by default
     assert offload_limits(prepared, PlanOptions(offload="auto")).link.overlaps is False
     assert PlanOptions(host_budget="2GB").host_budget == 2_000_000_000
