@@ -196,7 +196,7 @@ class Plan:
                 lines.append(f"  {i:>3}  {_describe(seg):<{width}}  {len(seg.nodes):>5}  {len(seg.saved_nodes):>5}  "
                              f"{seg.recompute_ms:>7.2f} ms")
         else:
-            lines.append("  nothing checkpointed: the model already fits the budget")
+            lines.append(f"  {nothing_checkpointed(self)}")
         if self.family is not None:
             lines.append(f"  follows the batch: {len(self.family.groups)} shape group(s) planned")
             lines += [f"    {'  '.join(cells)}" for cells in group_cells(self)]
@@ -240,7 +240,7 @@ class Plan:
         if segments:
             parts.append(html_table(["#", "modules", "nodes", "frees", "recompute"], segments))
         else:
-            parts.append("<p>nothing checkpointed: the model already fits the budget</p>")
+            parts.append(f"<p>{nothing_checkpointed(self)}</p>")
         if self.family is not None:
             parts.append(f"<p>follows the batch: {len(self.family.groups)} shape group(s) planned</p>")
             parts.append(html_table(GROUP_COLUMNS, group_cells(self)))
@@ -250,6 +250,13 @@ class Plan:
         return (f"Plan(segments={len(self.segments)}, peak {format_bytes(self.predicted_peak_bytes)} of budget "
                 f"{format_bytes(self.budget_bytes)}, overhead +{100 * self.predicted_overhead:.1f}%, "
                 f"{self.solver_status})")
+
+
+def nothing_checkpointed(plan: Plan) -> str:
+    """What a plan without segments says: it fits as it is, or its offloads make it fit."""
+    if plan.offload is not None:
+        return "nothing checkpointed: the offloads alone bring the step within the budget"
+    return "nothing checkpointed: the model already fits the budget"
 
 
 def offload_text(offload: OffloadSpec) -> str:

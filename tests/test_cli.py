@@ -492,3 +492,12 @@ def test_a_reader_that_stops_reading_ends_the_report_quietly(work):
     finally:
         os.close(write)
     assert result.returncode == 0 and TRACEBACK not in result.stderr and "Exception" not in result.stderr, result
+
+
+def test_offload_flags_reach_the_plan_and_a_share_is_no_host_budget(work):
+    off = ckplan(str(work / "mlp.py"), "--budget", "90%", "--offload", "off", "--json", "--time-limit", "5")
+    assert off.returncode == 0, off.stderr
+    assert json.loads(off.stdout)["offload"] is None
+    bad = ckplan(str(work / "mlp.py"), "--offload", "auto", "--host-budget", "50%")
+    assert bad.returncode == 2 and no_traceback(bad)
+    assert "--host-budget is a size such as 64GB" in bad.stderr
