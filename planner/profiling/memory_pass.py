@@ -254,7 +254,8 @@ class MemoryRecorder(StepRunner):
 
     def _new_storage(self, key: int, tensor: torch.Tensor) -> None:
         index = len(self.storages)
-        self.storages.append(StorageCost(nbytes=tensor.untyped_storage().nbytes(), producer=self._producer))
+        op = len(self._current["kernels"]) if self._current is not None else None  # the op being dispatched
+        self.storages.append(StorageCost(nbytes=tensor.untyped_storage().nbytes(), producer=self._producer, op=op))
         self._index_of[key] = index
         weakref.finalize(tensor.untyped_storage(), self._index_of.pop, key, None)
 

@@ -34,6 +34,9 @@ class StorageCost:
     """Size of the storage in bytes (shared by every view of it)."""
     producer: int
     """Index of the node that allocated it; -1 for model inputs."""
+    op: int | None = None
+    """Which of the producer's fresh-memory ops (``NodeCost.kernels``, from 0) made it; None when unknown (model
+    inputs, profiles saved before it was recorded)."""
     autocast_cached: bool = False
     """A cast of a parameter held in autocast's cache: alive through the forward and the loss
     whatever the plan (the cache is cleared before backward)."""

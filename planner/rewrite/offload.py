@@ -315,17 +315,22 @@ def offloader_of(module: nn.Module) -> Offloader | None:
 
 
 def targets_of(kernels: Sequence[Sequence[str]], producers: Sequence[int], sizes: Sequence[int],
-               groups: Sequence[int]) -> tuple[OffloadTarget, ...]:
+               groups: Sequence[int], ops: Sequence[int | None]) -> tuple[OffloadTarget, ...]:
     """The targets of offloaded storages made by nodes ``producers`` (per node, ``kernels``: its fresh-memory ops in
-    order), each op named by its occurrence among the forward's ops of that name. A node of several ops gives one
-    target per op: the storage is the output of that size of whichever of them makes it."""
-    ops: dict[int, list[tuple[str, int]]] = {}
+    order; ``ops``: which of the producer's ops made each storage), each op named by its occurrence among the
+    forward's ops of that name. Where the op is not known, every op of the producer is a target: the storage is the
+    output of that size of whichever of them makes it."""
+    named: dict[int, list[tuple[str, int]]] = {}
     seen: Counter[str] = Counter()
     wanted = set(producers)
     for i, names in enumerate(kernels):
         for name in names:
             if i in wanted:
-                ops.setdefault(i, []).append((name, seen[name]))
+                named.setdefault(i, []).append((name, seen[name]))
             seen[name] += 1
-    return tuple(OffloadTarget(kernel=name, occurrence=k, nbytes=int(n), group=int(g))
-                 for p, n, g in zip(producers, sizes, groups) for name, k in ops.get(p, ()))
+    targets = []
+    for p, n, g, op in zip(producers, sizes, groups, ops):
+        mine = named.get(p, [])
+        for name, k in ([mine[op]] if op is not None and op < len(mine) else mine):
+            targets.append(OffloadTarget(kernel=name, occurrence=k, nbytes=int(n), group=int(g)))
+    return tuple(targets)
