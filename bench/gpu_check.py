@@ -129,6 +129,17 @@ def llama(layers: int, hidden: int, device: torch.device, tokens: int = 2048):
     return model, {"input_ids": ids, "labels": ids}
 
 
+def allocator_peaks(module, example, device: torch.device) -> tuple[int, int]:
+    """Allocated and reserved peak of one step (the logits dropped before backward); reserved is allocated on a CPU."""
+    from planner.profiling.measure import measure_peak
+
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    allocated = measure_peak(module, example, keep_output=False)
+    reserved = torch.cuda.max_memory_reserved(device) if device.type == "cuda" else allocated
+    return allocated, reserved
+
+
 def llama_rows(device: torch.device, runs: int, layers: int, hidden: int) -> list[str]:
     """Prediction against the allocator (allocated, reserved), the hand policies against ckplan at the op-level
     policy's measured peak, and a cap below the plain step."""
@@ -145,19 +156,12 @@ def llama_rows(device: torch.device, runs: int, layers: int, hidden: int) -> lis
     rows = [f"| llama {params / 1e9:.2f}B | none | | {mib(prepared.baseline.peak_bytes)} / "
             f"{mib(measure_peak(model, example, keep_output=False))} | | | prepare {time.perf_counter() - began:.1f} s |"]
 
-    def measured(module) -> tuple[int, int]:
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-        allocated = measure_peak(module, example, keep_output=False)
-        reserved = torch.cuda.max_memory_reserved(device) if device.type == "cuda" else allocated
-        return allocated, reserved
-
     policies = {name: plan_for(prepared, prepared.baseline.peak_bytes - 1, solver=name)  # fixed placements
                 for name in ("every_block", "op_sac")}
-    policies["ckplan at op_sac's peak"] = plan_for(prepared, measured(policies["op_sac"].module)[0])
+    policies["ckplan at op_sac's peak"] = plan_for(prepared, allocator_peaks(policies["op_sac"].module, example, device)[0])
     times = step_times_ms([model, *(p.module for p in policies.values())], example, runs=runs)
     for (name, plan), ms in zip(policies.items(), times[1:]):
-        allocated, reserved = measured(plan.module)
+        allocated, reserved = allocator_peaks(plan.module, example, device)
         rows.append(f"| llama | {name} | {len(plan.segments)} / {sum(len(s.saved_ops) for s in plan.segments)} | "
                     f"{mib(plan.predicted_peak_bytes)} / {mib(allocated)} allocated, {mib(reserved)} reserved "
                     f"({100 * (plan.predicted_peak_bytes / allocated - 1):+.2f}%) | "
@@ -180,7 +184,7 @@ def llama_rows(device: torch.device, runs: int, layers: int, hidden: int) -> lis
             except PlannerError as exc:
                 rows.append(f"| llama | capped at {mib(cap)}: plain step {plain} | | {str(exc)[:300]} | | | |")
                 return rows
-            allocated, reserved = measured(plan.module)
+            allocated, reserved = allocator_peaks(plan.module, example, device)
             rows.append(f"| llama | capped at {mib(cap)}: plain step {plain} | {len(plan.segments)} / "
                         f"{sum(len(s.saved_ops) for s in plan.segments)} | {mib(plan.predicted_peak_bytes)} / "
                         f"{mib(allocated)} allocated, {mib(reserved)} reserved | profiled in {fitted.profile.pieces} "
@@ -203,7 +207,7 @@ def offload_rows(device: torch.device, runs: int, layers: int, hidden: int, toke
     from planner.options import PlanOptions
     from planner.pipeline import plan_for, plan_from_solution, prepare
     from planner.planning.offloading import offload_limits
-    from planner.profiling.measure import measure_peak, step_times_ms
+    from planner.profiling.measure import step_times_ms
     from planner.profiling.record import save_profile
     from planner.solve.baselines import every_block
     from planner.solve.offload import choose_offloads
@@ -216,13 +220,6 @@ def offload_rows(device: torch.device, runs: int, layers: int, hidden: int, toke
                  if device.type == "cuda" else out / "llama-offload-cpu.json")
     rows = [f"| host link | measured when profiled: {prof.d2h_gb_per_s:.1f} GB/s to pinned host memory, "
             f"{prof.h2d_gb_per_s:.1f} GB/s back | | | | |"]
-
-    def measured(module) -> tuple[int, int]:
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-        allocated = measure_peak(module, example, keep_output=False)
-        reserved = torch.cuda.max_memory_reserved(device) if device.type == "cuda" else allocated
-        return allocated, reserved
 
     def grads(module) -> list[torch.Tensor]:
         model.zero_grad(set_to_none=True)
@@ -261,7 +258,7 @@ def offload_rows(device: torch.device, runs: int, layers: int, hidden: int, toke
     modules["layer-input offload (full AC under save_on_cpu, as Unsloth / HF offload)"] = SaveOnCpu(full.module)
     times = step_times_ms([model, *modules.values()], example, runs=runs)
     for (name, module), ms in zip(modules.items(), times[1:]):
-        allocated, reserved = measured(module)
+        allocated, reserved = allocator_peaks(module, example, device)
         worst = max(float((a.float() - b.float()).abs().max()) for a, b in zip(grads(module), reference))
         model.zero_grad(set_to_none=True)
         plan = plans.get(name)
