@@ -12,13 +12,13 @@ import torch
 import planner
 from planner import OptionError, load_plan
 from planner.capture.inputs import as_inputs
-from planner.memory.offload import HostLink, holding, marking_us, relief, schedule
+from planner.memory.offload import MIN_OFFLOAD_BYTES, HostLink, holding, marking_us, relief, schedule
 from planner.memory.simulate import simulate
 from planner.memory.synthetic import GraphBuilder, memory_model
 from planner.options import PlanOptions
 from planner.pipeline import plan_from_solution
 from planner.planning.chunkings import solve_prepared
-from planner.planning.offloading import offload_limits
+from planner.planning.offloading import host_link, offload_limits
 from planner.profiling.measure import measure_peak
 from planner.rewrite.offload import offloader_of
 from planner.solve.deadline import Deadline
@@ -106,14 +106,14 @@ def _offloaded_plan(prepared, plan_fraction):
     """The plan for ``plan_fraction`` of the un-checkpointed peak, offloaded down to a lower budget: the lowest of
     a few (a share of what it keeps taken off its peak) that offloads can reach (whichever plan the time-limited
     search returned)."""
-    options = PlanOptions(offload=True, time_limit_s=4, follow_batch=False)
+    options = PlanOptions(time_limit_s=4, follow_batch=False)
+    limits = OffloadLimits(link=host_link(prepared.profile), min_bytes=MIN_OFFLOAD_BYTES)  # the CPU's tagged store
     solved, solution = solve_prepared(prepared, int(prepared.baseline.peak_bytes * plan_fraction), options,
                                       Deadline.after(4))
     planned = simulate(solved.memory, solution.plan, solution.saves)
     for share in (0.5, 0.3, 0.15, 0.05):
         budget = planned.peak_bytes - int(planned.breakdown.kept_activations_bytes * share)
-        offloads = choose_offloads(solved.memory, solution.plan, solution.saves, budget,
-                                   offload_limits(prepared, options))
+        offloads = choose_offloads(solved.memory, solution.plan, solution.saves, budget, limits)
         if offloads is not None and offloads.n:
             return plan_from_solution(solved, replace(solution, offloads=offloads), budget)
     raise AssertionError(f"no offloads bring the plan {solution.plan} under its peak")
@@ -169,8 +169,10 @@ def test_a_saved_plan_with_offloads_applies_and_runs_them(gpt_prepared, tmp_path
 
 def test_offload_is_off_on_a_cpu_unless_asked_and_its_options_are_checked(gpt_prepared):
     _, _, prepared = gpt_prepared
-    assert offload_limits(prepared, PlanOptions()) is None  # a CPU's copies stall the step: not by default
-    assert offload_limits(prepared, PlanOptions(offload="auto")).link.overlaps is False
+    assert offload_limits(prepared, PlanOptions()) is None  # a CPU's host memory is its device memory
+    with pytest.raises(OptionError, match="the same memory: nothing would be freed"):
+        offload_limits(prepared, PlanOptions(offload="auto"))
+    assert host_link(prepared.profile).overlaps is False  # measured: a memcpy, synchronous
     assert PlanOptions(host_budget="2GB").host_budget == 2_000_000_000
     with pytest.raises(OptionError, match="offload must be"):
         PlanOptions(offload="yes")

@@ -76,6 +76,10 @@ def offload_limits(prepared: Prepared, options: PlanOptions, *, follows: bool = 
         raise OptionError("offload needs the host link's copy rates, which this profile lacks (a profile saved "
                           "without them, or a device spec without device_to_host_gb_per_s): profile again, or add "
                           "them to the spec (docs/profiles.md)")
+    elif not link.overlaps:
+        raise OptionError(f"offload moves activations from the device to host memory, and on "
+                          f"{prepared.profile.device} they are the same memory: nothing would be freed; plan for "
+                          "the GPU it trains on (on it, or device='h100')")
     host = options.host_budget
     return OffloadLimits(link=link, host_budget_bytes=host if isinstance(host, int) else None,
                          min_bytes=MIN_OFFLOAD_BYTES)

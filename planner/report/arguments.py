@@ -79,7 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--offload", choices=["auto", "off"],
                    help="copy kept activations to host memory and back where that costs less than re-running them: "
                         "auto turns it on, off turns it off (default: on where the device has a host link that runs "
-                        "beside compute, a GPU or a GPU's spec; off on a CPU; docs/offload.md)")
+                        "beside compute, a GPU or a GPU's spec; off on a CPU, whose host memory is its own; "
+                        "docs/offload.md)")
     p.add_argument("--host-budget", type=_host_budget, metavar="SIZE",
                    help="most pinned host memory the offloaded activations may hold, per rank, e.g. 64GB (default: "
                         "no limit)")
