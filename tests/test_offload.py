@@ -180,3 +180,26 @@ def test_offload_is_off_on_a_cpu_unless_asked_and_its_options_are_checked(gpt_pr
         PlanOptions(host_budget="lots")
     with pytest.raises(OptionError, match="follow_batch=False"):
         offload_limits(prepared, PlanOptions(offload=True), follows=True)
+
+
+@pytest.mark.slow
+def test_a_gpu_plan_offloads_where_the_link_is_fast_and_re_runs_less():
+    """A Llama-shaped decoder on meta for the GH200 spec (NVLink-C2C: 170 GB/s out, 410 back), planned at full
+    checkpointing's own peak: the plan offloads, fits, and its re-runs plus exposed copies cost less."""
+    transformers = pytest.importorskip("transformers")
+    from planner.solve.baselines import every_block
+
+    config = transformers.LlamaConfig(vocab_size=4096, hidden_size=2048, intermediate_size=5632, num_hidden_layers=8,
+                                      num_attention_heads=16, num_key_value_heads=4, use_cache=False,
+                                      attn_implementation="sdpa")
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
+        ids = torch.randint(0, 4096, (1, 8192))
+    prepared = planner.prepare(model, inputs={"input_ids": ids, "labels": ids}, keep_output=False, device="gh200")
+    full = plan_from_solution(prepared, every_block(prepared.memory, 0), prepared.baseline.peak_bytes)
+    plan = planner.plan_for(prepared, full.predicted_peak_bytes, offload="auto", time_limit_s=15)  # else it follows
+    # the batch, as a Hugging Face model's plan does by default, and keeps or re-runs
+    assert plan.offload is not None and plan.offload.offloaded_bytes > 0
+    assert plan.predicted_peak_bytes <= full.predicted_peak_bytes
+    assert plan.predicted_overhead < full.predicted_overhead
+    assert 0 < plan.offload.d2h_busy_ms <= plan.offload.forward_ms  # every copy out within the forward
