@@ -117,7 +117,9 @@ def solve_offloaded(prepared: Prepared, budget_bytes: int, limits: OffloadLimits
         if best is not None and solution.recompute_us >= best[0]:
             continue  # re-runs as much as the best plan so far: offloads cannot make it cheaper
         offloads = choose_offloads(rung_prepared.memory, solution.plan, solution.saves, budget_bytes, limits)
-        if offloads is None or not offloads.n:
+        if offloads is None:
+            break  # the rungs above keep more: offloads that cannot bring this one down will not bring them
+        if not offloads.n:
             continue
         cost = solution.recompute_us + offloads.exposed_us
         if best is None or cost < best[0]:
