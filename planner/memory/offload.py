@@ -139,10 +139,11 @@ def holding(model: MemoryModel, plan: ChunkPlan, saves: Saves = frozenset()) -> 
 
 
 def candidates(model: MemoryModel, plan: ChunkPlan, saves: Saves = frozenset(), *,
-               min_bytes: int = MIN_OFFLOAD_BYTES) -> np.ndarray:
+               min_bytes: int = MIN_OFFLOAD_BYTES, held: _Holding | None = None) -> np.ndarray:
     """Storages the plan could offload: held through the hooks, at least ``min_bytes``, produced by a node the
-    executor can find at run time (``MemoryModel.markable``), largest first."""
-    held = holding(model, plan, saves)
+    executor can find at run time (``MemoryModel.markable``), largest first (``held``: the plan's ``holding``,
+    when the caller has it)."""
+    held = held or holding(model, plan, saves)
     ok = held.eligible & (model.size >= min_bytes)
     if len(model.markable):
         ok &= model.markable[np.clip(model.producer, 0, None)]

@@ -41,7 +41,7 @@ def choose_offloads(model: MemoryModel, plan: ChunkPlan, saves: Saves, budget_by
     if base.peak_phase == STEP_PHASE or model.step_bytes > budget_bytes:
         return None
     held = holding(model, plan, saves)
-    pool = [int(s) for s in candidates(model, plan, saves, min_bytes=limits.min_bytes)]
+    pool = [int(s) for s in candidates(model, plan, saves, min_bytes=limits.min_bytes, held=held)]
     chosen: list[int] = []
     current, used = NO_OFFLOADS, 0
     phase, node, peak = base.peak_phase, base.peak_node, base.peak_bytes
