@@ -9,6 +9,7 @@ from planner.capture.api import Captured, capture
 from planner.capture.inputs import Inputs
 from planner.capture.method import ExecutorKind
 from planner.capture.setting import as_trained
+from planner.common.interrupt import kept_ctrl_c
 from planner.common.loop import TrainingLoop
 from planner.distributed.memory import Distributed
 from planner.options import PlanOptions
@@ -29,7 +30,7 @@ def captured_and_profiled(model: nn.Module, example: Inputs, opts: PlanOptions, 
     scaled from instead of being measured (``planner.profiling.scaling``)."""
     stage = opts.progress or (lambda name: None)
     dtype = distributed.param_dtype if distributed else None
-    with as_trained(model, autocast=loop.autocast_dtype, param_dtype=dtype):
+    with kept_ctrl_c(), as_trained(model, autocast=loop.autocast_dtype, param_dtype=dtype):
         stage("capture")
         step_inputs = example.cast(dtype) if distributed and distributed.cast_forward_inputs else example
         captured = capture(model, capture_inputs(model, step_inputs),  # graph + module calls (meta inputs for a
