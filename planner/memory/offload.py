@@ -64,6 +64,8 @@ class Offloads:
     """Per storage: the backward node at whose start its reload is issued (it is on the device from then on)."""
     release: tuple[int, ...]
     """Per storage: the backward node that frees it (its earliest holder)."""
+    cached: tuple[bool, ...] = ()
+    """Per storage: held by selective checkpointing's cache, not by the saved-tensor hooks."""
     exposed_us: int
     """Time the copies add to the step: reloads the backward waits for, or every copy on a link that does not
     overlap compute, plus the marking pass over the forward's ops."""
@@ -91,21 +93,30 @@ def offloaded_bytes(model: MemoryModel, offloads: Offloads) -> int:
 
 @dataclass(frozen=True, slots=True)
 class _Holding:
-    """Where ckplan's hooks see each kept storage under one plan."""
+    """Where the executor can take each kept storage off the device under one plan, and bring it back."""
 
     release: np.ndarray
     pack: np.ndarray
-    """Per storage: the first node whose forward packs it through the hooks (NEVER: none does)."""
+    """Per storage: the node after which its copy to the host is queued: the first whose forward packs it
+    through the hooks, or the node that makes a cached one (NEVER: neither)."""
+    last: np.ndarray
+    """Per storage: the last forward node that may read it on the device: its last use, or for a cached one
+    the end of its segment's forward (where the executor lets it go)."""
     need: np.ndarray
-    """Per storage: the backward node that first unpacks it (-1: none does)."""
+    """Per storage: the backward node that first needs it back: its first unpack, or for a cached one its
+    segment's re-run (-1: none)."""
+    cached: np.ndarray
+    """Per storage: held by selective checkpointing's cache (the executor frees its bytes in place)."""
     eligible: np.ndarray
-    """Per storage: offloadable under the plan (kept through the hooks, unpacked in backward, not cached)."""
+    """Per storage: offloadable under the plan (kept through the hooks, or cached and used only inside its
+    segment; needed back in backward)."""
 
 
 def holding(model: MemoryModel, plan: ChunkPlan, saves: Saves = frozenset()) -> _Holding:
     """Pack and first-unpack nodes of every storage under ``plan``: a saver outside every segment packs it at
     its node and unpacks it in its backward; a segment holding it as input packs it where the segment starts
-    and unpacks it where the segment is re-run."""
+    and unpacks it where the segment is re-run; a segment caching it (selective checkpointing) copies it from
+    the node that makes it, lets it go where its forward ends and needs it back where it is re-run."""
     start = segment_starts(model, plan)
     owner = model.regions.chunk_of()
     release = release_of(model, plan)
@@ -114,12 +125,17 @@ def holding(model: MemoryModel, plan: ChunkPlan, saves: Saves = frozenset()) -> 
     n_s = len(model.size)
     pack = np.full(n_s, NEVER, dtype=np.int64)
     need = np.full(n_s, -1, dtype=np.int64)
-    reruns = {}
+    last_node = model.last_use.astype(np.int64).copy()
+    reruns, ends = {}, {}
     for first, stop in plan:
         last = rerun_chunk(model, first, stop)
         reruns[first] = None if last is None else int(model.recompute_at[last])
+        ends[first] = model.regions.bounds(stop - 1)[1] - 1
     for s in range(n_s):
-        if not kept[s] or cached[s]:
+        if cached[s]:
+            _cached(model, s, start, owner, reruns, ends, pack, need, last_node)
+            continue
+        if not kept[s]:
             continue
         for u in model.savers[s]:
             if u >= len(owner) or owner[u] < 0 or start[owner[u]] < 0:
@@ -133,9 +149,23 @@ def holding(model: MemoryModel, plan: ChunkPlan, saves: Saves = frozenset()) -> 
                 rerun = reruns.get(first)
                 if rerun is not None:
                     need[s] = max(need[s], rerun)
-    eligible = (kept & ~cached & ~model.fwd_fixed & (need >= 0) & (pack < NEVER) & (model.producer >= 0)
+    eligible = ((kept | cached) & ~model.fwd_fixed & (need >= 0) & (pack < NEVER) & (model.producer >= 0)
                 & (release < NEVER))
-    return _Holding(release=release, pack=pack, need=need, eligible=eligible)
+    return _Holding(release=release, pack=pack, last=last_node, need=need, cached=cached, eligible=eligible)
+
+
+def _cached(model: MemoryModel, s: int, start: np.ndarray, owner: list[int], reruns: dict, ends: dict,
+            pack: np.ndarray, need: np.ndarray, last_node: np.ndarray) -> None:
+    """Fills in a cached storage: offloadable when its segment is re-run, nothing outside the segment reads it in
+    forward, and no saver outside every segment packs it through the hooks as well."""
+    p = int(model.producer[s])
+    first = int(start[owner[p]]) if 0 <= p < len(owner) and owner[p] >= 0 else -1
+    rerun = reruns.get(first)
+    if first < 0 or rerun is None or model.last_use[s] > ends[first]:
+        return
+    if any(u >= len(owner) or owner[u] < 0 or start[owner[u]] < 0 for u in model.savers[s]):
+        return
+    pack[s], need[s], last_node[s] = p, rerun, ends[first]
 
 
 def candidates(model: MemoryModel, plan: ChunkPlan, saves: Saves = frozenset(), *,
@@ -176,7 +206,7 @@ def schedule(model: MemoryModel, plan: ChunkPlan, saves: Saves, storages, link: 
     back = _reloads(model, plan, saves, held, chosen, link)
     return Offloads(
         storages=tuple(chosen), group=back.group, gone=tuple(gone), trigger=back.trigger,
-        release=tuple(int(held.release[s]) for s in chosen),
+        release=tuple(int(held.release[s]) for s in chosen), cached=tuple(bool(held.cached[s]) for s in chosen),
         exposed_us=round(exposed_out + back.exposed) + marking_us(model), d2h_busy_us=round(d2h_busy),
         h2d_busy_us=round(back.busy), fwd_us=int(model.node_cost_us.sum()), bwd_us=back.bwd_us)
 
@@ -192,7 +222,7 @@ def _copies_out(model: MemoryModel, held: _Holding, chosen: list[int],
     for s in chosen:
         copy = model.size[s] / link.d2h_bytes_per_us
         busy += copy
-        last = int(model.last_use[s])
+        last = int(held.last[s])
         if not link.overlaps:  # synchronous: the copy is done when the pack returns
             exposed += copy
             gone.append(last + 1)

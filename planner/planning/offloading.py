@@ -23,9 +23,8 @@ from planner.solve.result import Solution, SolverStatus
 
 RUNGS = 6
 """Budgets above the device's that are planned and then offloaded down to it (``rungs_above``); when
-checkpointing alone cannot fit, the smallest peak it reaches comes first. Rungs are planned with whole segments:
-an op output selective checkpointing keeps is held by its cache, which the offload hooks do not see, while
-everything a whole-segment plan keeps passes through them."""
+checkpointing alone cannot fit, the smallest peak it reaches comes first. Rungs are planned with op-level saves
+where the options allow them: an op output a segment caches is offloaded as well as one the hooks see."""
 FIRST_SHARE = 0.4
 """Share of the time limit the plan at the device budget itself gets; the rungs share the rest."""
 
@@ -111,7 +110,7 @@ def solve_offloaded(prepared: Prepared, budget_bytes: int, limits: OffloadLimits
         if higher <= budget_bytes:
             break
         try:
-            rung_prepared, solution = solve_at(higher, deadline.within(left / (len(rungs) - i)), False)
+            rung_prepared, solution = solve_at(higher, deadline.within(left / (len(rungs) - i)), True)
         except (InfeasibleBudget, OutOfTime):
             continue
         if best is not None and solution.recompute_us >= best[0]:

@@ -19,6 +19,9 @@ import torch
 from planner.compat.torch_private import TorchDispatchMode, storage_id, tree_leaves
 from planner.errors import ProfileError
 
+_RUNNING: list[LiveStorages] = []
+"""The trackers entered and not yet left, outermost first."""
+
 
 class OverLimit(ProfileError):
     """A tracked step went over ``LiveStorages.limit_bytes``: it does not fit whole where it runs."""
@@ -50,6 +53,13 @@ def dtensor_class() -> Any:
     except ImportError:  # a torch built without distributed
         return None
     return DTensor
+
+
+def storage_resized(storage: torch.UntypedStorage) -> None:
+    """Tells every running ``LiveStorages`` that ``storage`` was resized in place (the offload executor frees
+    a cached activation's bytes so, and brings them back so)."""
+    for tracker in _RUNNING:
+        tracker.resized(storage)
 
 
 class LiveStorages(TorchDispatchMode):
@@ -102,6 +112,24 @@ class LiveStorages(TorchDispatchMode):
         if self.on_new_storage is not None:
             self.on_new_storage(key, tensor)
         return True
+
+    def __enter__(self) -> LiveStorages:
+        _RUNNING.append(self)
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        super().__exit__(*exc)
+        _RUNNING.remove(self)
+
+    def resized(self, storage: torch.UntypedStorage) -> None:
+        """Counts a counted storage at its size now (``resize_`` is no op a dispatch mode sees)."""
+        key = storage_id(storage)
+        if key in self._sizes:
+            nbytes = storage.nbytes()
+            self.live_bytes += nbytes - self._sizes[key]
+            self._sizes[key] = nbytes
+            self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+            self.window_peak_bytes = max(self.window_peak_bytes, self.live_bytes)
 
     def mark(self) -> int:
         """Start a new peak window; returns the live bytes now."""

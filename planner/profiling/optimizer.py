@@ -117,6 +117,7 @@ def _run_on_meta(cls: type, groups: list[dict], defaults: dict, *, device_type: 
         meta_groups.append({**settings, "params": meta_params})
     with LiveStorages(META) as tracker:
         for copy in copies.values():
+            assert copy.grad is not None  # set above
             tracker.track(copy)
             tracker.track(copy.grad)
         optimizer = _construct(cls, meta_groups, defaults)

@@ -45,6 +45,7 @@ from planner.compat.sac_autocast import autocast_safe
 from planner.compat.torch_private import checkpoint_region, tree_flatten, tree_unflatten
 from planner.errors import PlannerError
 from planner.rewrite.graph import restore_buffers
+from planner.rewrite.offload import offloaded_contexts
 from planner.rewrite.segment import Segment
 
 
@@ -276,7 +277,7 @@ class _Runner:
         forward, rerun = contextlib.nullcontext(), contextlib.nullcontext()
         if saved:
             caching, cached = create_selective_checkpoint_contexts(kernels.policy)
-            forward, rerun = autocast_safe(caching, cached, seen=kernels.passed)
+            forward, rerun = offloaded_contexts(*autocast_safe(caching, cached, seen=kernels.passed))
         outer = [restore_buffers(self.root, self.chain.restore_buffers)] if self.chain.restore_buffers else []
         return forward, _entered(*outer, rerun, self._replaying())
 

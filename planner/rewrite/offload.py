@@ -18,10 +18,12 @@ can be checked exactly on a machine without a GPU.
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import warnings
 import weakref
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,7 +32,7 @@ from torch import nn
 
 from planner.capture.ops import kernel_name, writes_new_memory
 from planner.compat.torch_private import TorchDispatchMode, disable_current_modes, storage_id, tree_leaves
-from planner.profiling.memtrack import dtensor_class
+from planner.profiling.memtrack import dtensor_class, storage_resized
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -45,6 +47,9 @@ class OffloadTarget:
     """Bytes of the storage (an output of the op of another size is not it)."""
     group: int
     """Reload group: 0 is brought back first in backward."""
+    cached: bool = False
+    """Held by selective checkpointing's cache: copied out when made, its bytes freed in place where its segment's
+    forward ends, brought back in place before the segment is re-run."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -155,6 +160,109 @@ def _bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
 
 
+class _CachedHandle(_Handle):
+    """An offloaded storage selective checkpointing's cache holds, which no hook sees: copied out when its op has
+    run, its device bytes freed in place (``resize_(0)``) where its segment's forward ends, and brought back in
+    place before the segment is re-run, so that every tensor over it (the cache's among them) reads them again."""
+
+    def __init__(self, step: _Step, storage: torch.UntypedStorage, group: int) -> None:
+        super().__init__(step, storage, group)
+        self.storage = weakref.ref(storage)
+        self.nbytes = storage.nbytes()
+
+    def copy_out(self) -> None:
+        source = self.on_device
+        super().copy_out()
+        if self.device.type == "cuda" and source is not None:
+            source.record_stream(self.step.offloader.side_stream(self.device))  # freed only once copied
+        self.on_device = source  # freed where the segment's forward ends
+
+    def poll(self) -> bool:
+        if self.copied is not None and self.copied.query():
+            self.copied = None
+        return self.copied is None
+
+    def free(self) -> None:
+        """The segment's forward is over: its bytes leave the device (on a GPU, once the copy is done)."""
+        storage = self.storage()
+        self.on_device = None
+        if storage is not None and storage.nbytes():
+            storage.resize_(0)
+            storage_resized(storage)
+
+    def reload(self) -> None:
+        storage = self.storage()
+        if storage is None or storage.nbytes() or self.host is None:  # gone with its graph, or never left
+            return
+        storage.resize_(self.nbytes)
+        storage_resized(storage)
+        with disable_current_modes():
+            buffer = _bytes_of(storage)
+            if self.device.type != "cuda":
+                buffer.copy_(self.host)
+                return
+            side = self.step.offloader.side_stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):
+                buffer.copy_(self.host, non_blocking=True)
+                self.ready = side.record_event()
+            buffer.record_stream(side)
+
+    def wait(self) -> None:
+        """The re-run is about to read the bytes: the compute stream waits for their reload."""
+        self.reload()
+        if self.ready is not None:
+            torch.cuda.current_stream(self.device).wait_event(self.ready)
+            self.ready = None
+
+
+class _Segment:
+    """The cached offloads of one checkpointed segment's forward, freed where it ends, waited for where it is
+    re-run."""
+
+    def __init__(self, step: _Step) -> None:
+        self.step = step
+        self.handles: list[_CachedHandle] = []
+
+    @contextlib.contextmanager
+    def forward(self) -> Iterator[None]:
+        offloader = self.step.offloader
+        outer, offloader.segment = offloader.segment, self
+        try:
+            yield
+        finally:
+            offloader.segment = outer
+            for handle in self.handles:
+                handle.free()
+
+    @contextlib.contextmanager
+    def rerun(self) -> Iterator[None]:
+        for group in sorted({h.group for h in self.handles}):
+            self.step.unpacked(group)
+        for handle in self.handles:
+            handle.wait()
+        yield
+
+
+_running = threading.local()
+
+
+def offloaded_contexts(forward: Any, recompute: Any) -> tuple[Any, Any]:
+    """A segment's selective-checkpointing contexts (``context_fn``'s pair, made as its forward starts), with the
+    running training step's cached offloads: freed where the forward ends, brought back before the re-run."""
+    offloader = getattr(_running, "offloader", None)
+    if offloader is None or offloader._step is None or not offloader.cached:
+        return forward, recompute
+    segment = _Segment(offloader._step)
+    return _entered(segment.forward(), forward), _entered(segment.rerun(), recompute)
+
+
+@contextlib.contextmanager
+def _entered(first: Any, second: Any) -> Iterator[None]:
+    with first, second:
+        yield
+
+
 class _Step:
     """The offloads of one training forward and its backward."""
 
@@ -223,6 +331,9 @@ class Offloader:
         for t in spec.targets:
             self.wanted.setdefault((t.kernel, t.occurrence), []).append(t)
         self.names = {t.kernel for t in spec.targets}
+        self.cached = any(t.cached for t in spec.targets)
+        self.segment: _Segment | None = None
+        """The checkpointed segment whose forward runs now (its cached offloads are freed where it ends)."""
         self.host_peak_bytes = 0
         """Most bytes the host store held at once (the last steps')."""
         self.missed = 0
@@ -248,11 +359,13 @@ class Offloader:
         marking.__enter__()
         hooks.__enter__()
         self._active.append((marking, hooks))
+        _running.offloader = self
 
     def end(self, module: nn.Module, args: Any, *rest: Any) -> None:
         if not self._active:
             return
         marking, hooks = self._active.pop()
+        _running.offloader, self.segment = None, None
         hooks.__exit__(None, None, None)
         marking.__exit__(None, None, None)
         found = sum(1 for (name, k) in self.wanted if marking.seen[name] > k)
@@ -273,8 +386,15 @@ class Offloader:
         for leaf in tree_leaves(out):
             if isinstance(leaf, torch.Tensor) and leaf.device.type != "meta":
                 storage = leaf.untyped_storage()
-                if storage.nbytes() == target.nbytes:
+                if storage.nbytes() != target.nbytes:
+                    continue
+                if not target.cached:
                     self._marked[storage_id(storage)] = (weakref.ref(storage), target)
+                elif self._step is not None and self.segment is not None:  # copied now, freed where it ends
+                    handle = _CachedHandle(self._step, storage, target.group)
+                    self._step.add(handle)
+                    self.segment.handles.append(handle)  # the re-run context holds it while the graph does
+                return
 
     def _pack(self, tensor: torch.Tensor) -> Any:
         if self._step is None or tensor.device.type == "meta" or type(tensor) is not torch.Tensor:
@@ -315,11 +435,12 @@ def offloader_of(module: nn.Module) -> Offloader | None:
 
 
 def targets_of(kernels: Sequence[Sequence[str]], producers: Sequence[int], sizes: Sequence[int],
-               groups: Sequence[int], ops: Sequence[int | None]) -> tuple[OffloadTarget, ...]:
+               groups: Sequence[int], ops: Sequence[int | None], cached: Sequence[bool]) -> tuple[OffloadTarget, ...]:
     """The targets of offloaded storages made by nodes ``producers`` (per node, ``kernels``: its fresh-memory ops in
     order; ``ops``: which of the producer's ops made each storage), each op named by its occurrence among the
-    forward's ops of that name. Where the op is not known, every op of the producer is a target: the storage is the
-    output of that size of whichever of them makes it."""
+    forward's ops of that name; ``cached``: per storage, held by selective checkpointing's cache. Where the op is
+    not known, every op of the producer is a target: the storage is the output of that size of whichever of them
+    makes it."""
     named: dict[int, list[tuple[str, int]]] = {}
     seen: Counter[str] = Counter()
     wanted = set(producers)
@@ -329,8 +450,8 @@ def targets_of(kernels: Sequence[Sequence[str]], producers: Sequence[int], sizes
                 named.setdefault(i, []).append((name, seen[name]))
             seen[name] += 1
     targets = []
-    for p, n, g, op in zip(producers, sizes, groups, ops):
+    for p, n, g, op, c in zip(producers, sizes, groups, ops, cached):
         mine = named.get(p, [])
         for name, k in ([mine[op]] if op is not None and op < len(mine) else mine):
-            targets.append(OffloadTarget(kernel=name, occurrence=k, nbytes=int(n), group=int(g)))
+            targets.append(OffloadTarget(kernel=name, occurrence=k, nbytes=int(n), group=int(g), cached=bool(c)))
     return tuple(targets)

@@ -37,6 +37,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 from planner.capture.ops import draws_random, writes_new_memory
 from planner.compat.sac_autocast import autocast_safe
 from planner.compat.torch_private import OpOverload
+from planner.rewrite.offload import offloaded_contexts
 
 _state = threading.local()
 
@@ -70,10 +71,11 @@ def _both(first, second):
 
 
 def sac_contexts(module: nn.Module, restore: Sequence[str], restore_buffers) -> tuple:
-    """``context_fn`` result of a segment with saves: SAC's forward and recompute modes, the
-    recompute one combined with putting ``restore`` buffers back (BatchNorm statistics)."""
+    """``context_fn`` result of a segment with saves: SAC's forward and recompute modes (with the plan's
+    offloads of what they cache), the recompute one combined with putting ``restore`` buffers back
+    (BatchNorm statistics)."""
     _state.saving = False
-    forward, recompute = autocast_safe(*create_selective_checkpoint_contexts(policy))
+    forward, recompute = offloaded_contexts(*autocast_safe(*create_selective_checkpoint_contexts(policy)))
     if restore:
         # outermost: the snapshot and the copy back must run outside SAC's mode, which only knows
         # the segment's own ops

@@ -72,7 +72,7 @@ def choose_offloads(model: MemoryModel, plan: ChunkPlan, saves: Saves, budget_by
 def _counted_at(model: MemoryModel, held, s: int, phase: str, node: int) -> bool:
     """Whether the timeline counts ``s`` at ``node`` in ``phase``, where offloading it could take it away."""
     if phase == "forward":
-        return bool(model.last_use[s] < node)
+        return bool(held.last[s] < node)
     return bool(held.release[s] <= node and held.need[s] < node)
 
 
