@@ -25,6 +25,8 @@ RUNGS = 6
 """Budgets above the device's that are planned and then offloaded down to it (``rungs_above``); when
 checkpointing alone cannot fit, the smallest peak it reaches comes first. Rungs are planned with op-level saves
 where the options allow them: an op output a segment caches is offloaded as well as one the hooks see."""
+BISECT = 2
+"""Budgets tried between the last rung offloads bring down to the budget and the first they cannot."""
 FIRST_SHARE = 0.4
 """Share of the time limit the plan at the device budget itself gets; the rungs share the rest."""
 
@@ -87,7 +89,9 @@ def offload_limits(prepared: Prepared, options: PlanOptions, *, follows: bool = 
 def solve_offloaded(prepared: Prepared, budget_bytes: int, limits: OffloadLimits, deadline: Deadline,
                     solve_at: SolveAt) -> tuple[Prepared, Solution]:
     """The cheapest of: the plan for ``budget_bytes`` itself, and the plans for each rung above it offloaded
-    down to it. A plan with offloads is ``FEASIBLE`` (its re-runs are optimal for the rung's budget only).
+    down to it. At the first rung offloads cannot bring down (those above keep more), the budgets between it and
+    the rung below are bisected ``BISECT`` times. A plan with offloads is ``FEASIBLE`` (its re-runs are optimal
+    for the rung's budget only).
 
     Raises:
         InfeasibleBudget / OutOfTime: as the plain solve, when no plan fits even with offloads.
@@ -103,27 +107,42 @@ def solve_offloaded(prepared: Prepared, budget_bytes: int, limits: OffloadLimits
     floor = getattr(failure, "min_peak_bytes", None)
     if floor is not None and budget_bytes < floor < (rungs[0] if rungs else floor + 1):
         rungs.insert(0, floor)  # the smallest peak checkpointing reaches, offloaded down to the budget
-    for i, higher in enumerate(rungs):
-        left = deadline.left_s()
-        if deadline.passed or (best is not None and best[2].interrupted):
-            break
-        if higher <= budget_bytes:
-            break
+
+    def attempt(higher: int, share: int) -> bool:
+        """Plans ``higher``, offloads it down to the budget, keeps it if it is the cheapest; False when offloads
+        cannot bring it down."""
+        nonlocal best
         try:
-            rung_prepared, solution = solve_at(higher, deadline.within(left / (len(rungs) - i)), True)
+            rung_prepared, solution = solve_at(higher, deadline.within(deadline.left_s() / share), True)
         except (InfeasibleBudget, OutOfTime):
-            continue
+            return True
         if best is not None and solution.recompute_us >= best[0]:
-            continue  # re-runs as much as the best plan so far: offloads cannot make it cheaper
+            return True  # re-runs as much as the best plan so far: offloads cannot make it cheaper
         offloads = choose_offloads(rung_prepared.memory, solution.plan, solution.saves, budget_bytes, limits)
         if offloads is None:
-            break  # the rungs above keep more: offloads that cannot bring this one down will not bring them
-        if not offloads.n:
-            continue
+            return False
         cost = solution.recompute_us + offloads.exposed_us
-        if best is None or cost < best[0]:
+        if offloads.n and (best is None or cost < best[0]):
             best = (cost, rung_prepared, replace(solution, offloads=offloads, status=SolverStatus.FEASIBLE,
                                                  bound_us=None))
+        return True
+
+    below = budget_bytes
+    for i, higher in enumerate(rungs):
+        if deadline.passed or (best is not None and best[2].interrupted) or higher <= budget_bytes:
+            break
+        if attempt(higher, len(rungs) - i + BISECT):
+            below = higher
+            continue
+        for k in range(BISECT):  # the rungs above keep more: offloads will not bring them down either
+            middle = (below + higher) // 2
+            if deadline.passed or middle <= below:
+                break
+            if attempt(middle, BISECT - k):
+                below = middle
+            else:
+                higher = middle
+        break
     if best is None:
         assert failure is not None
         raise failure

@@ -1,8 +1,9 @@
 """Which kept activations a plan offloads to host memory to fit the device budget (torch-free).
 
 ``choose_offloads`` takes a checkpointing plan whose predicted peak is over the budget and offloads kept
-storages until it fits: at each step the largest candidate that lowers the peak where it stands, with the
-copies' schedule (``planner.memory.offload.schedule``) recomputed for every choice, within the host budget.
+storages until it fits: at each step the largest candidate that lowers the peak where it stands without adding
+exposed copy time (else the one that adds the least), with the copies' schedule
+(``planner.memory.offload.schedule``) recomputed for every choice, within the host budget.
 ``planner.planning.offloading`` calls it on the plans of a few budgets above the device's, so that the
 solvers choose among keeping, re-running and offloading: a plan that re-runs less and offloads what does
 not fit wins when its copies cost less than the re-runs they spare.
@@ -47,7 +48,7 @@ def choose_offloads(model: MemoryModel, plan: ChunkPlan, saves: Saves, budget_by
     phase, node, peak = base.peak_phase, base.peak_node, base.peak_bytes
     while peak > budget_bytes:
         picked = None
-        for s in pool:
+        for s in pool:  # largest first; the first that costs no more exposed copy time, else the cheapest
             size = int(model.size[s])
             if limits.host_budget_bytes is not None and used + size > limits.host_budget_bytes:
                 continue
@@ -58,8 +59,10 @@ def choose_offloads(model: MemoryModel, plan: ChunkPlan, saves: Saves, budget_by
                 continue
             trial_phase, trial_node, trial_peak = _peak(model, base, trial)
             if trial_peak < peak or (trial_peak == peak and (trial_phase, trial_node) != (phase, node)):
-                picked = (s, trial, trial_phase, trial_node, trial_peak)
-                break
+                if picked is None or trial.exposed_us < picked[1].exposed_us:
+                    picked = (s, trial, trial_phase, trial_node, trial_peak)
+                if trial.exposed_us <= current.exposed_us:
+                    break
         if picked is None:
             return None
         s, current, phase, node, peak = picked
