@@ -2,12 +2,14 @@
 device and comes back, what the host link's queues cost (torch-free; ``docs/offload.md`` derives it).
 
 A storage the plan keeps until backward through ckplan's saved-tensor hooks (saved by a node outside every
-segment, or held as a segment's input; not one selective checkpointing caches) can be offloaded: when it is
-first packed for backward, a copy to host memory is queued on the device-to-host link; the device storage
-is freed once that copy is done and the forward has passed its last use. In backward, storages are reloaded
-group by group (a group: the offloaded storages whose first unpack falls in one chunk): the first unpack of
-group ``g`` issues the reloads of group ``g + 1``, one group ahead, and waits for its own. A reloaded
-buffer is device memory from the moment its reload is issued until the storage's release.
+segment, or held as a segment's input) can be offloaded: when it is first packed for backward, a copy to host
+memory is queued on the device-to-host link; the device storage is freed once that copy is done and the
+forward has passed its last use. So can an op output selective checkpointing caches and only its segment
+reads: its copy is queued when its node has run, and it is freed once the copy is done and the segment's
+forward is over. In backward, storages are reloaded group by group (a group: the offloaded storages whose
+first need, an unpack or a cached output's segment re-run, falls in one chunk): the first need of group ``g``
+issues the reloads of group ``g + 1``, one group ahead, and waits for its own. A reloaded buffer is device
+memory from the moment its reload is issued until the storage's release.
 
 On a link that runs beside compute (a GPU's copy engines) a copy costs nothing while the compute hides it;
 a reload that is not done when its group is first unpacked stalls the step by the difference. On a link
@@ -170,9 +172,9 @@ def _cached(model: MemoryModel, s: int, start: np.ndarray, owner: list[int], rer
 
 def candidates(model: MemoryModel, plan: ChunkPlan, saves: Saves = frozenset(), *,
                min_bytes: int = MIN_OFFLOAD_BYTES, held: _Holding | None = None) -> np.ndarray:
-    """Storages the plan could offload: held through the hooks, at least ``min_bytes``, produced by a node the
-    executor can find at run time (``MemoryModel.markable``), largest first (``held``: the plan's ``holding``,
-    when the caller has it)."""
+    """Storages the plan could offload: held through the hooks or in a segment's cache, at least ``min_bytes``,
+    produced by a node the executor can find at run time (``MemoryModel.markable``), largest first (``held``: the
+    plan's ``holding``, when the caller has it)."""
     held = held or holding(model, plan, saves)
     ok = held.eligible & (model.size >= min_bytes)
     if len(model.markable):

@@ -7,7 +7,10 @@ marks the storages of the ops the plan offloads (``OffloadTarget``: an op's name
 input ``torch.utils.checkpoint`` keeps, so that the first time a marked storage is packed its bytes are copied
 to host memory and the device storage is let go (the forward frees it after its last use). In backward the
 first unpack of a reload group brings its storages back and issues the next group's reloads, one group ahead;
-each saved view is rebuilt over the reloaded bytes.
+each saved view is rebuilt over the reloaded bytes. An op output selective checkpointing caches is seen by no
+hook: it is copied out as soon as its op has run, its bytes are freed in place (``resize_(0)``) where its segment's
+forward ends, and they are put back in place before the segment is re-run (``offloaded_contexts`` wraps the
+segment's contexts).
 
 On a GPU copies run on a side stream into pinned host memory (torch's caching host allocator pools it), ordered
 by events; a storage leaves the device once its copy is done. On a CPU the host store is the same memory: copies
