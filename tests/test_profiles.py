@@ -323,3 +323,26 @@ def test_values_nothing_reads_are_freed_in_the_profile_as_in_the_step():
     measured = measure_peak(model, as_inputs(model, (x,)), loss_fn)
     assert planner.profile(model, inputs=(x,), loss_fn=loss_fn).baseline_peak_bytes == measured
     assert planner.profile(model, inputs=(x,), loss_fn=loss_fn, device="generic-cpu").baseline_peak_bytes == measured
+
+
+@pytest.mark.slow
+def test_a_hugging_face_decoder_on_meta_estimates_what_its_real_twin_does():
+    """On meta the model is exported, where Hugging Face's mask code cannot read values: it would hand every
+    attention call a tokens x tokens mask (and repeat grouped key/value heads) that eager code, which the real
+    model's estimate captures, never makes. Both take the eager path: no mask, the same peak but for the int64
+    positions export keeps."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=320, hidden_size=128, intermediate_size=344, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, use_cache=False,
+                                      attn_implementation="sdpa")
+    tokens = 1024
+    real = transformers.LlamaForCausalLM(config)
+    ids = torch.randint(0, 320, (1, tokens))
+    twin = planner.profile(real, inputs={"input_ids": ids, "labels": ids}, device="h100")
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(config)
+    on_meta = planner.profile(model, inputs={"input_ids": ids.to("meta"), "labels": ids.to("meta")}, device="h100")
+    assert on_meta.capture_method == "export"
+    masks = (tokens * tokens, 4 * tokens * tokens)  # the boolean mask, its additive copy
+    assert not [s.nbytes for s in on_meta.storages if s.nbytes in masks]
+    assert abs(on_meta.baseline_peak_bytes - twin.baseline_peak_bytes) <= 8 * tokens  # export's int64 positions

@@ -20,6 +20,7 @@ from planner.capture.cache import no_cache
 from planner.capture.calls import SCOPE_KEY, CallIndex, repeated_blocks
 from planner.capture.fx import trace
 from planner.capture.inputs import Inputs
+from planner.capture.masks import eager_masks
 from planner.capture.method import CaptureMethod, ExecutorKind
 from planner.errors import CaptureError, InputError, user_frame
 
@@ -96,7 +97,7 @@ def _export(request: Request) -> tuple[fx.GraphModule, frozenset[str]]:
     from planner.capture.export import export_graph  # torch.export is only needed here
 
     assert request.inputs is not None  # the tier applies with inputs only
-    with no_cache(request.model):
+    with no_cache(request.model), eager_masks(request.inputs.kwargs):  # the masks eager code makes, not export's
         return export_graph(request.model, request.inputs.args, request.inputs.kwargs), frozenset()
 
 
