@@ -112,6 +112,13 @@ class _Holding:
     eligible: np.ndarray
     """Per storage: offloadable under the plan (kept through the hooks, or cached and used only inside its
     segment; needed back in backward)."""
+    fwd_end: np.ndarray
+    """The forward's clock: per node, the compute time up to its end, microseconds."""
+    bwd_elapsed: np.ndarray
+    """The plan's backward clock: compute time before the k-th node from the end, microseconds (re-runs
+    included); the copies run beside it."""
+    owner: list[int]
+    """Per node: its chunk (``Regions.chunk_of``)."""
 
 
 def holding(model: MemoryModel, plan: ChunkPlan, saves: Saves = frozenset()) -> _Holding:
@@ -153,7 +160,11 @@ def holding(model: MemoryModel, plan: ChunkPlan, saves: Saves = frozenset()) -> 
                     need[s] = max(need[s], rerun)
     eligible = ((kept | cached) & ~model.fwd_fixed & (need >= 0) & (pack < NEVER) & (model.producer >= 0)
                 & (release < NEVER))
-    return _Holding(release=release, pack=pack, last=last_node, need=need, cached=cached, eligible=eligible)
+    bwd = model.bwd_cost_us if len(model.bwd_cost_us) else 2 * model.node_cost_us
+    per_node = bwd + _rerun_us(model, plan, saves)
+    return _Holding(release=release, pack=pack, last=last_node, need=need, cached=cached, eligible=eligible,
+                    fwd_end=np.cumsum(model.node_cost_us), bwd_elapsed=np.concatenate([[0], np.cumsum(per_node[::-1])]),
+                    owner=owner)
 
 
 def _cached(model: MemoryModel, s: int, start: np.ndarray, owner: list[int], reruns: dict, ends: dict,
@@ -205,7 +216,7 @@ def schedule(model: MemoryModel, plan: ChunkPlan, saves: Saves, storages, link: 
     if out is None:
         return None
     gone, d2h_busy, exposed_out = out
-    back = _reloads(model, plan, saves, held, chosen, link)
+    back = _reloads(model, held, chosen, link)
     return Offloads(
         storages=tuple(chosen), group=back.group, gone=tuple(gone), trigger=back.trigger,
         release=tuple(int(held.release[s]) for s in chosen), cached=tuple(bool(held.cached[s]) for s in chosen),
@@ -218,23 +229,20 @@ def _copies_out(model: MemoryModel, held: _Holding, chosen: list[int],
     """``(gone, busy, exposed)`` of the copies to the host, queued in pack order: the node each storage is gone
     from, the link's busy time and the time the step waits for it (all of it on a link that does not overlap
     compute); None when a copy ends after the forward."""
-    fwd_end = np.cumsum(model.node_cost_us)
-    fwd_start = fwd_end - model.node_cost_us
-    gone, free, busy, exposed = [], 0.0, 0.0, 0.0
-    for s in chosen:
-        copy = model.size[s] / link.d2h_bytes_per_us
-        busy += copy
-        last = int(held.last[s])
-        if not link.overlaps:  # synchronous: the copy is done when the pack returns
-            exposed += copy
-            gone.append(last + 1)
-            continue
-        free = max(float(fwd_end[held.pack[s]]), free) + copy
-        at = max(last + 1, int(np.searchsorted(fwd_start, free, side="left")))
-        if at >= model.n_nodes:
-            return None
-        gone.append(at)
-    return gone, busy, exposed
+    idx = np.asarray(chosen, dtype=np.int64)
+    copies = model.size[idx] / link.d2h_bytes_per_us
+    busy = float(copies.sum())
+    after_last = held.last[idx] + 1
+    if not link.overlaps:  # synchronous: each copy is done when its pack returns
+        return [int(g) for g in after_last], busy, busy
+    # a queue: copy i starts when its pack node's forward ends and copy i - 1 is done, so it ends at
+    # max over j <= i of (ready_j + copies j..i), a running maximum over the cumulative copy time
+    done = np.cumsum(copies)
+    ends = done + np.maximum.accumulate(held.fwd_end[held.pack[idx]] - (done - copies))
+    gone = np.maximum(after_last, np.searchsorted(held.fwd_end - model.node_cost_us, ends, side="left"))
+    if len(gone) and int(gone.max()) >= model.n_nodes:
+        return None
+    return [int(g) for g in gone], busy, 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -246,13 +254,11 @@ class _Back:
     bwd_us: int
 
 
-def _reloads(model: MemoryModel, plan: ChunkPlan, saves: Saves, held: _Holding, chosen: list[int],
-             link: HostLink) -> _Back:
+def _reloads(model: MemoryModel, held: _Holding, chosen: list[int], link: HostLink) -> _Back:
     """The reloads in backward: groups by the chunk of each storage's first unpack, the last chunk's first; the first
     unpack of group g issues g's reloads (if not yet) and g + 1's, and waits for g's, stalling the step while the
     link is behind (every reload stalls it on a link that does not overlap compute)."""
-    n = model.n_nodes
-    owner = model.regions.chunk_of()
+    n, owner = model.n_nodes, held.owner
     need = {s: int(held.need[s]) for s in chosen}
     key = {s: owner[need[s]] if need[s] < len(owner) and owner[need[s]] >= 0 else model.n_chunks for s in chosen}
     keys = sorted(set(key.values()), reverse=True)
@@ -262,8 +268,7 @@ def _reloads(model: MemoryModel, plan: ChunkPlan, saves: Saves, held: _Holding, 
     for s in chosen:
         group_bytes[group_of[key[s]]] += float(model.size[s])
     issue_at = [unpack_at[0], *unpack_at[:-1]]  # one group ahead; the first on demand
-    per_node = (model.bwd_cost_us if len(model.bwd_cost_us) else 2 * model.node_cost_us) + _rerun_us(model, plan, saves)
-    elapsed = np.concatenate([[0], np.cumsum(per_node[::-1])])  # before the k-th node from the end
+    elapsed = held.bwd_elapsed
     stall, link_free, busy, exposed = 0.0, 0.0, 0.0, 0.0
     ends: dict[int, float] = {}
     for g, at in enumerate(unpack_at):

@@ -20,6 +20,10 @@ from planner.memory.offload import NO_OFFLOADS, HostLink, Offloads, candidates, 
 from planner.memory.saves import Saves
 from planner.memory.simulate import STEP_PHASE, Timeline, simulate
 
+LOOKAHEAD = 8
+"""Candidates a step of the greedy tries past the first that lowers the peak, looking for one that adds less exposed
+copy time."""
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class OffloadLimits:
@@ -47,8 +51,10 @@ def choose_offloads(model: MemoryModel, plan: ChunkPlan, saves: Saves, budget_by
     current, used = NO_OFFLOADS, 0
     phase, node, peak = base.peak_phase, base.peak_node, base.peak_bytes
     while peak > budget_bytes:
-        picked = None
-        for s in pool:  # largest first; the first that costs no more exposed copy time, else the cheapest
+        picked, looked = None, 0
+        for s in pool:  # largest first; the first that costs no more exposed copy time, else the cheapest of a few
+            if picked is not None and looked >= LOOKAHEAD:
+                break
             size = int(model.size[s])
             if limits.host_budget_bytes is not None and used + size > limits.host_budget_bytes:
                 continue
@@ -63,6 +69,8 @@ def choose_offloads(model: MemoryModel, plan: ChunkPlan, saves: Saves, budget_by
                     picked = (s, trial, trial_phase, trial_node, trial_peak)
                 if trial.exposed_us <= current.exposed_us:
                     break
+            if picked is not None:
+                looked += 1
         if picked is None:
             return None
         s, current, phase, node, peak = picked
