@@ -115,7 +115,7 @@ def report(results: list[dict], args: argparse.Namespace) -> str:
              f"`python bench/offload.py --devices {' '.join(args.devices)} --tokens "
              f"{' '.join(map(str, args.tokens))}` on {platform.machine()}, torch {torch.__version__}, solve time limit "
              f"{args.time_limit:.0f} s per plan. One sequence per step, bf16 mixed precision, AdamW, the logits "
-             "dropped before backward. Memory from the meta replay (exact for the Hugging Face Llama code), times "
+             "dropped before backward. Memory from the meta replay (the Hugging Face Llama code as eager code runs it: SDPA's causal kernel, no mask), times "
              "from the device spec's roofline and host link: every figure is a prediction, none is measured on a GPU. "
              "Step time = the un-checkpointed step + re-runs + the copy time the compute does not hide. "
              "\"vs full AC\": step time saved against full activation checkpointing's own step. Host budget per rank: "
