@@ -11,7 +11,8 @@ before backward (``keep_output=False``, as torchtitan's train loop). Each shape 
 meta, the memory replay on meta tensors, roofline times), then planned with the hand policies in the same
 cost model (``planner.solve.baselines``: every decoder layer, as torchtitan's full activation checkpointing
 and Hugging Face's gradient checkpointing do; torchtitan's default op-level selective policy, ``op_sac``),
-ckplan at each policy's own peak, and ckplan at a few budgets. Reported: predicted per-rank peak, re-run time
+ckplan at each policy's own peak, and ckplan at a few budgets, all checkpointing only (``offload=False``: host
+offload, on by default for a GPU spec, is weighed in ``bench/offload.py``). Reported: predicted per-rank peak, re-run time
 and overhead of each, planning time and the process's peak resident memory (each shape in a fresh process,
 so that RSS is its own).
 """
@@ -88,7 +89,7 @@ def one_shape(name: str, time_limit_s: float) -> dict:
         rows.append((label, plan.predicted_peak_bytes, plan.recompute_ms, plan.predicted_overhead,
                      f"{len(plan.segments)} segments, {sum(len(s.saved_ops) for s in plan.segments)} ops kept"))
         start = time.perf_counter()
-        ours = planner.plan_for(prepared, plan.predicted_peak_bytes)
+        ours = planner.plan_for(prepared, plan.predicted_peak_bytes, offload=False)
         rows.append(("ckplan at that peak", ours.predicted_peak_bytes, ours.recompute_ms, ours.predicted_overhead,
                      f"re-runs {ours.recompute_ms / plan.recompute_ms:.2f}x the policy; {len(ours.segments)} segments, "
                      f"{sum(len(s.saved_ops) for s in ours.segments)} ops kept, {ours.solver_status} in "
@@ -97,7 +98,7 @@ def one_shape(name: str, time_limit_s: float) -> dict:
     for budget in shape["budgets"]:
         start = time.perf_counter()
         try:
-            plan = planner.plan_for(prepared, budget)
+            plan = planner.plan_for(prepared, budget, offload=False)
             rows.append((f"ckplan at {budget}", plan.predicted_peak_bytes, plan.recompute_ms, plan.predicted_overhead,
                          f"{len(plan.segments)} segments, {sum(len(s.saved_ops) for s in plan.segments)} ops kept, "
                          f"{plan.solver_status} in {plan.solve_time_s:.1f} s"))
@@ -167,8 +168,8 @@ sizes are not all stated.
 
 | torchtitan | logged peak per GPU | ckplan's prediction for the closest plan here |
 |---|---|---|
-| full activation checkpointing (pytorch/torchtitan PR 3429) | 32.07 GiB | every decoder layer: 27.69 GiB (the logits dropped before backward) |
-| default selective policy (PR 3429) | 52.44 GiB | op_sac, the same policy in ckplan's cost model: 45.22 GiB; ckplan at that peak re-runs 0.99x of it |
+| full activation checkpointing (pytorch/torchtitan PR 3429) | 32.07 GiB | every decoder layer: 27.63 GiB (the logits dropped before backward) |
+| default selective policy (PR 3429) | 52.44 GiB | op_sac, the same policy in ckplan's cost model: 39.16 GiB; ckplan at that peak re-runs 0.96x of it |
 | local batch 2, selective op checkpointing (benchmarks/llama3_h100_202412_torchtitan.md) | 82.4 GiB | not planned here: batch 1 |
 
 What can separate a logged peak from a prediction of live tensors, which this bench does not model:
