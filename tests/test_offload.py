@@ -141,8 +141,8 @@ def test_a_rewritten_graph_offloads_exactly_as_predicted(gpt_prepared, plan_frac
     _check(plan, model, x)
 
 
-@pytest.mark.slow
-def test_a_hugging_face_model_offloads_exactly_as_predicted_through_its_own_modules():
+def _qwen2():
+    """A small Qwen2 causal LM, its batch, and the model prepared for one plan (run by its own modules)."""
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     config = transformers.Qwen2Config(vocab_size=512, hidden_size=256, intermediate_size=704, num_hidden_layers=3,
@@ -150,7 +150,12 @@ def test_a_hugging_face_model_offloads_exactly_as_predicted_through_its_own_modu
     model = transformers.Qwen2ForCausalLM(config).train()
     ids = torch.randint(1, 512, (4, 512))
     batch = {"input_ids": ids, "labels": ids}
-    prepared = planner.prepare(model, inputs=batch, follow_batch=False)
+    return model, batch, planner.prepare(model, inputs=batch, follow_batch=False)
+
+
+@pytest.mark.slow
+def test_a_hugging_face_model_offloads_exactly_as_predicted_through_its_own_modules():
+    model, batch, prepared = _qwen2()
     assert prepared.executor.kind.value == "hooks"
     plan = _offloaded_plan(prepared, 1.0)
     _check(plan, model, batch)
@@ -188,14 +193,7 @@ def test_op_outputs_selective_checkpointing_cached_offload_exactly_as_predicted(
 
 @pytest.mark.slow
 def test_a_hugging_face_models_cached_op_outputs_offload_exactly_as_predicted():
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    config = transformers.Qwen2Config(vocab_size=512, hidden_size=256, intermediate_size=704, num_hidden_layers=3,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
-    model = transformers.Qwen2ForCausalLM(config).train()
-    ids = torch.randint(1, 512, (4, 512))
-    batch = {"input_ids": ids, "labels": ids}
-    prepared = planner.prepare(model, inputs=batch, follow_batch=False)
+    model, batch, prepared = _qwen2()
     plan = _cached_offloaded_plan(prepared, 0.45, ("*silu*", "*scaled_dot_product*"))
     _check(plan, model, batch)
 

@@ -135,16 +135,22 @@ class _Handle:
             return
         assert self.host is not None
         buffer = torch.empty(self.host.numel(), dtype=torch.uint8, device=self.device)
+        self.copy_in(buffer)
+        self.on_device = buffer
+
+    def copy_in(self, buffer: torch.Tensor) -> None:
+        """Copies the host bytes into ``buffer``: at once on a CPU; on a GPU on the side stream, after what the
+        compute stream has issued, ``ready`` recorded when done."""
+        assert self.host is not None
         if self.device.type != "cuda":
             buffer.copy_(self.host)
-        else:
-            side = self.step.offloader.side_stream(self.device)
-            side.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(side):
-                buffer.copy_(self.host, non_blocking=True)
-                self.ready = side.record_event()
-            buffer.record_stream(side)
-        self.on_device = buffer
+            return
+        side = self.step.offloader.side_stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            buffer.copy_(self.host, non_blocking=True)
+            self.ready = side.record_event()
+        buffer.record_stream(side)
 
     def view(self, saved: _Saved) -> torch.Tensor:
         self.step.unpacked(self.group)
@@ -200,16 +206,7 @@ class _CachedHandle(_Handle):
         storage.resize_(self.nbytes)
         storage_resized(storage)
         with disable_current_modes():
-            buffer = _bytes_of(storage)
-            if self.device.type != "cuda":
-                buffer.copy_(self.host)
-                return
-            side = self.step.offloader.side_stream(self.device)
-            side.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(side):
-                buffer.copy_(self.host, non_blocking=True)
-                self.ready = side.record_event()
-            buffer.record_stream(side)
+            self.copy_in(_bytes_of(storage))
 
     def wait(self) -> None:
         """The re-run is about to read the bytes: the compute stream waits for their reload."""
