@@ -35,7 +35,8 @@ from planner.profiling.devices import load_device
 from planner.profiling.optimizer import optimizer_state
 from planner.profiling.record import Profile
 from planner.rewrite.modules import PlannedShapes
-from planner.rewrite.offload import OffloadSpec, install_offloads, targets_of
+from planner.rewrite.offload import install_offloads
+from planner.rewrite.offload_spec import OffloadSpec, targets_of
 from planner.rewrite.segment import Segment, segments_of
 from planner.solve.deadline import Deadline
 from planner.solve.registry import capabilities, get_solver

@@ -35,7 +35,8 @@ from planner.options import OptionArgs, PlanOptions, resolve
 from planner.profiling.devices import SacCostSource
 from planner.rewrite.executor import executor_for
 from planner.rewrite.modules import PlannedShapes
-from planner.rewrite.offload import OffloadSpec, OffloadTarget, install_offloads
+from planner.rewrite.offload import install_offloads
+from planner.rewrite.offload_spec import OffloadSpec, OffloadTarget
 from planner.rewrite.segment import Segment
 from planner.solve.result import SolverStatus
 

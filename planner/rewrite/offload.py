@@ -26,8 +26,7 @@ import threading
 import warnings
 import weakref
 from collections import Counter
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -36,50 +35,7 @@ from torch import nn
 from planner.capture.ops import kernel_name, writes_new_memory
 from planner.compat.torch_private import TorchDispatchMode, disable_current_modes, storage_id, tree_leaves
 from planner.profiling.memtrack import dtensor_class, storage_resized
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class OffloadTarget:
-    """One offloaded storage, as the executor finds it: the op that makes it and its size."""
-
-    kernel: str
-    """Name of the op (``planner.capture.ops.kernel_name``)."""
-    occurrence: int
-    """Its occurrence among the forward's ops of that name, from 0."""
-    nbytes: int
-    """Bytes of the storage (an output of the op of another size is not it)."""
-    group: int
-    """Reload group: 0 is brought back first in backward."""
-    cached: bool = False
-    """Held by selective checkpointing's cache: copied out when made, its bytes freed in place where its segment's
-    forward ends, brought back in place before the segment is re-run."""
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class OffloadSpec:
-    """What a plan offloads and what the model predicts of it."""
-
-    targets: tuple[OffloadTarget, ...]
-    storages: int
-    """How many storages are offloaded (a storage made by a node of several ops has a target per op)."""
-    offloaded_bytes: int
-    """Bytes copied to host memory each step (pinned host memory the plan holds)."""
-    exposed_ms: float
-    """Time the copies add to the step (reloads waited for; every copy on a CPU), ms."""
-    d2h_busy_ms: float
-    """Time the device-to-host link is busy in forward, ms."""
-    forward_ms: float
-    """The forward's compute time the copies run beside, ms."""
-    h2d_busy_ms: float
-    """Time the host-to-device link is busy in backward, ms."""
-    backward_ms: float
-    """The backward's compute time (re-runs included) the reloads run beside, ms."""
-    link: str = ""
-    """Where the link's rates come from."""
-
-    @property
-    def groups(self) -> int:
-        return 1 + max((t.group for t in self.targets), default=-1)
+from planner.rewrite.offload_spec import OffloadSpec, OffloadTarget
 
 
 class _Saved:
@@ -432,26 +388,3 @@ def install_offloads(module: nn.Module, spec: OffloadSpec | None) -> Offloader |
 def offloader_of(module: nn.Module) -> Offloader | None:
     """The offloads a planned module runs, if any."""
     return getattr(module, "_ckplan_offloader", None)
-
-
-def targets_of(kernels: Sequence[Sequence[str]], producers: Sequence[int], sizes: Sequence[int],
-               groups: Sequence[int], ops: Sequence[int | None], cached: Sequence[bool]) -> tuple[OffloadTarget, ...]:
-    """The targets of offloaded storages made by nodes ``producers`` (per node, ``kernels``: its fresh-memory ops in
-    order; ``ops``: which of the producer's ops made each storage), each op named by its occurrence among the
-    forward's ops of that name; ``cached``: per storage, held by selective checkpointing's cache. Where the op is
-    not known, every op of the producer is a target: the storage is the output of that size of whichever of them
-    makes it."""
-    named: dict[int, list[tuple[str, int]]] = {}
-    seen: Counter[str] = Counter()
-    wanted = set(producers)
-    for i, names in enumerate(kernels):
-        for name in names:
-            if i in wanted:
-                named.setdefault(i, []).append((name, seen[name]))
-            seen[name] += 1
-    targets = []
-    for p, n, g, op, c in zip(producers, sizes, groups, ops, cached):
-        mine = named.get(p, [])
-        for name, k in ([mine[op]] if op is not None and op < len(mine) else mine):
-            targets.append(OffloadTarget(kernel=name, occurrence=k, nbytes=int(n), group=int(g), cached=bool(c)))
-    return tuple(targets)
