@@ -41,6 +41,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 from planner.capture.cache import training_with_grad
 from planner.capture.calls import member_call
 from planner.capture.ops import draws_random, kernel_name, writes_new_memory
+from planner.common.contexts import entered
 from planner.compat.sac_autocast import autocast_safe
 from planner.compat.torch_private import checkpoint_region, tree_flatten, tree_unflatten
 from planner.errors import PlannerError
@@ -279,7 +280,7 @@ class _Runner:
             caching, cached = create_selective_checkpoint_contexts(kernels.policy)
             forward, rerun = offloaded_contexts(*autocast_safe(caching, cached, seen=kernels.passed))
         outer = [restore_buffers(self.root, self.chain.restore_buffers)] if self.chain.restore_buffers else []
-        return forward, _entered(*outer, rerun, self._replaying())
+        return forward, entered(*outer, rerun, self._replaying())
 
     def _replay(self, records: list, rebuild: Callable, *tensors: torch.Tensor) -> None:
         """The re-run in backward: every member called again, chain outputs wired to the next member."""
@@ -291,15 +292,6 @@ class _Runner:
                 args, kwargs = tree_unflatten([outputs[x.member][x.leaf] if isinstance(x, _OutRef) else x
                                                for x in leaves], spec)
             outputs.append(tree_flatten(module(*args, **kwargs))[0])
-
-
-@contextlib.contextmanager
-def _entered(*contexts):
-    """Enters the given context managers in order (outermost first)."""
-    with contextlib.ExitStack() as stack:
-        for context in contexts:
-            stack.enter_context(context)
-        yield
 
 
 @dataclass(kw_only=True, slots=True)

@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from planner.capture.ops import kernel_name, writes_new_memory
+from planner.common.contexts import entered
 from planner.compat.torch_private import TorchDispatchMode, disable_current_modes, storage_id, tree_leaves
 from planner.profiling.memtrack import dtensor_class, storage_resized
 from planner.rewrite.offload_spec import OffloadSpec, OffloadTarget
@@ -210,13 +211,7 @@ def offloaded_contexts(forward: Any, recompute: Any) -> tuple[Any, Any]:
     if offloader is None or offloader._step is None or not offloader.cached:
         return forward, recompute
     segment = _Segment(offloader._step)
-    return _entered(segment.forward(), forward), _entered(segment.rerun(), recompute)
-
-
-@contextlib.contextmanager
-def _entered(first: Any, second: Any) -> Iterator[None]:
-    with first, second:
-        yield
+    return entered(segment.forward(), forward), entered(segment.rerun(), recompute)
 
 
 class _Step:

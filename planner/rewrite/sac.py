@@ -22,7 +22,6 @@ numbers of every later random op of the segment.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import operator
 import threading
@@ -35,6 +34,7 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from planner.capture.ops import draws_random, writes_new_memory
+from planner.common.contexts import entered
 from planner.compat.sac_autocast import autocast_safe
 from planner.compat.torch_private import OpOverload
 from planner.rewrite.offload import offloaded_contexts
@@ -64,12 +64,6 @@ def policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.PREFER_RECOMPUTE
 
 
-@contextlib.contextmanager
-def _both(first, second):
-    with first, second:
-        yield
-
-
 def sac_contexts(module: nn.Module, restore: Sequence[str], restore_buffers) -> tuple:
     """``context_fn`` result of a segment with saves: SAC's forward and recompute modes (with the plan's
     offloads of what they cache), the recompute one combined with putting ``restore`` buffers back
@@ -79,7 +73,7 @@ def sac_contexts(module: nn.Module, restore: Sequence[str], restore_buffers) -> 
     if restore:
         # outermost: the snapshot and the copy back must run outside SAC's mode, which only knows
         # the segment's own ops
-        recompute = _both(restore_buffers(module, restore), recompute)
+        recompute = entered(restore_buffers(module, restore), recompute)
     return forward, recompute
 
 
