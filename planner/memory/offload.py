@@ -66,7 +66,7 @@ class Offloads:
     """Per storage: the backward node at whose start its reload is issued (it is on the device from then on)."""
     release: tuple[int, ...]
     """Per storage: the backward node that frees it (its earliest holder)."""
-    cached: tuple[bool, ...] = ()
+    cached: tuple[bool, ...]
     """Per storage: held by selective checkpointing's cache, not by the saved-tensor hooks."""
     exposed_us: int
     """Time the copies add to the step: reloads the backward waits for, or every copy on a link that does not
@@ -85,7 +85,7 @@ class Offloads:
         return len(self.storages)
 
 
-NO_OFFLOADS = Offloads(storages=(), group=(), gone=(), trigger=(), release=(), exposed_us=0, d2h_busy_us=0,
+NO_OFFLOADS = Offloads(storages=(), group=(), gone=(), trigger=(), release=(), cached=(), exposed_us=0, d2h_busy_us=0,
                        h2d_busy_us=0, fwd_us=0, bwd_us=0)
 
 
@@ -134,7 +134,7 @@ def holding(model: MemoryModel, plan: ChunkPlan, saves: Saves = frozenset()) -> 
     n_s = len(model.size)
     pack = np.full(n_s, NEVER, dtype=np.int64)
     need = np.full(n_s, -1, dtype=np.int64)
-    last_node = model.last_use.astype(np.int64).copy()
+    last_node = model.last_use.astype(np.int64)
     reruns, ends = {}, {}
     for first, stop in plan:
         last = rerun_chunk(model, first, stop)
@@ -147,7 +147,7 @@ def holding(model: MemoryModel, plan: ChunkPlan, saves: Saves = frozenset()) -> 
         if not kept[s]:
             continue
         for u in model.savers[s]:
-            if u >= len(owner) or owner[u] < 0 or start[owner[u]] < 0:
+            if _outside(u, owner, start):
                 pack[s] = min(pack[s], u)
                 need[s] = max(need[s], u)
         p = model.producer_chunk[s]
@@ -176,9 +176,15 @@ def _cached(model: MemoryModel, s: int, start: np.ndarray, owner: list[int], rer
     rerun = reruns.get(first)
     if first < 0 or rerun is None or model.last_use[s] > ends[first]:
         return
-    if any(u >= len(owner) or owner[u] < 0 or start[owner[u]] < 0 for u in model.savers[s]):
+    if any(_outside(u, owner, start) for u in model.savers[s]):
         return
     pack[s], need[s], last_node[s] = p, rerun, ends[first]
+
+
+def _outside(u: int, owner: list[int], start: np.ndarray) -> bool:
+    """Whether node ``u`` runs outside every segment of the plan (``start``: ``segment_starts``), so that what it
+    saves passes through the hooks."""
+    return u >= len(owner) or owner[u] < 0 or start[owner[u]] < 0
 
 
 def candidates(model: MemoryModel, plan: ChunkPlan, saves: Saves = frozenset(), *,
