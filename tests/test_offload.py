@@ -246,4 +246,3 @@ def test_a_gpu_plan_offloads_where_the_link_is_fast_and_re_runs_less():
     assert plan.predicted_peak_bytes <= full.predicted_peak_bytes
     assert plan.predicted_overhead < full.predicted_overhead
     assert 0 < plan.offload.d2h_busy_ms <= plan.offload.forward_ms  # every copy out within the forward
-    assert any(t.cached for t in plan.offload.targets)  # op outputs its segments keep go too, not just what hooks see
