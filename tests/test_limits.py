@@ -46,7 +46,7 @@ from planner.profiling.measure import measure_peak
 from planner.solve import cpsat, default
 from planner.solve.deadline import Deadline
 from planner.solve.default import solve
-from planner.solve.result import SolverStatus
+from planner.solve.result import Failure, NoSolution, SolverStatus
 from planner.solve.rotor import rotor
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -222,6 +222,29 @@ def test_ctrl_c_while_cp_sat_builds_its_model_returns_the_dp_plan(selective, mon
     found = solve(model, budget, deadline=Deadline.after(20), options=options if selective else None)
     assert found.status == "FEASIBLE" and found.plan
     assert simulate(model, found.plan, found.saves).peak_bytes <= budget
+
+
+def test_the_time_limit_stops_cp_sat_while_it_builds_its_model(monkeypatch):
+    """Building CP-SAT's model with op-level saves takes about 1 s on 2700 nodes, and 12 s more than the
+    limit once on a loaded CI machine: the build checks the deadline, and the DPs' plan is returned."""
+    model = memory_model(random_profile(9, 3, skip_connections=True))
+    options = SaveOptions(candidates=tuple(o for o in range(model.n_nodes) if cacheable(model, o)))
+    budget = (min_peak_brute(model) + simulate(model, ()).peak_bytes) // 2
+    now = [0.0]
+    deadline = Deadline(10.0, clock=lambda: now[0])
+    forward_limits = cpsat._add_forward_limits
+
+    def slow_forward_limits(*args, **kwargs):  # the build runs past the deadline here
+        forward_limits(*args, **kwargs)
+        now[0] = 11.0
+
+    monkeypatch.setattr(cpsat, "_add_forward_limits", slow_forward_limits)
+    with pytest.raises(NoSolution) as caught:
+        cpsat.build(model, budget_bytes=budget, options=options, deadline=deadline)
+    assert caught.value.failure == Failure.OUT_OF_TIME and "time_limit_s" in str(caught.value)
+    now[0] = 0.0
+    found = solve(model, budget, deadline=deadline, options=options)
+    assert found.plan and simulate(model, found.plan, found.saves).peak_bytes <= budget
 
 
 @pytest.mark.slow

@@ -48,10 +48,16 @@ class _Vars:
     rows: dict            # rows[o]: per node, the bytes a save of o keeps from being counted as recomputed
 
 
-def build(model: MemoryModel, *, budget_bytes: int | None,
-          options: SaveOptions | None = None) -> tuple[cp_model.CpModel, _Vars, cp_model.IntVar | None]:
+def build(model: MemoryModel, *, budget_bytes: int | None, options: SaveOptions | None = None,
+          deadline: Deadline | None = None) -> tuple[cp_model.CpModel, _Vars, cp_model.IntVar | None]:
     """Builds the CP-SAT model. With ``budget_bytes=None`` it minimises the peak instead
-    and returns the peak variable as third element. ``options``: op-level saves and overrides."""
+    and returns the peak variable as third element. ``options``: op-level saves and overrides.
+
+    Building counts against ``deadline``: with op-level saves on a few thousand nodes it takes about 1 s,
+    several times that on a loaded machine, mostly in the re-run limits, which check it once per segment.
+
+    Raises:
+        NoSolution: ``deadline`` passed while building (OUT_OF_TIME)."""
     cp = cp_model.CpModel()
     n_chunks = model.n_chunks
     ok = model.regions.checkpointable
@@ -101,7 +107,7 @@ def build(model: MemoryModel, *, budget_bytes: int | None,
     peak = cp.new_int_var(0, _upper_bound(model), "peak") if budget_bytes is None else None
     limit = peak if peak is not None else budget_bytes
     _add_forward_limits(cp, model, variables, limit)
-    _add_backward_limits(cp, model, variables, limit)
+    _add_backward_limits(cp, model, variables, limit, deadline)
     if peak is None:
         cp.minimize(_objective(model, variables))
     else:
@@ -267,9 +273,10 @@ def _prefix(cp, items: list, times: list[int], name: str) -> dict:
     return out
 
 
-def _add_backward_limits(cp, model: MemoryModel, variables: _Vars, limit) -> None:
+def _add_backward_limits(cp, model: MemoryModel, variables: _Vars, limit, deadline: Deadline | None) -> None:
     """Backward: at node t, kept storages released at or after t, plus what t's segment recomputed;
-    and, where a segment is re-run, the same plus the largest allocation of the re-run."""
+    and, where a segment is re-run, the same plus the largest allocation of the re-run. Raises NoSolution
+    once ``deadline`` has passed (checked once per segment)."""
     n = model.n_nodes
     owner = model.regions.chunk_of() + [-1] * (n - model.regions.end)
     recomputed = recomputed_from(model)
@@ -289,6 +296,9 @@ def _add_backward_limits(cp, model: MemoryModel, variables: _Vars, limit) -> Non
         _add_limit(cp, kept_at[t] - own + int(model.const_bwd[t]) + bump - relief, limit)
     # Re-run of segment [a, b): just before the backward of its last saving node t.
     for (a, b), var in variables.segment.items():
+        if deadline is not None and deadline.passed:
+            raise NoSolution(Failure.OUT_OF_TIME, "the time limit ran out while CP-SAT's model was built; "
+                             "raise time_limit_s")
         last = rerun_chunk(model, a, b)
         if last is None:
             continue
@@ -345,7 +355,7 @@ def search(model: MemoryModel, budget_bytes: int, *, deadline: Deadline, hint: C
         KeyboardInterrupt: Ctrl-C.
     """
     began = time.perf_counter()
-    cp, variables, _ = build(model, budget_bytes=budget_bytes, options=options)
+    cp, variables, _ = build(model, budget_bytes=budget_bytes, options=options, deadline=deadline)
     if below_us is not None:
         cp.add(_objective(model, variables) <= below_us - 1)
     if dump_path:

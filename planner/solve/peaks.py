@@ -40,7 +40,12 @@ def min_peak_saves(model: MemoryModel, *, deadline: Deadline, workers: int | Non
         hint, exact = smallest_peak(model)
         if exact:
             return hint, frozenset()
-    cp, variables, _ = build(model, budget_bytes=None, options=options)
+    try:
+        cp, variables, _ = build(model, budget_bytes=None, options=options, deadline=deadline)
+    except NoSolution:
+        if hint is not None:
+            return hint, frozenset()
+        raise
     if hint is not None:
         chosen = set(hint)
         for ab, var in variables.segment.items():
