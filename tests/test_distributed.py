@@ -23,6 +23,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
+from offloading import offloaded_plan
 
 from planner import InfeasibleBudget, load_plan, plan_for, prepare
 from planner.capture.fsdp_units import resolve_units
@@ -38,6 +39,7 @@ from planner.distributed.rank import (
 )
 from planner.memory.build import build_model
 from planner.plan import Segment
+from planner.rewrite.offload import offloader_of
 from planner.solve.deadline import Deadline
 from planner.solve.result import Solution
 
@@ -287,7 +289,8 @@ def _init(rank: int, world_size: int, port: int) -> None:
 
 
 def _train(module: nn.Module, wrapped: nn.Module, x: Any, extra_resident: int = 0, *,
-           loss_of: Callable[[nn.Module, Any], torch.Tensor] = lambda m, x: loss_fn(m(x)), lr: float = 1e-2) -> dict:
+           loss_of: Callable[[nn.Module, Any], torch.Tensor] = lambda m, x: loss_fn(m(x)), lr: float = 1e-2,
+           host: Callable[[], int] | None = None) -> dict:
     """4 AdamW steps of ``loss_of(wrapped, x)``: losses, all-gathers per step, the gradient norms of step 1 and
     the median peak of steps 2-4, when optimizer state exists (``extra_resident``: bytes alive before the step
     that ``resident_bytes`` does not see). The median: one step's heap rise read up to 130 KiB (2.8% of a 5.5 MB
@@ -303,7 +306,7 @@ def _train(module: nn.Module, wrapped: nn.Module, x: Any, extra_resident: int = 
 
         with count_collectives() as counts:
             if step >= 1:
-                peaks.append(rank_peak_bytes(one_step, resident_bytes(module, opt, x) + extra_resident))
+                peaks.append(rank_peak_bytes(one_step, resident_bytes(module, opt, x) + extra_resident, host=host))
             else:
                 one_step()
         if step == 0:
@@ -368,8 +371,27 @@ def fsdp_worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
     joint = replace(plan, segments=(Segment(nodes=(), module_paths=(), recompute_ms=0.0,
                                             chain=("blocks.0", "blocks.1", "blocks.2")),))
     result["joint"] = _train(*(2 * [fully_shard_units(apply_plan(joint, make_model()))]), x)
+    result["offloading"] = _offloading(x)
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
     dist.destroy_process_group()
+
+
+def _offloading(x: torch.Tensor) -> dict:
+    """A plan with offloads to the CPU's tagged host store (``offload=`` refuses a CPU), made on rank 0 at 60% of
+    the peak and offloaded below it, applied on every rank and trained under FSDP2."""
+    payload: list[Any] = [None]
+    if dist.get_rank() == 0:
+        prepared = prepare(make_model(), inputs=(x,), loss_fn=loss_fn, world_size=2, optimizer="adamw",
+                           keep_output=False)
+        payload[0] = replace(offloaded_plan(prepared, 0.6, min_bytes=ROWS * WIDTH * 4), module=None)
+    dist.broadcast_object_list(payload, src=0)
+    plan = payload[0]
+    module = plan.apply(make_model(), inputs=(x,), loss_fn=loss_fn)
+    offloader = offloader_of(module)
+    trained = _train(module, fully_shard_units(module), x, host=lambda: offloader.host_bytes)
+    return {"budget": plan.budget_bytes, "predicted": plan.predicted_peak_bytes, "missed": offloader.missed,
+            "offloaded": plan.offload.offloaded_bytes, "host_peak": offloader.host_peak_bytes,
+            "same_plan": same_on_all_ranks([s.nodes for s in plan.segments]), **trained}
 
 
 def ddp_worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
@@ -422,6 +444,14 @@ def test_fsdp2_planned_module_trains_like_the_unplanned_one(tmp_path):
         assert r["unplanned"]["all_gathers"] == r["planned"]["all_gathers"] == [2 * DEPTH + 1] * 4
         assert r["joint"]["all_gathers"] == [2 * DEPTH + 1] * 4
         torch.testing.assert_close(r["joint"]["losses"], r["unplanned"]["losses"], rtol=1e-5, atol=1e-7)
+        offloading, book = r["offloading"], r["bookkeeping"]  # copies out in forward, back in backward, per rank
+        assert offloading["same_plan"] and offloading["missed"] == 0
+        assert offloading["host_peak"] == offloading["offloaded"] > 0
+        assert offloading["all_gathers"] == [2 * DEPTH + 1] * 4  # offloads add no collective
+        assert offloading["grads"] == r["unplanned"]["grads"]
+        torch.testing.assert_close(offloading["losses"], r["unplanned"]["losses"], rtol=1e-5, atol=1e-7)
+        assert offloading["peak"] - book <= offloading["budget"], offloading  # the device's bytes: heap less host
+        assert close_to(offloading["predicted"], offloading["peak"], book, tolerance=0.02), offloading
 
 
 @pytest.mark.slow

@@ -245,6 +245,7 @@ def test_the_time_limit_stops_cp_sat_while_it_builds_its_model(monkeypatch):
     now[0] = 0.0
     found = solve(model, budget, deadline=deadline, options=options)
     assert found.plan and simulate(model, found.plan, found.saves).peak_bytes <= budget
+    assert found.bound_us is not None  # the trivial one at least: the CLI reports the gap
 
 
 @pytest.mark.slow

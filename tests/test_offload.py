@@ -12,7 +12,7 @@ import torch
 import planner
 from planner import OptionError, load_plan
 from planner.capture.inputs import as_inputs
-from planner.memory.offload import MIN_OFFLOAD_BYTES, HostLink, candidates, holding, marking_us, relief, schedule
+from planner.memory.offload import HostLink, candidates, holding, marking_us, relief, schedule
 from planner.memory.saves import check_saves, partner, segment_of
 from planner.memory.simulate import simulate
 from planner.memory.synthetic import GraphBuilder, memory_model
@@ -27,6 +27,7 @@ from planner.solve.offload import OffloadLimits, choose_offloads
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 import gpt
+from offloading import offloaded_plan
 
 MB = 10_000_000
 FAST = HostLink.from_gb_per_s(10, 10, overlaps=True)
@@ -103,23 +104,6 @@ def _grads(model, module, batch):
     return [p.grad.clone() for p in model.parameters()]
 
 
-def _offloaded_plan(prepared, plan_fraction):
-    """The plan for ``plan_fraction`` of the un-checkpointed peak, offloaded down to a lower budget: the lowest of
-    a few (a share of what it keeps taken off its peak) that offloads can reach (whichever plan the time-limited
-    search returned)."""
-    options = PlanOptions(time_limit_s=4, follow_batch=False)
-    limits = OffloadLimits(link=host_link(prepared.profile), min_bytes=MIN_OFFLOAD_BYTES)  # the CPU's tagged store
-    solved, solution = solve_prepared(prepared, int(prepared.baseline.peak_bytes * plan_fraction), options,
-                                      Deadline.after(4))
-    planned = simulate(solved.memory, solution.plan, solution.saves)
-    for share in (0.5, 0.3, 0.15, 0.05):
-        budget = planned.peak_bytes - int(planned.breakdown.kept_activations_bytes * share)
-        offloads = choose_offloads(solved.memory, solution.plan, solution.saves, budget, limits)
-        if offloads is not None and offloads.n:
-            return plan_from_solution(solved, replace(solution, offloads=offloads), budget)
-    raise AssertionError(f"no offloads bring the plan {solution.plan} under its peak")
-
-
 def _check(plan, model, batch):
     """Exact gradients, and the device peak measured is the predicted one; the host store holds the planned bytes."""
     inputs = as_inputs(plan.module, batch if isinstance(batch, dict) else (batch,))
@@ -136,7 +120,7 @@ def _check(plan, model, batch):
 @pytest.mark.parametrize("plan_fraction", [1.0, 0.5])
 def test_a_rewritten_graph_offloads_exactly_as_predicted(gpt_prepared, plan_fraction):
     model, x, prepared = gpt_prepared
-    plan = _offloaded_plan(prepared, plan_fraction)
+    plan = offloaded_plan(prepared, plan_fraction)
     assert plan.offload is not None and "offloads" in plan.summary()
     _check(plan, model, x)
 
@@ -157,11 +141,11 @@ def _qwen2():
 def test_a_hugging_face_model_offloads_exactly_as_predicted_through_its_own_modules():
     model, batch, prepared = _qwen2()
     assert prepared.executor.kind.value == "hooks"
-    plan = _offloaded_plan(prepared, 1.0)
+    plan = offloaded_plan(prepared, 1.0)
     _check(plan, model, batch)
 
 
-def _cached_offloaded_plan(prepared, plan_fraction, keep):
+def _cachedoffloaded_plan(prepared, plan_fraction, keep):
     """The whole-segment plan for ``plan_fraction`` of the un-checkpointed peak with the ops ``keep`` names kept in
     its segments (selective checkpointing's cache), every one of them offloaded, at the peak that predicts."""
     solved, solution = solve_prepared(prepared, int(prepared.baseline.peak_bytes * plan_fraction),
@@ -186,7 +170,7 @@ def test_op_outputs_selective_checkpointing_cached_offload_exactly_as_predicted(
     """The cache holds them, no hook sees them: copied when made, freed in place where the segment's forward ends,
     brought back in place before its re-run."""
     model, x, prepared = gpt_prepared
-    plan = _cached_offloaded_plan(prepared, 0.6, ("*gelu*",))
+    plan = _cachedoffloaded_plan(prepared, 0.6, ("*gelu*",))
     assert all(t.cached for t in plan.offload.targets)
     _check(plan, model, x)
 
@@ -194,13 +178,13 @@ def test_op_outputs_selective_checkpointing_cached_offload_exactly_as_predicted(
 @pytest.mark.slow
 def test_a_hugging_face_models_cached_op_outputs_offload_exactly_as_predicted():
     model, batch, prepared = _qwen2()
-    plan = _cached_offloaded_plan(prepared, 0.45, ("*silu*", "*scaled_dot_product*"))
+    plan = _cachedoffloaded_plan(prepared, 0.45, ("*silu*", "*scaled_dot_product*"))
     _check(plan, model, batch)
 
 
 def test_a_saved_plan_with_offloads_applies_and_runs_them(gpt_prepared, tmp_path):
     model, x, prepared = gpt_prepared
-    plan = _offloaded_plan(prepared, 1.0)
+    plan = offloaded_plan(prepared, 1.0)
     plan.save(tmp_path / "plan.json")
     loaded = load_plan(tmp_path / "plan.json")
     assert loaded.offload == plan.offload

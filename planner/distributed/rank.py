@@ -179,15 +179,17 @@ def heap_in_use() -> int:
 class HeapPeak(TorchDispatchMode):
     """Highest ``heap_in_use()`` after any op while active: one CPU rank's peak, whatever allocates
     (FSDP2 resizes storages in place, DDP's reducer allocates in C++: a storage counter misses both).
-    Includes small allocator and Python overhead, so it reads a little high."""
+    Includes small allocator and Python overhead, so it reads a little high. ``host``: bytes of the heap that
+    stand for host memory apart from the device's (an offloader's host store), left out of each reading."""
 
-    def __init__(self) -> None:
+    def __init__(self, host: Callable[[], int] | None = None) -> None:
         super().__init__()
-        self.peak_bytes = heap_in_use()
+        self.host = host or (lambda: 0)
+        self.peak_bytes = heap_in_use() - self.host()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        self.peak_bytes = max(self.peak_bytes, heap_in_use())
+        self.peak_bytes = max(self.peak_bytes, heap_in_use() - self.host())
         return out
 
 
@@ -221,12 +223,14 @@ def resident_bytes(*holders: Any) -> int:
     return sum(seen.values())
 
 
-def rank_peak_bytes(step: Callable[[], Any], resident: int) -> int:
+def rank_peak_bytes(step: Callable[[], Any], resident: int, *, host: Callable[[], int] | None = None) -> int:
     """One rank's peak bytes during ``step()`` (a training step on CPU): ``resident`` (the bytes
     alive before it, from ``resident_bytes``) plus the highest rise of glibc's heap while it runs.
-    The heap's rise also holds autograd's and the process group's own small allocations."""
+    The heap's rise also holds autograd's and the process group's own small allocations. ``host``: what of the
+    heap is host memory apart from the device's, left out (a plan with offloads:
+    ``planner.rewrite.offload.offloader_of(module).host_bytes``, its host store on a CPU)."""
     start = heap_in_use()
-    with HeapPeak() as tracker:
+    with HeapPeak(host) as tracker:
         step()
     return resident + tracker.peak_bytes - start
 

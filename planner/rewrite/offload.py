@@ -296,6 +296,15 @@ class Offloader:
         self._handles: dict[int, tuple[weakref.ref, weakref.ref[_Handle]]] = {}
         self._warned = False
 
+    @property
+    def host_bytes(self) -> int:
+        """Bytes the host store holds now: the copies of the running step's offloaded storages that autograd or a
+        segment's cache still holds (a copy goes when the last saved tensor over it does, in backward)."""
+        if self._step is None:
+            return 0
+        return sum(h.host.numel() for refs in self._step.groups.values() for ref in refs
+                   if (h := ref()) is not None and h.host is not None)
+
     def side_stream(self, device: torch.device) -> Any:
         if device not in self._streams:
             self._streams[device] = torch.cuda.Stream(device)

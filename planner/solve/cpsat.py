@@ -298,7 +298,7 @@ def _add_backward_limits(cp, model: MemoryModel, variables: _Vars, limit, deadli
     for (a, b), var in variables.segment.items():
         if deadline is not None and deadline.passed:
             raise NoSolution(Failure.OUT_OF_TIME, "the time limit ran out while CP-SAT's model was built; "
-                             "raise time_limit_s")
+                             "raise time_limit_s", bound_us=0)  # nothing searched: the trivial bound
         last = rerun_chunk(model, a, b)
         if last is None:
             continue
