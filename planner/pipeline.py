@@ -22,7 +22,8 @@ from planner.errors import InfeasibleBudget, OptionError
 from planner.follow.family import Family
 from planner.follow.groups import GroupPlan
 from planner.follow.shapes import ShapeGrid, realize, shaped, spread
-from planner.memory.offload import Offloads, offloaded_bytes
+from planner.memory.model import MemoryModel
+from planner.memory.offload import Offloads, offloaded_bytes, relief
 from planner.memory.simulate import Timeline, simulate
 from planner.options import PREPARED, OptionArgs, PlanOptions, resolve
 from planner.plan import MemoryTimeline, Plan
@@ -301,8 +302,18 @@ def plan_from_solution(prepared: Prepared, solution: Solution, budget_bytes: int
             backward_bytes=tuple(int(b) if ok else None for b, ok in zip(predicted.bwd_bytes, memory.has_bwd)),
             baseline_forward_bytes=tuple(int(b) for b in baseline.fwd_bytes),
             baseline_backward_bytes=tuple(int(b) if ok else None for b, ok in zip(baseline.bwd_bytes, memory.has_bwd)),
+            **_offloaded_timeline(memory, solution.offloads),
         ),
     )
+
+
+def _offloaded_timeline(memory: MemoryModel, offloads: Offloads) -> dict[str, tuple]:
+    """The timeline's bytes kept off the device by ``offloads``, per node (none when it offloads nothing)."""
+    if not offloads.n:
+        return {}
+    fwd, bwd = relief(memory, offloads)
+    return {"offloaded_forward_bytes": tuple(int(b) for b in fwd),
+            "offloaded_backward_bytes": tuple(int(b) if ok else None for b, ok in zip(bwd, memory.has_bwd))}
 
 
 def offload_spec(prepared: Prepared, offloads: Offloads) -> OffloadSpec | None:

@@ -63,6 +63,11 @@ class MemoryTimeline:
     """As ``forward_bytes``, without checkpointing."""
     baseline_backward_bytes: tuple[int | None, ...]
     """As ``backward_bytes``, without checkpointing."""
+    offloaded_forward_bytes: tuple[int, ...] = ()
+    """Bytes the plan's offloads keep off the device (in host memory) during each node's forward: without them it
+    would hold ``forward_bytes`` plus these. Empty when it offloads nothing."""
+    offloaded_backward_bytes: tuple[int | None, ...] = ()
+    """As ``offloaded_forward_bytes``, during each node's backward (None where ``backward_bytes`` is)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -262,12 +267,8 @@ def nothing_checkpointed(plan: Plan) -> str:
 
 def offload_text(offload: OffloadSpec) -> str:
     """One line on a plan's offloads: how much, how busy the host link is, what the copies cost."""
-    def busy(part: float, whole: float) -> str:
-        return f"{100 * part / whole:.0f}%" if whole > 0 else "-"
     return (f"offloads {offload.storages} activation(s), {format_bytes(offload.offloaded_bytes)}, to host memory: "
-            f"host link busy {busy(offload.d2h_busy_ms, offload.forward_ms)} of the forward out, "
-            f"{busy(offload.h2d_busy_ms, offload.backward_ms)} of the backward back; copies add "
-            f"{offload.exposed_ms:.2f} ms")
+            f"{offload.link_busy()}; copies add {offload.exposed_ms:.2f} ms")
 
 
 def _describe(segment: Segment) -> str:

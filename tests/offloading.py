@@ -14,12 +14,20 @@ from planner.planning.offloading import host_link
 from planner.planning.prepared import Prepared
 from planner.solve.deadline import Deadline
 from planner.solve.offload import OffloadLimits, choose_offloads
+from planner.solve.result import Solution
 
 
 def offloaded_plan(prepared: Prepared, plan_fraction: float, *, min_bytes: int = MIN_OFFLOAD_BYTES) -> Plan:
-    """The plan for ``plan_fraction`` of the un-checkpointed peak, offloaded down to a lower budget: the lowest of
-    a few (a share of what it keeps taken off its peak) that offloads can reach (whichever plan the time-limited
-    search returned). ``min_bytes``: the smallest storage offloaded."""
+    """The plan for ``plan_fraction`` of the un-checkpointed peak, offloaded down to a lower budget
+    (``offloaded_solution``)."""
+    return plan_from_solution(*offloaded_solution(prepared, plan_fraction, min_bytes=min_bytes))
+
+
+def offloaded_solution(prepared: Prepared, plan_fraction: float, *,
+                       min_bytes: int = MIN_OFFLOAD_BYTES) -> tuple[Prepared, Solution, int]:
+    """The solution for ``plan_fraction`` of the un-checkpointed peak, offloaded down to a lower budget: the lowest
+    of a few (a share of what it keeps taken off its peak) that offloads can reach (whichever plan the time-limited
+    search returned), with its ``Prepared`` and that budget. ``min_bytes``: the smallest storage offloaded."""
     options = PlanOptions(time_limit_s=4, follow_batch=False)
     limits = OffloadLimits(link=host_link(prepared.profile), min_bytes=min_bytes)  # the CPU's tagged store
     solved, solution = solve_prepared(prepared, int(prepared.baseline.peak_bytes * plan_fraction), options,
@@ -29,5 +37,5 @@ def offloaded_plan(prepared: Prepared, plan_fraction: float, *, min_bytes: int =
         budget = planned.peak_bytes - int(planned.breakdown.kept_activations_bytes * share)
         offloads = choose_offloads(solved.memory, solution.plan, solution.saves, budget, limits)
         if offloads is not None and offloads.n:
-            return plan_from_solution(solved, replace(solution, offloads=offloads), budget)
+            return solved, replace(solution, offloads=offloads), budget
     raise AssertionError(f"no offloads bring the plan {solution.plan} under its peak")

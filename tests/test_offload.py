@@ -12,7 +12,8 @@ import torch
 import planner
 from planner import OptionError, load_plan
 from planner.capture.inputs import as_inputs
-from planner.memory.offload import HostLink, candidates, holding, marking_us, relief, schedule
+from planner.common.budget import format_bytes
+from planner.memory.offload import NO_OFFLOADS, HostLink, candidates, holding, marking_us, relief, schedule
 from planner.memory.saves import check_saves, partner, segment_of
 from planner.memory.simulate import simulate
 from planner.memory.synthetic import GraphBuilder, memory_model
@@ -27,7 +28,7 @@ from planner.solve.offload import OffloadLimits, choose_offloads
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 import gpt
-from offloading import offloaded_plan
+from offloading import offloaded_plan, offloaded_solution
 
 MB = 10_000_000
 FAST = HostLink.from_gb_per_s(10, 10, overlaps=True)
@@ -187,7 +188,7 @@ def test_a_saved_plan_with_offloads_applies_and_runs_them(gpt_prepared, tmp_path
     plan = offloaded_plan(prepared, 1.0)
     plan.save(tmp_path / "plan.json")
     loaded = load_plan(tmp_path / "plan.json")
-    assert loaded.offload == plan.offload
+    assert loaded.offload == plan.offload and loaded.timeline == plan.timeline
     module = loaded.apply(model, inputs=(x,))
     assert offloader_of(module) is not None
     measured = measure_peak(module, as_inputs(module, (x,)))
@@ -230,3 +231,26 @@ def test_a_gpu_plan_offloads_where_the_link_is_fast_and_re_runs_less():
     assert plan.predicted_peak_bytes <= full.predicted_peak_bytes
     assert plan.predicted_overhead < full.predicted_overhead
     assert 0 < plan.offload.d2h_busy_ms <= plan.offload.forward_ms  # every copy out within the forward
+
+
+def test_the_timeline_shows_what_the_offloads_keep_in_host_memory(gpt_prepared, tmp_path):
+    """The notebook's timeline: the plan's line, and above it the band of what its offloads keep off the device,
+    which is what the same plan holds without them; the legend says how much and how busy the link is."""
+    matplotlib = pytest.importorskip("matplotlib")
+    matplotlib.use("Agg")
+    _, _, prepared = gpt_prepared
+    solved, solution, budget = offloaded_solution(prepared, 1.0)
+    plan = plan_from_solution(solved, solution, budget)
+    timeline = plan.timeline
+    without = plan_from_solution(solved, replace(solution, offloads=NO_OFFLOADS), budget)
+    on_device = [*timeline.forward_bytes, *(b for b in timeline.backward_bytes if b is not None)]
+    off = [*timeline.offloaded_forward_bytes, *(b for b in timeline.offloaded_backward_bytes if b is not None)]
+    assert max(off) > 0 and max(b for b in timeline.offloaded_backward_bytes if b is not None) > 0
+    whole = [*without.timeline.forward_bytes, *(b for b in without.timeline.backward_bytes if b is not None)]
+    assert [a + b for a, b in zip(on_device, off)] == whole
+    fig = planner.plot_timeline(plan)
+    labels = fig.axes[0].get_legend_handles_labels()[1]
+    band = next(label for label in labels if label.startswith("offloaded to host memory"))
+    assert "host link busy" in band and format_bytes(plan.offload.offloaded_bytes) in band
+    fig.savefig(tmp_path / "timeline.png")
+    assert not planner.plot_timeline(without).axes[0].collections  # no offloads, no band

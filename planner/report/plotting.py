@@ -47,7 +47,7 @@ class Tradeoff(Protocol):
 
 
 MIB = 2**20
-_PLAN, _BASE, _SHADE, _KNEE = "tab:blue", "tab:gray", "tab:orange", "tab:red"
+_PLAN, _BASE, _SHADE, _KNEE, _HOST = "tab:blue", "tab:gray", "tab:orange", "tab:red", "tab:green"
 _REFERENCE_MARKERS = {"none": "s", "every block": "D", "√n": "^"}
 
 
@@ -141,7 +141,8 @@ def plot_timeline(plan: Plan, ax: Axes) -> Figure | SubFigure: ...
 def plot_timeline(plan: Plan, ax: Axes | None = None) -> Figure | SubFigure:
     """Predicted live memory (MiB) over one training step, forward then backward, with and
     without ``plan``; the budget as a horizontal line; checkpointed segments shaded where
-    they run forward and where they are recomputed in backward.
+    they run forward and where they are recomputed in backward; a plan's offloads as the band above its
+    line of what they keep in host memory, with how busy the host link is.
 
     Args:
         plan: a plan with a ``timeline`` (every plan made by this version, saved or not).
@@ -181,6 +182,12 @@ def plot_timeline(plan: Plan, ax: Axes | None = None) -> Figure | SubFigure:
             label=f"without plan (peak {format_bytes(plan.baseline_peak_bytes)})")
     ax.plot(x, np.array(planned, dtype=float) / MIB, color=_PLAN, linewidth=1.5,
             label=f"with plan (peak {format_bytes(plan.predicted_peak_bytes)})")
+    if timeline.offloaded_forward_bytes and plan.offload is not None:
+        off = [*timeline.offloaded_forward_bytes, *(timeline.offloaded_backward_bytes[i] or 0 for i in backward)]
+        on = np.array(planned, dtype=float) / MIB
+        spec = plan.offload
+        ax.fill_between(x, on, on + np.array(off, dtype=float) / MIB, color=_HOST, alpha=0.35, linewidth=0,
+                        label=f"offloaded to host memory ({format_bytes(spec.offloaded_bytes)}; {spec.link_busy()})")
     ax.axhline(plan.budget_bytes / MIB, color=_KNEE, linestyle="--", linewidth=1,
                label=f"budget {format_bytes(plan.budget_bytes)}")
     ax.axvline(n - 0.5, color="black", linewidth=0.8)

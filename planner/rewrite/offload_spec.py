@@ -52,6 +52,14 @@ class OffloadSpec:
     def groups(self) -> int:
         return 1 + max((t.group for t in self.targets), default=-1)
 
+    def link_busy(self) -> str:
+        """How busy the host link is, in words: the share of the forward it copies out, of the backward it
+        copies back."""
+        def share(part: float, whole: float) -> str:
+            return f"{100 * part / whole:.0f}%" if whole > 0 else "-"
+        return (f"host link busy {share(self.d2h_busy_ms, self.forward_ms)} of the forward out, "
+                f"{share(self.h2d_busy_ms, self.backward_ms)} of the backward back")
+
 
 def targets_of(kernels: Sequence[Sequence[str]], producers: Sequence[int], sizes: Sequence[int],
                groups: Sequence[int], ops: Sequence[int | None], cached: Sequence[bool]) -> tuple[OffloadTarget, ...]:
