@@ -12,8 +12,9 @@ every layer (HF/torchtitan full AC), torchtitan's op-level policy (``op_sac``) a
 policy's measured peak, timed interleaved; and the does-not-fit case: the process capped with
 ``torch.cuda.set_per_process_memory_fraction`` below the plain step, planned and stepped under the cap. Then offload
 (``--offload``, 8 x 2048 at 8192 tokens): the host link measured when profiling, plans with and without offload at
-full checkpointing's peak, a plan offloading its kept layer inputs, and torch's ``save_on_cpu`` around full
-checkpointing (layer-input offload as Unsloth and transformers' flag do it). Writes
+full checkpointing's peak, a plan offloading its kept layer inputs, one offloading the op outputs its layers cache
+(selective checkpointing), and torch's ``save_on_cpu`` around full checkpointing (layer-input offload as Unsloth and
+transformers' flag do it). Writes
 ``gpu_check.md`` (and the profiles) under ``--out``::
 
     python bench/gpu_check.py --out "$OUT"                # on a CUDA machine (the small examples and gpt_large)
@@ -33,6 +34,7 @@ from torch.utils._pytree import tree_map
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT / "tests"))  # offloading.py: plans with offloads chosen by hand
 sys.path.insert(0, str(ROOT))
 
 from compare_strategies import EXAMPLES, load, mib  # noqa: E402
@@ -203,14 +205,16 @@ def offload_rows(device: torch.device, runs: int, layers: int, hidden: int, toke
     the plain model's."""
     from dataclasses import replace
 
+    from offloading import cached_offloaded_plan
+
     from planner.capture.inputs import as_inputs
-    from planner.options import PlanOptions
+    from planner.memory.offload import MIN_OFFLOAD_BYTES
     from planner.pipeline import plan_for, plan_from_solution, prepare
-    from planner.planning.offloading import offload_limits
+    from planner.planning.offloading import host_link
     from planner.profiling.measure import step_times_ms
     from planner.profiling.record import save_profile
     from planner.solve.baselines import every_block
-    from planner.solve.offload import choose_offloads
+    from planner.solve.offload import OffloadLimits, choose_offloads
 
     model, batch = llama(layers, hidden, device, tokens=tokens)
     example = as_inputs(model, batch)
@@ -231,19 +235,23 @@ def offload_rows(device: torch.device, runs: int, layers: int, hidden: int, toke
     full = plan_for(prepared, prepared.baseline.peak_bytes - 1, solver="every_block")
     peak = full.predicted_peak_bytes  # the plans below are compared at the same predicted peak
     plans = {"full AC (every layer)": full,
-             "ckplan at full AC's peak, no offload": plan_for(prepared, peak, offload=False, time_limit_s=20),
-             "ckplan at full AC's peak, offload auto": plan_for(prepared, peak, offload="auto",
-                                                                         time_limit_s=20)}
-    options = PlanOptions(offload=True, follow_batch=False, keep_output=False, time_limit_s=20)
+             "ckplan at full AC's peak, no offload": plan_for(prepared, peak, offload=False, time_limit_s=20)}
+    if device.type == "cuda":  # a CPU's host memory is its device memory: offload="auto" is refused there
+        plans["ckplan at full AC's peak, offload auto"] = plan_for(prepared, peak, offload="auto", time_limit_s=20)
+    limits = OffloadLimits(link=host_link(prof), min_bytes=MIN_OFFLOAD_BYTES)
     every = every_block(prepared.memory, 0)  # layer-input offload planned by ckplan: full AC, its kept inputs moved
     kept = full.peak_breakdown.kept_activations_bytes if full.peak_breakdown else 0
     for share in (0.75, 0.5, 0.25):
         lower = full.predicted_peak_bytes - int(kept * share)
-        offloads = choose_offloads(prepared.memory, every.plan, every.saves, lower, offload_limits(prepared, options))
+        offloads = choose_offloads(prepared.memory, every.plan, every.saves, lower, limits)
         if offloads is not None and offloads.n:
             plans[f"full AC, its kept layer inputs offloaded by ckplan down to {100 * share:.0f}% less kept"] = (
                 plan_from_solution(prepared, replace(every, offloads=offloads), lower))
             break
+    # whole layers keeping what torchtitan's op policy keeps (matmuls, attention), every cached output offloaded:
+    # copied out when made, freed in place where the layer's forward ends, put back before its re-run
+    plans["each layer keeping its matmuls and attention, those offloaded"] = cached_offloaded_plan(
+        prepared, peak / prepared.baseline.peak_bytes, ("*mm*", "*scaled_dot_product*"))
 
     class SaveOnCpu(torch.nn.Module):  # layer-input offload: full AC with what it keeps copied to pinned memory
         def __init__(self, inner):
@@ -267,9 +275,8 @@ def offload_rows(device: torch.device, runs: int, layers: int, hidden: int, toke
                         f"{ms:.1f} ms ({100 * (ms / times[0] - 1):+.1f}%) | max grad diff {worst:.2e} |")
             continue
         off = plan.offload
-        what = (f"{off.storages} storages, {mib(off.offloaded_bytes)} MiB; link busy "
-                f"{100 * off.d2h_busy_ms / off.forward_ms:.0f}% out, {100 * off.h2d_busy_ms / off.backward_ms:.0f}% "
-                f"back; exposed {off.exposed_ms:.1f} ms" if off else "none")
+        what = (f"{off.storages} storages ({sum(t.cached for t in off.targets)} cached), "
+                f"{mib(off.offloaded_bytes)} MiB; {off.link_busy()}; exposed {off.exposed_ms:.1f} ms" if off else "none")
         predicted_ms = prof.step_ms * (1 + plan.predicted_overhead)
         rows.append(f"| {name} | {what} | {mib(plan.predicted_peak_bytes)} / {mib(allocated)} allocated, "
                     f"{mib(reserved)} reserved ({100 * (plan.predicted_peak_bytes / allocated - 1):+.2f}%) | "

@@ -13,22 +13,19 @@ import planner
 from planner import OptionError, load_plan
 from planner.capture.inputs import as_inputs
 from planner.common.budget import format_bytes
-from planner.memory.offload import NO_OFFLOADS, HostLink, candidates, holding, marking_us, relief, schedule
-from planner.memory.saves import check_saves, partner, segment_of
+from planner.memory.offload import NO_OFFLOADS, HostLink, holding, marking_us, relief, schedule
 from planner.memory.simulate import simulate
 from planner.memory.synthetic import GraphBuilder, memory_model
 from planner.options import PlanOptions
 from planner.pipeline import plan_from_solution
-from planner.planning.chunkings import save_options_for, solve_prepared
 from planner.planning.offloading import host_link, offload_limits
 from planner.profiling.measure import measure_peak
 from planner.rewrite.offload import offloader_of
-from planner.solve.deadline import Deadline
 from planner.solve.offload import OffloadLimits, choose_offloads
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 import gpt
-from offloading import offloaded_plan, offloaded_solution
+from offloading import cached_offloaded_plan, offloaded_plan, offloaded_solution
 
 MB = 10_000_000
 FAST = HostLink.from_gb_per_s(10, 10, overlaps=True)
@@ -146,32 +143,11 @@ def test_a_hugging_face_model_offloads_exactly_as_predicted_through_its_own_modu
     _check(plan, model, batch)
 
 
-def _cachedoffloaded_plan(prepared, plan_fraction, keep):
-    """The whole-segment plan for ``plan_fraction`` of the un-checkpointed peak with the ops ``keep`` names kept in
-    its segments (selective checkpointing's cache), every one of them offloaded, at the peak that predicts."""
-    solved, solution = solve_prepared(prepared, int(prepared.baseline.peak_bytes * plan_fraction),
-                                      PlanOptions(time_limit_s=4, follow_batch=False, selective=False),
-                                      Deadline.after(4))
-    memory = solved.memory
-    inside = segment_of(memory, solution.plan)
-    saves = frozenset(o for o in save_options_for(solved, PlanOptions(must_save=keep)).must_save
-                      if inside[o] >= 0 and inside[partner(memory, o)] == inside[o])
-    check_saves(memory, solution.plan, saves)
-    held = holding(memory, solution.plan, saves)
-    cached = [int(s) for s in candidates(memory, solution.plan, saves, held=held) if held.cached[s]]
-    assert cached, f"the plan {solution.plan} caches nothing offloadable (saves {sorted(saves)})"
-    offloads = schedule(memory, solution.plan, saves, cached, host_link(prepared.profile), held)
-    assert offloads is not None and all(offloads.cached)
-    peak = simulate(memory, solution.plan, saves, offloads).peak_bytes
-    assert peak < simulate(memory, solution.plan, saves).peak_bytes
-    return plan_from_solution(solved, replace(solution, saves=saves, offloads=offloads), peak)
-
-
 def test_op_outputs_selective_checkpointing_cached_offload_exactly_as_predicted(gpt_prepared):
     """The cache holds them, no hook sees them: copied when made, freed in place where the segment's forward ends,
     brought back in place before its re-run."""
     model, x, prepared = gpt_prepared
-    plan = _cachedoffloaded_plan(prepared, 0.6, ("*gelu*",))
+    plan = cached_offloaded_plan(prepared, 0.6, ("*gelu*",))
     assert all(t.cached for t in plan.offload.targets)
     _check(plan, model, x)
 
@@ -179,7 +155,7 @@ def test_op_outputs_selective_checkpointing_cached_offload_exactly_as_predicted(
 @pytest.mark.slow
 def test_a_hugging_face_models_cached_op_outputs_offload_exactly_as_predicted():
     model, batch, prepared = _qwen2()
-    plan = _cachedoffloaded_plan(prepared, 0.45, ("*silu*", "*scaled_dot_product*"))
+    plan = cached_offloaded_plan(prepared, 0.45, ("*silu*", "*scaled_dot_product*"))
     _check(plan, model, batch)
 
 
