@@ -230,7 +230,7 @@ class Plan:
         Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
 
     def _repr_html_(self) -> str:
-        """A notebook summary: the plan's numbers and its checkpointed segments."""
+        """A notebook summary: the plan's numbers (its offloads among them) and its checkpointed segments."""
         numbers = [
             ["predicted peak", f"{format_bytes(self.baseline_peak_bytes)} → {format_bytes(self.predicted_peak_bytes)}"],
             ["budget", format_bytes(self.budget_bytes)],
@@ -239,6 +239,8 @@ class Plan:
             ["solver", f"{self.solver_status} in {self.solve_time_s:.2f} s"],
             ["device", self.device],
         ]
+        if self.offload is not None:
+            numbers.insert(3, ["offload", offload_text(self.offload).removeprefix("offloads ")])
         segments = [[str(i), ", ".join(s.module_paths), str(len(s.nodes)), format_bytes(s.freed_bytes),
                      f"{s.recompute_ms:.2f} ms"] for i, s in enumerate(self.segments)]
         parts = [f"<div><p><b>ckplan plan</b>: {len(self.segments)} checkpointed segment(s)</p>",

@@ -119,7 +119,7 @@ def _check(plan, model, batch):
 def test_a_rewritten_graph_offloads_exactly_as_predicted(gpt_prepared, plan_fraction):
     model, x, prepared = gpt_prepared
     plan = offloaded_plan(prepared, plan_fraction)
-    assert plan.offload is not None and "offloads" in plan.summary()
+    assert plan.offload is not None and "offloads" in plan.summary() and "host link busy" in plan._repr_html_()
     _check(plan, model, x)
 
 
