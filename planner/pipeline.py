@@ -326,7 +326,8 @@ def offload_spec(prepared: Prepared, offloads: Offloads) -> OffloadSpec | None:
     return OffloadSpec(
         targets=targets_of([nd.kernels for nd in nodes], [int(memory.producer[s]) for s in offloads.storages],
                            [int(memory.size[s]) for s in offloads.storages], offloads.group,
-                           [prepared.profile.storages[s].op for s in offloads.storages], offloads.cached),
+                           [prepared.profile.storages[s].op for s in offloads.storages], offloads.cached,
+                           [prepared.profile.storages[s].output for s in offloads.storages]),
         storages=offloads.n, offloaded_bytes=offloaded_bytes(memory, offloads), exposed_ms=offloads.exposed_us / 1000,
         d2h_busy_ms=offloads.d2h_busy_us / 1000, forward_ms=offloads.fwd_us / 1000,
         h2d_busy_ms=offloads.h2d_busy_us / 1000, backward_ms=offloads.bwd_us / 1000,

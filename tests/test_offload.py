@@ -3,6 +3,7 @@ both executors with exact gradients and the predicted device peak measured exact
 tagged store ``LiveStorages`` leaves out on a CPU)."""
 
 import sys
+import warnings
 from dataclasses import replace
 from pathlib import Path
 
@@ -169,6 +170,25 @@ def test_a_saved_plan_with_offloads_applies_and_runs_them(gpt_prepared, tmp_path
     assert offloader_of(module) is not None
     measured = measure_peak(module, as_inputs(module, (x,)))
     assert measured == plan.predicted_peak_bytes
+
+
+def test_a_call_of_another_shape_offloads_the_same_tensors_at_its_own_size(gpt_prepared):
+    """Targets are found by op, occurrence and output, not by size: a short last batch runs the plan's offloads on
+    its own, smaller tensors, with exact gradients and no warning."""
+    model, x, prepared = gpt_prepared
+    plan = offloaded_plan(prepared, 1.0)
+    assert all(t.output is not None for t in plan.offload.targets)
+    short = x[:3]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a target missed warns
+        measured = measure_peak(plan.module, as_inputs(plan.module, (short,)))
+        got = _grads(model, plan.module, short)
+    offloader = offloader_of(plan.module)
+    assert offloader.missed == 0
+    assert 0 < offloader.host_peak_bytes < plan.offload.offloaded_bytes  # 3 rows of 8: smaller copies
+    assert measured < plan.predicted_peak_bytes
+    for a, b in zip(got, _grads(model, model, short)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
 def test_offload_is_off_on_a_cpu_unless_asked_and_its_options_are_checked(gpt_prepared):

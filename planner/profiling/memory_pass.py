@@ -252,10 +252,11 @@ class MemoryRecorder(StepRunner):
             raise RuntimeError("no step has run: call step() first")
         return self.tracker.trace
 
-    def _new_storage(self, key: int, tensor: torch.Tensor) -> None:
+    def _new_storage(self, key: int, tensor: torch.Tensor, output: int | None) -> None:
         index = len(self.storages)
         op = len(self._current["kernels"]) if self._current is not None else None  # the op being dispatched
-        self.storages.append(StorageCost(nbytes=tensor.untyped_storage().nbytes(), producer=self._producer, op=op))
+        self.storages.append(StorageCost(nbytes=tensor.untyped_storage().nbytes(), producer=self._producer, op=op,
+                                         output=output if op is not None else None))
         self._index_of[key] = index
         weakref.finalize(tensor.untyped_storage(), self._index_of.pop, key, None)
 

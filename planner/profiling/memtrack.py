@@ -78,8 +78,10 @@ class LiveStorages(TorchDispatchMode):
         self.peak_bytes = 0
         self.window_peak_bytes = 0
         self._sizes: dict[int, int] = {}
-        self.on_new_storage: Callable[[int, torch.Tensor], None] | None = None
-        """Optional callback ``(key, tensor)`` run for each newly seen storage."""
+        self.on_new_storage: Callable[[int, torch.Tensor, int | None], None] | None = None
+        """Optional callback ``(key, tensor, output)`` run for each newly seen storage; ``output``: which of the
+        op's outputs it is (its index among ``tree_leaves`` of what the op returned), None when not made by an
+        op (tracked by hand)."""
         self.on_write: Callable[[torch.Tensor], None] | None = None
         """Optional callback ``(tensor)`` run for each tensor an op modifies in place."""
         self.trace: list[tuple[str, int]] | None = None
@@ -90,10 +92,10 @@ class LiveStorages(TorchDispatchMode):
         """When set, an op that leaves more than this many bytes live raises ``OverLimit`` (before the next
         op can allocate more): the profiler's guard on a device too small for the whole step."""
 
-    def track(self, tensor: torch.Tensor) -> bool:
+    def track(self, tensor: torch.Tensor, output: int | None = None) -> bool:
         """Start counting the storage behind ``tensor`` (a DTensor's local shard); False if already counted, or if
         it is not on the device (a fake tensor says it is, but its storage is on meta: a plan made during a call
-        traces one)."""
+        traces one). ``output``: which output of the op being dispatched it is (``on_new_storage``)."""
         tensor = local_of(tensor)
         if tensor.device.type != self.device.type or (tensor.is_meta and self.device.type != "meta"):
             return False
@@ -110,7 +112,7 @@ class LiveStorages(TorchDispatchMode):
         self.window_peak_bytes = max(self.window_peak_bytes, self.live_bytes)
         weakref.finalize(storage, self._release, key)
         if self.on_new_storage is not None:
-            self.on_new_storage(key, tensor)
+            self.on_new_storage(key, tensor, output)
         return True
 
     def __enter__(self) -> LiveStorages:
@@ -150,9 +152,9 @@ class LiveStorages(TorchDispatchMode):
             for tensor in written_tensors(func, args, kwargs):
                 self.on_write(tensor)
         out = func(*args, **kwargs)
-        for leaf in tree_leaves(out):
+        for i, leaf in enumerate(tree_leaves(out)):
             if isinstance(leaf, torch.Tensor):
-                self.track(leaf)
+                self.track(leaf, i)
         if self.limit_bytes is not None and self.live_bytes > self.limit_bytes:
             raise OverLimit(f"the step holds {self.live_bytes} B after {func.name()}, over the "
                             f"{self.limit_bytes} B this process can allocate on {self.device}")

@@ -37,6 +37,9 @@ class StorageCost:
     op: int | None = None
     """Which of the producer's fresh-memory ops (``NodeCost.kernels``, from 0) made it; None when unknown (model
     inputs, profiles saved before it was recorded)."""
+    output: int | None = None
+    """Which output of that op it is: its index among ``torch.utils._pytree.tree_leaves`` of what the op returned;
+    None when unknown (as ``op``)."""
     autocast_cached: bool = False
     """A cast of a parameter held in autocast's cache: alive through the forward and the loss
     whatever the plan (the cache is cleared before backward)."""

@@ -2,7 +2,7 @@
 
 A planned module with offloads carries an ``Offloader`` on its root: while a training forward runs, a dispatch
 mode counts the ops that write fresh memory by name, as the profile recorded them (``NodeCost.kernels``), and
-marks the storages of the ops the plan offloads (``OffloadTarget``: an op's name and occurrence); a
+marks the storages of the ops the plan offloads (``OffloadTarget``: an op's name, occurrence and output); a
 ``saved_tensors_hooks`` pair sees every tensor autograd keeps outside the plan's segments, and every segment
 input ``torch.utils.checkpoint`` keeps, so that the first time a marked storage is packed its bytes are copied
 to host memory and the device storage is let go (the forward frees it after its last use). In backward the
@@ -343,10 +343,13 @@ class Offloader:
     def mark(self, out: Any, target: OffloadTarget) -> None:
         if self._step is not None:
             self._step.poll()
-        for leaf in tree_leaves(out):
+        leaves = tree_leaves(out)
+        if target.output is not None:  # found by position, at any shape
+            leaves = leaves[target.output:target.output + 1]
+        for leaf in leaves:
             if isinstance(leaf, torch.Tensor) and leaf.device.type != "meta":
                 storage = leaf.untyped_storage()
-                if storage.nbytes() != target.nbytes:
+                if target.output is None and storage.nbytes() != target.nbytes:
                     continue
                 if not target.cached:
                     self._marked[storage_id(storage)] = (weakref.ref(storage), target)

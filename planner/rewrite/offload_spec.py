@@ -11,19 +11,23 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class OffloadTarget:
-    """One offloaded storage, as the executor finds it: the op that makes it and its size."""
+    """One offloaded storage, as the executor finds it: the op that makes it and which of its outputs it is."""
 
     kernel: str
     """Name of the op (``planner.capture.ops.kernel_name``)."""
     occurrence: int
     """Its occurrence among the forward's ops of that name, from 0."""
     nbytes: int
-    """Bytes of the storage (an output of the op of another size is not it)."""
+    """Bytes of the storage at the planned shape."""
     group: int
     """Reload group: 0 is brought back first in backward."""
     cached: bool = False
     """Held by selective checkpointing's cache: copied out when made, its bytes freed in place where its segment's
     forward ends, brought back in place before the segment is re-run."""
+    output: int | None = None
+    """Which output of the op it is (its index among ``tree_leaves`` of what the op returns): found so at any
+    shape. None (a profile that did not record it): the op's output of ``nbytes`` bytes, found at the planned
+    shape only."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -62,12 +66,13 @@ class OffloadSpec:
 
 
 def targets_of(kernels: Sequence[Sequence[str]], producers: Sequence[int], sizes: Sequence[int],
-               groups: Sequence[int], ops: Sequence[int | None], cached: Sequence[bool]) -> tuple[OffloadTarget, ...]:
+               groups: Sequence[int], ops: Sequence[int | None], cached: Sequence[bool],
+               outputs: Sequence[int | None]) -> tuple[OffloadTarget, ...]:
     """The targets of offloaded storages made by nodes ``producers`` (per node, ``kernels``: its fresh-memory ops in
-    order; ``ops``: which of the producer's ops made each storage), each op named by its occurrence among the
-    forward's ops of that name; ``cached``: per storage, held by selective checkpointing's cache. Where the op is
-    not known, every op of the producer is a target: the storage is the output of that size of whichever of them
-    makes it."""
+    order; ``ops``: which of the producer's ops made each storage; ``outputs``: which output of that op), each op
+    named by its occurrence among the forward's ops of that name; ``cached``: per storage, held by selective
+    checkpointing's cache. Where the op is not known, every op of the producer is a target: the storage is the
+    output of that size of whichever of them makes it."""
     named: dict[int, list[tuple[str, int]]] = {}
     seen: Counter[str] = Counter()
     wanted = set(producers)
@@ -77,8 +82,10 @@ def targets_of(kernels: Sequence[Sequence[str]], producers: Sequence[int], sizes
                 named.setdefault(i, []).append((name, seen[name]))
             seen[name] += 1
     targets = []
-    for p, n, g, op, c in zip(producers, sizes, groups, ops, cached):
+    for p, n, g, op, c, out in zip(producers, sizes, groups, ops, cached, outputs):
         mine = named.get(p, [])
-        for name, k in ([mine[op]] if op is not None and op < len(mine) else mine):
-            targets.append(OffloadTarget(kernel=name, occurrence=k, nbytes=int(n), group=int(g), cached=bool(c)))
+        known = op is not None and op < len(mine)
+        for name, k in ([mine[op]] if known else mine):
+            targets.append(OffloadTarget(kernel=name, occurrence=k, nbytes=int(n), group=int(g), cached=bool(c),
+                                         output=out if known else None))
     return tuple(targets)
