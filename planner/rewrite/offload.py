@@ -222,13 +222,15 @@ class _Step:
         self.groups: dict[int, list[weakref.ref[_Handle]]] = {}
         self.copying: list[_Handle] = []
         self.reached: set[int] = set()
-        self.host_bytes = 0
+        self.copied_bytes = 0
+        """Bytes copied to the host this step: all of them are still there when the forward ends (copies go in
+        backward), so the most ``Offloader.host_bytes`` reaches."""
 
     def add(self, handle: _Handle) -> None:
         self.groups.setdefault(handle.group, []).append(weakref.ref(handle))
         handle.copy_out()
-        self.host_bytes += handle.host.numel() if handle.host is not None else 0
-        self.offloader.host_peak_bytes = max(self.offloader.host_peak_bytes, self.host_bytes)
+        self.copied_bytes += handle.host.numel() if handle.host is not None else 0
+        self.offloader.host_peak_bytes = max(self.offloader.host_peak_bytes, self.copied_bytes)
 
     def poll(self) -> None:
         if self.copying:

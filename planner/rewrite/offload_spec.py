@@ -1,6 +1,6 @@
 """What a plan offloads, as the executor finds it (``planner.rewrite.offload`` runs it): each offloaded storage named
-by the op that makes it and its occurrence among the forward's ops of that name, with what the model predicts of the
-copies. Plain data, saved with the plan."""
+by the op that makes it, its occurrence among the forward's ops of that name and which of the op's outputs it is,
+with what the model predicts of the copies. Plain data, saved with the plan."""
 
 from __future__ import annotations
 
