@@ -5,7 +5,7 @@
 
 Per example:
 1. torch.compile at ``activation_memory_budget`` 0.5 and 0.3 (and 1.0, compile's own partition) is
-   measured in fresh processes: peak of one step (allocator events, ``measure_allocated_peak``).
+   measured in fresh processes: peak of one step (allocator events, ``measure_peak``).
 2. ``optimize_compiled`` is run (a fresh process each) at the measured peak of 0.5 and of 0.3, and
    at ``--below`` (60) % of 1.0's peak (a budget few fractions reach); what it chose (a fraction,
    or ckplan's eager plan compiled, saved as a plan file) and every probe it measured are recorded.
@@ -44,7 +44,7 @@ def worker(config: dict) -> dict:
     from planner.capture.step import backward, default_loss, untouched
     from planner.compiled.search import probe
     from planner.plan import load_plan
-    from planner.profiling.measure import measure_allocated_peak, step_samples_ms
+    from planner.profiling.measure import measure_peak, step_samples_ms
 
     torch.set_num_threads(1)
     model, inputs, loss_fn = load(config["example"])
@@ -54,7 +54,7 @@ def worker(config: dict) -> dict:
     if config["kind"] == "eager":
         with untouched(model):  # a warm-up step, as the compiled rows' first (compiling) one
             backward((loss_fn or default_loss)(model(*example.args, **example.kwargs)))
-        module, peak = model, measure_allocated_peak(model, example, loss_fn)
+        module, peak = model, measure_peak(model, example, loss_fn)
     else:  # compiled: one warm step that compiles, then the peak of the next
         target = model if config["kind"] == "knapsack" else load_plan(config["plan"]).apply(model, inputs=inputs)
         module, measured = probe(target, config.get("fraction", 1.0), example, loss_fn, keep_output=True)
@@ -157,7 +157,7 @@ def main() -> None:
             f"--below {args.below}` "
             f"on {platform.machine()}, torch {torch.__version__}, CPU, 1 thread. Fresh process per row and pass, "
             "passes in turns. Peak: one training step, the output kept through backward, counted at the allocator "
-            "(`measure_allocated_peak`), MiB per pass. Step: median of the pass's steps, ms (fastest..slowest). "
+            "(`measure_peak`), MiB per pass. Step: median of the pass's steps, ms (fastest..slowest). "
             "Overheads: median over passes of step time / the same pass's compile-none (or eager-none) - 1.", "",
             "| example | row | peak MiB per pass | step ms per pass | vs compile-none | vs eager-none |",
             "|---|---|---|---|---|---|"]

@@ -15,7 +15,7 @@ from typing_extensions import Unpack
 from planner.capture.inputs import as_inputs, bind, tensor_shapes
 from planner.capture.method import ExecutorKind
 from planner.capture.setting import ambient_autocast
-from planner.common.budget import check_budget, parse_budget
+from planner.common.budget import check_budget, is_device_budget, parse_budget
 from planner.distributed.memory import setup, split_at_units
 from planner.distributed.tensor import local_model, tensor_parallel_degree, with_collectives
 from planner.errors import InfeasibleBudget, OptionError
@@ -29,7 +29,7 @@ from planner.options import PREPARED, OptionArgs, PlanOptions, resolve
 from planner.plan import MemoryTimeline, Plan
 from planner.planning.chunkings import save_options_for, solve_budget, solve_prepared
 from planner.planning.offloading import host_link, offload_limits, solve_offloaded
-from planner.planning.prepared import Prepared, chunked, prepared_from
+from planner.planning.prepared import Prepared, chunked, device_bytes, prepared_from
 from planner.planning.step import captured_and_profiled
 from planner.profiling.api import step_device_type
 from planner.profiling.devices import load_device
@@ -182,7 +182,8 @@ def plan_for(prepared: Prepared, budget: int | str, *, options: PlanOptions | No
     if opts.max_chunks != prepared.options.max_chunks:
         prepared = chunked(prepared, opts.max_chunks)
     stage = opts.progress or (lambda name: None)
-    budget_bytes = parse_budget(budget, baseline_peak_bytes=prepared.baseline.peak_bytes)
+    budget_bytes = parse_budget(budget, baseline_peak_bytes=prepared.baseline.peak_bytes,
+                                device_bytes=device_bytes(prepared) if is_device_budget(budget) else None)
     stage("solve")
     started = time.perf_counter()
     deadline = Deadline.after(opts.time_limit_s)  # one limit for every solve below, not one each

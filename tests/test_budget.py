@@ -41,3 +41,48 @@ def test_percentage_needs_a_baseline():
 def test_format_bytes():
     assert format_bytes(512) == "512 B"
     assert format_bytes(3 * 2**20) == "3.00 MiB"
+
+
+@pytest.mark.parametrize(("text", "expected"), [("device", 2000), (" Device ", 2000), ("90% of device", 1800),
+                                                ("12.5 % of  DEVICE", 250)])
+def test_device_forms(text, expected):
+    assert parse_budget(text, baseline_peak_bytes=1000, device_bytes=2000) == expected
+
+
+@pytest.mark.parametrize("text", ["0% of device", "120% of device", "90% device", "of device", "devices"])
+def test_malformed_device_budgets_are_refused(text):
+    with pytest.raises(ValueError, match="of device"):
+        parse_budget(text, baseline_peak_bytes=1000, device_bytes=2000)
+
+
+def test_a_device_budget_needs_the_device():
+    with pytest.raises(ValueError, match="what the device can hold"):
+        parse_budget("device", baseline_peak_bytes=1000)
+
+
+def test_device_means_what_the_device_can_hold_for_the_step():
+    """On this CPU: what the process may still allocate plus what the model and inputs hold already, less the
+    reserve; on a spec: its memory less the CUDA context and the reserve."""
+    import torch
+
+    from planner import optimize
+    from planner.profiling.devices import load_device
+    from planner.profiling.fitting import resident_bytes
+    from planner.profiling.headroom import RESERVE_SHARE, capacity_bytes, headroom_bytes, spec_capacity_bytes
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64))
+    x = torch.randn(32, 64)
+    plan = optimize(model, "device", inputs=(x,))
+    from planner.capture.inputs import as_inputs
+
+    held = resident_bytes(model, as_inputs(model, (x,)))
+    room = headroom_bytes(torch.device("cpu"))
+    assert room is not None
+    assert plan.budget_bytes == pytest.approx((room + held) * (1 - RESERVE_SHARE), rel=0.01)  # the room moves a bit
+    assert not plan.segments  # it fits: no checkpoint
+    assert capacity_bytes(torch.device("cpu"), held_bytes=held) <= (room + held)
+    with torch.device("meta"):
+        big = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64))
+    half = optimize(big, "50% of device", inputs=(torch.randn(32, 64, device="meta"),), device="h100")
+    h100 = load_device("h100")
+    assert half.budget_bytes == spec_capacity_bytes(h100.memory_bytes, gpu=True) // 2

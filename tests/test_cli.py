@@ -143,7 +143,7 @@ def planned(work) -> subprocess.CompletedProcess:
 def test_report_has_a_header_and_a_segment_table(planned):
     assert planned.returncode == 0, planned.stderr
     out = planned.stdout
-    assert re.search(r"peak\s+3\.19 MiB → [\d.]+ (KiB|MiB) \(-\d+\.\d%\)", out), out
+    assert re.search(r"peak\s+3\.31 MiB → [\d.]+ (KiB|MiB) \(-\d+\.\d%\)", out), out
     assert re.search(r"budget\s+[\d.]+ MiB \(90% of the un-checkpointed peak\)", out), out
     assert re.search(r"overhead\s+\+\d+\.\d% predicted", out), out
     assert "solver cpsat OPTIMAL" in out and "on cpu" in out
@@ -218,7 +218,7 @@ def test_verify_prints_measured_next_to_predicted(planned):
     assert "verify: real training steps (median of 5)" in out
     row = re.search(r"peak with the plan\s+([\d.]+ [KM]iB)\s+([\d.]+ [KM]iB) (✓ fits|✗ over budget)", out)
     assert row is not None, out
-    assert re.search(r"peak without the plan\s+3\.19 MiB\s+[\d.]+ MiB", out), out
+    assert re.search(r"peak without the plan\s+3\.31 MiB\s+[\d.]+ MiB", out), out
     assert re.search(r"step without the plan\s+[\d.]+ ms\s+[\d.]+ ms", out), out
     assert re.search(r"step with the plan\s+[\d.]+ ms\s+[\d.]+ ms", out), out
     assert re.search(r"overhead\s+\+[\d.]+%\s+[+-][\d.]+%", out), out

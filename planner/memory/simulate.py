@@ -78,11 +78,13 @@ def kept_storages(model: MemoryModel, plan: ChunkPlan) -> np.ndarray:
     return kept_given(model, release_of(model, plan))
 
 
-def simulate(model: MemoryModel, plan: ChunkPlan, saves: Saves = frozenset(), offloads: Offloads = NO_OFFLOADS
-             ) -> Timeline:
+def simulate(model: MemoryModel, plan: ChunkPlan, saves: Saves = frozenset(), offloads: Offloads = NO_OFFLOADS, *,
+             stashes: bool = True) -> Timeline:
     """Predicted memory of every node of one training step under ``plan``, whose segments keep
     the outputs of the ``saves`` nodes (selective checkpointing, ``planner.memory.saves``) and copy the
-    ``offloads`` to host memory between their last forward use and their reload (``planner.memory.offload``)."""
+    ``offloads`` to host memory between their last forward use and their reload (``planner.memory.offload``).
+    ``stashes=False``: without the RNG state segments drawing random numbers stash (``stashed_bytes``), as the
+    chunk solvers see a plan."""
     check_plan(model, plan)
     saves = frozenset(int(o) for o in saves)
     check_saves(model, plan, saves)
@@ -103,7 +105,11 @@ def simulate(model: MemoryModel, plan: ChunkPlan, saves: Saves = frozenset(), of
         if last is not None:
             t = model.recompute_at[last]
             rerun = model.const_recompute[last] + kept_bwd[t] + rerun_bytes(model, first, last, stop, saves)
-            bwd[t] = max(bwd[t], rerun)
+            bwd[t] = max(bwd[t], rerun + (model.stash_bytes if stashes and model.stashes(first, stop) else 0))
+    if stashes:
+        stashed = stashed_bytes(model, plan)
+        fwd = fwd + stashed
+        bwd = np.where(model.has_bwd, bwd + stashed, -1)
     fwd_away, bwd_away = relief(model, offloads)
     fwd = fwd - fwd_away
     bwd = np.where(model.has_bwd, bwd - bwd_away, -1)
@@ -131,6 +137,16 @@ def simulate(model: MemoryModel, plan: ChunkPlan, saves: Saves = frozenset(), of
                             _why_kept(model, plan, int(s), saves)) for s in largest),
         saves=saves, offloads=offloads,
     )
+
+
+def stashed_bytes(model: MemoryModel, plan: ChunkPlan) -> np.ndarray:
+    """Per node: bytes of RNG state the plan's checkpoints hold at its forward and at its backward. Each segment
+    drawing random numbers stashes ``model.stash_bytes`` when its forward begins and frees them with its first
+    node's backward (its re-run draws them once more, which ``simulate`` adds there): the chunk solvers leave this
+    out, and ``planner.planning`` solves again under a budget lowered by what it costs."""
+    starts = [model.regions.starts[first] for first, stop in plan if model.stashes(first, stop)]
+    return prefix_by(np.array(starts, dtype=np.int64), np.full(len(starts), model.stash_bytes, dtype=np.int64),
+                     model.n_nodes)
 
 
 def _away_at(offloads: Offloads, phase: str, node: int) -> list[int]:

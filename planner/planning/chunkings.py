@@ -17,7 +17,7 @@ from planner.errors import InfeasibleBudget, OptionError, OutOfTime, PlannerErro
 from planner.memory.candidates import save_options
 from planner.memory.model import MemoryModel
 from planner.memory.saves import SaveOptions
-from planner.memory.simulate import simulate
+from planner.memory.simulate import Timeline, simulate
 from planner.options import PlanOptions
 from planner.planning.prepared import Prepared, chunked
 from planner.solve.baselines import hand_placements
@@ -106,9 +106,9 @@ def widen(prepared: Prepared, budget_bytes: int, options: PlanOptions,
         sum(dist.sharded_grad_bytes.values())  # what one rank keeps after backward
     below_fixed = budget_bytes < memory.param_bytes + grads  # no plan frees either
     if (first is not None and first.reason) or below_fixed or not prepared.regions.capped:
-        raise first or _smallest(memory, budget_bytes, deadline)  # the overrides, or proven: no finer chunking helps
+        raise first or _smallest(memory, budget_bytes, deadline)[0]  # the overrides, or proven: none finer helps
     if not prepared.rules.refinable:  # FSDP units captured as calls fix the chunking: not widened
-        raise _unproven(first or _smallest(memory, budget_bytes, deadline), prepared)
+        raise _unproven(first or _smallest(memory, budget_bytes, deadline)[0], prepared)
     chunks, first_prepared = prepared.regions.n_chunks, prepared
     searched, out_of_time = prepared, False
     while prepared.regions.capped and chunks < WIDEST_CHUNKS:
@@ -135,10 +135,11 @@ def widen(prepared: Prepared, budget_bytes: int, options: PlanOptions,
     if found is not None:
         return found
     if out_of_time:  # the smallest peak at the prepared chunking
-        raise _unproven(first or _smallest(first_prepared.memory, budget_bytes, deadline), searched, out_of_time=True)
+        raise _unproven(first or _smallest(first_prepared.memory, budget_bytes, deadline)[0], searched,
+                       out_of_time=True)
     # the smallest peak at the finest chunking searched
-    raise _unproven((first if prepared is first_prepared else None) or _smallest(prepared.memory, budget_bytes,
-                                                                                  deadline), prepared)
+    raise _unproven((first if prepared is first_prepared else None)
+                    or _smallest(prepared.memory, budget_bytes, deadline)[0], prepared)
 
 
 BLOCK_DP_SHARE = 0.5
@@ -170,7 +171,8 @@ def _every_block(prepared: Prepared, budget_bytes: int, deadline: Deadline) -> t
         return None
     try:
         found = rotor(fine.memory, budget_bytes, deadline=deadline.within(BLOCK_DP_SHARE * deadline.left_s()))
-        if found.recompute_us < best.recompute_us:
+        if (found.recompute_us < best.recompute_us
+                and simulate(fine.memory, found.plan).peak_bytes <= budget_bytes):  # RNG stashes included
             best = replace(found, status=SolverStatus.FEASIBLE, bound_us=None)
     except NoSolution:  # out of time, or none under the DP's conservative reading: the placement by hand fits
         pass
@@ -210,20 +212,18 @@ def solve_budget(solver: str, memory: MemoryModel, budget_bytes: int, baseline_p
     overrides = options if options is not None and (options.must_save or options.must_recompute) else None
     if budget_bytes >= baseline_peak and not (overrides is not None and overrides.must_recompute):
         return Solution(plan=(), status=SolverStatus.OPTIMAL, recompute_us=0, bound_us=0, solve_time_s=0.0)
-    solution: Solution | None
-    try:
-        solution = get_solver(solver)(memory, budget_bytes, deadline=deadline, options=options)
-    except NoSolution as exc:
-        if not exc.infeasible:
-            raise OutOfTime(str(exc)) from exc
-        solution = None
+    solution = _stashes_included(solver, memory, budget_bytes, deadline, options)
     if solution is not None and simulate(memory, solution.plan, solution.saves).peak_bytes <= budget_bytes:
         return solution
     if not explain:
         raise _NoPlan()
     if overrides is not None:
         _infeasible_overrides(memory, budget_bytes, overrides, deadline)
-    infeasible = _smallest(memory, budget_bytes, deadline)
+    infeasible, smallest = _smallest(memory, budget_bytes, deadline)
+    if smallest.peak_bytes <= budget_bytes and capabilities(solver).reads_budget:
+        # the RNG states its plans stash left the strategy's plans over: the smallest peak's plan fits
+        return Solution(plan=smallest.plan, status=SolverStatus.FEASIBLE, recompute_us=smallest.recompute_us,
+                        bound_us=None, solve_time_s=0.0, saves=smallest.saves)
     if infeasible.min_peak_bytes is not None and infeasible.min_peak_bytes <= budget_bytes:
         # a fixed or conservative strategy missed what cpsat can do
         peak = "no plan" if solution is None else f"a plan peaking at {simulate(memory, solution.plan).peak_bytes} B"
@@ -233,19 +233,50 @@ def solve_budget(solver: str, memory: MemoryModel, budget_bytes: int, baseline_p
     raise infeasible
 
 
+STASH_RETRIES = 3
+"""Most times ``solve_budget`` solves again under a lower budget for the RNG state its plan's checkpoints stash."""
+
+
+def _stashes_included(solver: str, memory: MemoryModel, budget_bytes: int, deadline: Deadline,
+                      options: SaveOptions | None) -> Solution | None:
+    """The strategy's plan for ``budget_bytes`` (None when it proves there is none; ``OutOfTime`` when it found
+    none in time). The chunk solvers leave out the RNG state a segment drawing random numbers stashes
+    (``MemoryModel.stash_bytes``, a few KiB on a CPU), which ``simulate`` counts: while the plan's simulated
+    peak is over the budget by it, the strategy solves again under a budget that much lower. The first solve's
+    bound still bounds every plan that fits, so the plan is OPTIMAL when it meets that bound."""
+    target, first = budget_bytes, None
+    for _ in range(STASH_RETRIES + 1):
+        try:
+            solution = get_solver(solver)(memory, target, deadline=deadline, options=options)
+        except NoSolution as exc:
+            if not exc.infeasible:
+                raise OutOfTime(str(exc)) from exc
+            return None
+        first = first or solution
+        over = simulate(memory, solution.plan, solution.saves).peak_bytes - budget_bytes
+        if over <= 0 or not memory.stash_bytes or not capabilities(solver).reads_budget:
+            break
+        target -= over
+    if first is None or solution is first:
+        return solution
+    optimal = first.bound_us is not None and solution.recompute_us <= first.bound_us
+    return replace(solution, bound_us=first.bound_us,
+                   status=SolverStatus.OPTIMAL if optimal else SolverStatus.FEASIBLE)
+
+
 EXPLAIN_S = 5.0
 """Least time the smallest peak's search gets to improve on the chunk DP's (CP-SAT, where the DP does not track
 every storage), even when the time limit has passed: the error's figure."""
 
 
-def _smallest(memory: MemoryModel, budget_bytes: int, deadline: Deadline) -> InfeasibleBudget:
+def _smallest(memory: MemoryModel, budget_bytes: int, deadline: Deadline) -> tuple[InfeasibleBudget, Timeline]:
     """What to say when no plan fits: the smallest peak any plan reaches over these chunks, and what it is
     made of (the chunk DP's, which runs to the end: about 1 s at 64 chunks on 2700 nodes; CP-SAT's after it
-    until ``deadline`` or for ``EXPLAIN_S``, whichever is later)."""
+    until ``deadline`` or for ``EXPLAIN_S``, whichever is later); with that plan's timeline."""
     best = simulate(memory, *min_peak_saves(memory, deadline=max(deadline, Deadline.after(EXPLAIN_S),
                                                                  key=lambda d: d.at)))
     largest = tuple((name, nbytes) for name, nbytes, _ in best.largest_kept)
-    return InfeasibleBudget(budget_bytes, best.peak_bytes, replace(best.breakdown, largest_kept=largest))
+    return InfeasibleBudget(budget_bytes, best.peak_bytes, replace(best.breakdown, largest_kept=largest)), best
 
 
 def _infeasible_overrides(memory: MemoryModel, budget_bytes: int, options: SaveOptions, deadline: Deadline) -> None:

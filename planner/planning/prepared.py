@@ -5,12 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 import numpy as np
+import torch
 from torch import nn
 
 from planner.capture.api import Captured
 from planner.capture.inputs import Inputs
 from planner.common.loop import TrainingLoop
 from planner.distributed.memory import Distributed, memory_offset
+from planner.errors import BudgetError
 from planner.memory.build import build_model
 from planner.memory.model import MemoryModel
 from planner.memory.offset import combined, loop_offset
@@ -19,6 +21,8 @@ from planner.memory.rules import SegmentRules
 from planner.memory.simulate import Timeline, simulate
 from planner.options import PlanOptions
 from planner.profiling.devices import SacCost, is_device_spec, load_device, sac_op_cost
+from planner.profiling.fitting import resident_bytes
+from planner.profiling.headroom import capacity_bytes, spec_capacity_bytes
 from planner.profiling.record import Profile
 from planner.rewrite.executor import Executor, executor_for
 
@@ -101,3 +105,21 @@ def prepared_from(model: nn.Module, example: Inputs, captured: Captured, profile
                     executor=executor, rules=rules, sac_cost=sac, distributed=distributed, loop=loop,
                     chunks=cost_model(profile, rules, max_chunks=options.max_chunks, sac=sac,
                                       distributed=distributed, loop=loop))
+
+
+def device_bytes(prepared: Prepared) -> int:
+    """What the device ``prepared`` was profiled for can hold for one training step (``budget="device"``): a
+    device spec's memory, or what the device here can still allocate plus what the step's tensors hold already
+    (``planner.profiling.headroom``), each less a reserve for what plans do not count.
+
+    Raises:
+        BudgetError: the device is not here (a profile made elsewhere), or how much it holds cannot be told."""
+    profile = prepared.profile
+    if profile.estimated_for:
+        spec = load_device(profile.estimated_for)
+        return spec_capacity_bytes(spec.memory_bytes, gpu=spec.kind == "gpu")
+    device = torch.device(profile.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise BudgetError(f"the profile was measured on {device}, which this machine does not have, so a 'device' "
+                          "budget means nothing here; give the budget in bytes or plan for a device spec")
+    return capacity_bytes(device, held_bytes=resident_bytes(prepared.model, prepared.example))

@@ -5,23 +5,28 @@ comes from the same memory pass replayed on meta tensors (``meta.memory_on_meta`
 nothing is allocated), and its times are measured on the device in contiguous pieces of nodes
 (``pieces.time_in_pieces``), each piece small enough that parameters, gradients, the values crossing
 into it and its own activations and backward stay under a ceiling: the memory the device has left, and
-the budget when one is given. The profiler's own peak (measured, one extra step) is part of the profile.
+the budget when one is given. One extra step in pieces measures the profiler's own peak, which is part of the
+profile, and what each node's ops allocate inside themselves, which meta tensors cannot show.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
+import torch.fx as fx
 from torch import nn
 
 from planner.capture.api import Captured
 from planner.capture.inputs import Inputs
-from planner.capture.step import LossFn, default_loss, sync, untouched
-from planner.common.budget import parse_budget
+from planner.capture.step import LossFn, default_loss, untouched
+from planner.common.budget import is_device_budget, parse_budget
 from planner.common.units import format_bytes
 from planner.compat.torch_private import storage_id, tree_leaves
 from planner.errors import ProfileError
-from planner.profiling.memory_pass import StepTimes, assemble, device_of
+from planner.profiling.allocator import AllocatorTrace
+from planner.profiling.memory_pass import Hidden, StepTimes, assemble, device_of
 from planner.profiling.memtrack import LiveStorages
 from planner.profiling.meta import MetaReplay, memory_on_meta
 from planner.profiling.pieces import Piece, PieceTimer, time_in_pieces
@@ -51,16 +56,18 @@ def fitting_profile(captured: Captured, model: nn.Module, inputs: Inputs, *, roo
     shape = assemble(replay.recorder, captured, model, replay.example, times=_no_times(len(replay.recorder.records)),
                      excess=replay.excess, device=str(device))
     device_ceiling = None if room_bytes is None else resident_bytes(model, inputs) + int(room_bytes * FIT_SHARE)
-    budget_bytes = None if budget is None else parse_budget(budget, baseline_peak_bytes=shape.baseline_peak_bytes)
+    budget_bytes = None if budget is None or is_device_budget(budget) else \
+        parse_budget(budget, baseline_peak_bytes=shape.baseline_peak_bytes)  # the device's room bounds the pieces
     ceilings = [c for c in (budget_bytes, device_ceiling) if c is not None]
     if not ceilings:
         raise ProfileError(f"the training step ran out of memory on {device}, and how much memory {device} has "
                            "left cannot be told: plan with a budget (optimize(model, budget, ...))")
     pieces = _pieces_within(shape, sorted(ceilings))
     times = time_in_pieces(captured, model, inputs, pieces=pieces, loss_fn=loss_fn, device=device, runs=runs)
-    peak = pieces_peak_bytes(captured, model, inputs, pieces=pieces, loss_fn=loss_fn, device=device)
+    memory = pieces_memory(captured, model, inputs, pieces=pieces, loss_fn=loss_fn, device=device)
     return assemble(replay.recorder, captured, model, replay.example, times=times, excess=replay.excess,
-                    device=str(device), pieces=len(pieces), profile_peak_bytes=peak)
+                    device=str(device), pieces=len(pieces), profile_peak_bytes=memory.peak_bytes,
+                    hidden=memory.hidden)
 
 
 class PieceSizes:
@@ -80,9 +87,9 @@ class PieceSizes:
                 change[last[s] + 1] -= st.nbytes
         self.crossing = np.cumsum(change)[: n + 1]
         self.start = np.array([nd.fwd_start_bytes for nd in profile.nodes], dtype=np.int64)
-        self.peak = np.array([nd.fwd_peak_bytes for nd in profile.nodes], dtype=np.int64)
-        self.bwd_rise = np.array([(nd.bwd_peak_bytes or 0) - (nd.bwd_start_bytes or 0) for nd in profile.nodes],
-                                 dtype=np.int64)
+        self.peak = np.array([nd.fwd_allocator_peak_bytes for nd in profile.nodes], dtype=np.int64)
+        self.bwd_rise = np.array([(nd.bwd_allocator_peak_bytes or 0) - (nd.bwd_start_bytes or 0)
+                                  for nd in profile.nodes], dtype=np.int64)
         self.fixed = profile.param_bytes + profile.grad_bytes
 
     def bytes(self, lo: int, hi: int) -> int:
@@ -125,25 +132,82 @@ def choose_pieces(profile: Profile, ceiling_bytes: int) -> list[Piece]:
     return pieces
 
 
-def pieces_peak_bytes(captured: Captured, model: nn.Module, inputs: Inputs, *, pieces: list[Piece],
-                      loss_fn: LossFn, device: torch.device) -> int:
-    """The peak bytes one step run in ``pieces`` holds on ``device``: the allocator's peak on CUDA, the
-    live storages (``LiveStorages``: parameters, buffers and inputs counted from the start) elsewhere."""
-    timer = PieceTimer(captured.graph_module, device, pieces)
-    with untouched(model):
-        if device.type == "cuda":
-            sync(device)
-            torch.cuda.reset_peak_memory_stats(device)
-            timer.step(inputs, loss_fn)
-            sync(device)
-            return torch.cuda.max_memory_allocated(device)
-        tracker = LiveStorages(device)
-        for tensor in [*model.parameters(), *model.buffers(), *tree_leaves((inputs.args, inputs.kwargs))]:
-            if isinstance(tensor, torch.Tensor):
-                tracker.track(tensor)
-        with tracker:
-            timer.step(inputs, loss_fn)
-        return tracker.peak_bytes
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PiecesMemory:
+    """What one step run in pieces showed of memory."""
+
+    peak_bytes: int
+    """The step's peak at the device's allocator (as ``planner.profiling.measure`` reads it)."""
+    hidden: Hidden
+    """Per node, what its ops allocated inside themselves beyond the live storages' rise (the meta replay the
+    profile's memory comes from cannot see it)."""
+
+
+class _Windows(PieceTimer):
+    """A step in pieces whose every node's forward and backward is a window of a ``LiveStorages`` and of an
+    ``AllocatorTrace``: the allocator's rise in a window beyond the live storages' rise is what the node's ops
+    allocated inside themselves."""
+
+    def __init__(self, gm: fx.GraphModule, device: torch.device, pieces: list[Piece]) -> None:
+        super().__init__(gm, device, pieces)
+        self.tracker = LiveStorages(device)
+        self.allocator = AllocatorTrace(device)
+        self._opened: list[tuple[bool, int, int]] = []  # (backward, node, live bytes when opened)
+        self._rises: list[int] = []  # of the live storages, per window closed
+
+    def _mark(self, backward: bool, index: int) -> None:
+        if self._opened:
+            self._rises.append(self.tracker.window_peak_bytes - self._opened[-1][2])
+        self._opened.append((backward, index, self.tracker.mark()))
+        self.allocator.mark()
+
+    def around_node(self, index, node, compute, values):
+        self._mark(False, index)
+        return super().around_node(index, node, compute, values)
+
+    def on_backward(self, index, phase):
+        if phase == "pre":
+            self._mark(True, index)
+        super().on_backward(index, phase)
+
+    def hidden(self) -> Hidden:
+        """Per node, what the allocator held beyond the live storages at the peak of each of its windows, as it
+        would in the whole step: the most its ops allocated inside themselves beyond the live storages' rise,
+        plus what earlier nodes left allocated outside storages and autograd still holds (scalars it saved
+        from Python numbers), which in pieces is freed at each piece's end: each node's forward leaves it
+        (``left``), alive through later forwards and until the node's own backward."""
+        windows = self.allocator.windows
+        ends = [(live, w.start_bytes) for (_, _, live), w in zip(self._opened[1:], windows[1:])]
+        ends.append((self.tracker.live_bytes, self.allocator.end_bytes))
+        self._rises.append(self.tracker.window_peak_bytes - self._opened[-1][2])
+        count = self.loss_index + 1
+        left = [0] * count
+        for (backward, index, live), window, (live_end, end) in zip(self._opened, windows, ends):
+            if not backward:
+                left[index] = max(0, end - window.start_bytes - (live_end - live))
+        before = np.concatenate([[0], np.cumsum(left)])  # before[j]: left by the nodes before j
+        found: tuple[list[int], list[int]] = ([0] * count, [0] * count)
+        start = [0] * count
+        for (backward, index, _), rise, window in zip(self._opened, self._rises, windows):
+            held = int(before[index + 1] if backward else before[index])  # its own too, until its backward
+            extra = held + window.peak_bytes - window.start_bytes - rise
+            found[backward][index] = max(found[backward][index], extra)
+            if backward:
+                start[index] = held
+        return Hidden(forward=found[0], backward=found[1], backward_start=start, peak_bytes=0)
+
+
+def pieces_memory(captured: Captured, model: nn.Module, inputs: Inputs, *, pieces: list[Piece], loss_fn: LossFn,
+                  device: torch.device) -> PiecesMemory:
+    """One step run in ``pieces`` on ``device``: its peak at the allocator (parameters, buffers and inputs counted
+    from the start) and what each node's ops allocated inside themselves."""
+    runner = _Windows(captured.graph_module, device, pieces)
+    with untouched(model), runner.allocator, runner.tracker:
+        runner.step(inputs, loss_fn)
+    before = runner.allocator.base_bytes
+    if before is None:
+        before = resident_bytes(model, inputs)
+    return PiecesMemory(peak_bytes=before + runner.allocator.peak_bytes, hidden=runner.hidden())
 
 
 def resident_bytes(model: nn.Module, inputs: Inputs) -> int:

@@ -5,6 +5,8 @@ On a GPU: the free device memory plus what torch's caching allocator holds unuse
 ``torch.cuda.set_per_process_memory_fraction`` allows. On the CPU: the least of what the address-space
 limit leaves (``RLIMIT_AS``, as ``ulimit -v`` or a container sets it), what the cgroup's memory limit
 leaves, and the memory the kernel reports available. None when nothing limits it (another device type).
+
+``capacity_bytes`` says what a device can hold for one training step: what ``budget="device"`` means.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ import resource
 from pathlib import Path
 
 import torch
+
+from planner.errors import BudgetError
 
 _CGROUP = Path("/sys/fs/cgroup")
 
@@ -25,6 +29,37 @@ def headroom_bytes(device: torch.device) -> int | None:
         limits = [v for v in (_address_space_left(), _cgroup_left(), _meminfo("MemAvailable")) if v is not None]
         return min(limits) if limits else None
     return None
+
+
+RESERVE_SHARE = 0.1
+"""Share of a device's memory a ``"device"`` budget leaves to what plans do not count: the CUDA caching allocator's
+reserve beyond what it allocates (rounded blocks, split segments), libraries' workspaces allocated once (cuBLAS,
+cuDNN), the CPU heap's fragmentation."""
+CUDA_CONTEXT_BYTES = 512 * 2**20
+"""What a GPU spec's device loses to the CUDA context and the kernels' images before any tensor (measured: about
+500 MiB on an H100 with torch's kernels loaded)."""
+
+
+def capacity_bytes(device: torch.device, *, held_bytes: int) -> int:
+    """What ``device`` can hold for one training step of this process: what it can still allocate
+    (``headroom_bytes``) plus ``held_bytes``, what the step's own tensors hold already (parameters, buffers,
+    inputs), less ``RESERVE_SHARE``.
+
+    Raises:
+        BudgetError: how much ``device`` can hold cannot be told."""
+    room = headroom_bytes(device) if device.type in ("cuda", "cpu") else None
+    if room is None:
+        raise BudgetError(f"how much memory {device} has cannot be told here, so a 'device' budget means nothing; "
+                          "give the budget in bytes ('40GB') or plan for a device spec (device='h100')")
+    if device.type == "cuda":
+        held_bytes = torch.cuda.memory_allocated(device)  # everything this process's tensors hold there
+    return int((room + held_bytes) * (1 - RESERVE_SHARE))
+
+
+def spec_capacity_bytes(memory_bytes: int, *, gpu: bool) -> int:
+    """What a device spec of ``memory_bytes`` can hold for one training step: its memory less the CUDA context on
+    a GPU, less ``RESERVE_SHARE``."""
+    return int((memory_bytes - (CUDA_CONTEXT_BYTES if gpu else 0)) * (1 - RESERVE_SHARE))
 
 
 def hard_limit(device: torch.device) -> bool:

@@ -1,8 +1,9 @@
 """Measures what one real training step of any module costs: peak memory and time.
 
-The check on every prediction. On CPU the peak is counted by ``LiveStorages``
-(the same ruler the profiler uses); on CUDA it is ``torch.cuda.max_memory_allocated``.
-The module's gradients, buffers and RNG state are restored afterwards.
+The check on every prediction. Peaks are read at the device's allocator (``planner.profiling.allocator``), where
+memory runs out: on CPU torch.profiler's memory events (every allocation and free, also those an op makes inside
+itself), on CUDA ``torch.cuda.max_memory_allocated``. The module's gradients, buffers and RNG state are restored
+afterwards.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from planner.capture.step import LossFn, backward, default_loss, untouched
 from planner.capture.step import sync as _sync
 from planner.common.loop import TrainingLoop, ZeroGrad
 from planner.compat.torch_private import storage_id, tree_leaves
+from planner.profiling.allocator import AllocatorTrace
 from planner.profiling.memtrack import LiveStorages
 
 
@@ -30,32 +32,47 @@ class Measurement:
     """One module's measured training step."""
 
     peak_bytes: int
-    """Peak live bytes on the device during forward + backward (parameters included)."""
+    """Peak bytes allocated on the device during forward + backward (parameters included)."""
     step_ms: float
     """Median wall time of a step (forward, loss, backward), ms."""
 
 
 def measure_peak(module: nn.Module, inputs: Inputs, loss_fn: Callable[[Any], torch.Tensor] | None = None, *,
                  keep_output: bool = True) -> int:
-    """Peak bytes of one training step, starting with no gradients allocated.
+    """Peak bytes of one training step at the device's allocator, starting with no gradients allocated.
 
     The step is ``output = module(*inputs); backward(loss_fn(output))`` with ``output``
     referenced until backward ends, as in the usual training loop; with ``keep_output=False`` it
-    is dropped before backward, as Hugging Face Trainer's ``compute_loss`` does."""
+    is dropped before backward, as Hugging Face Trainer's ``compute_loss`` does. On CPU: the storages of the
+    parameters, buffers and inputs alive before the step plus the highest rise of the allocator during it (every
+    allocation and free, so gradients, workspaces ops allocate inside themselves and compiled kernels' buffers
+    included); on CUDA ``max_memory_allocated``."""
     device = next(module.parameters()).device
-    with untouched(module):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-            torch.cuda.reset_peak_memory_stats(device)
-            _step(module, inputs, loss_fn, keep_output=keep_output)
-            torch.cuda.synchronize(device)
-            return torch.cuda.max_memory_allocated(device)
-        tracker = LiveStorages(device)
-        for t in _resident(module, inputs):
-            tracker.track(t)
-        with tracker:
-            _step(module, inputs, loss_fn, keep_output=keep_output)
-        return tracker.peak_bytes
+    with untouched(module), AllocatorTrace(device) as trace:
+        _step(module, inputs, loss_fn, keep_output=keep_output)
+    return _before(trace, _resident(module, inputs)) + trace.peak_bytes
+
+
+def measure_live_peak(module: nn.Module, inputs: Inputs, loss_fn: Callable[[Any], torch.Tensor] | None = None, *,
+                      keep_output: bool = True) -> int:
+    """Peak bytes of the step ``measure_peak`` runs as the dispatcher sees it: the live storages ops return
+    (``LiveStorages``), without what ops allocate inside themselves. For comparing the two rulers."""
+    device = next(module.parameters()).device
+    tracker = LiveStorages(device)
+    for t in _resident(module, inputs):
+        tracker.track(t)
+    with untouched(module), tracker:
+        _step(module, inputs, loss_fn, keep_output=keep_output)
+    return tracker.peak_bytes
+
+
+def _before(trace: AllocatorTrace, tensors: Sequence[torch.Tensor]) -> int:
+    """What the device held when ``trace`` began: the allocator's own count where it keeps one (CUDA), else the
+    distinct storages of ``tensors`` on the device (the CPU allocator serves the whole process)."""
+    if trace.base_bytes is not None:
+        return trace.base_bytes
+    return sum({storage_id(t.untyped_storage()): t.untyped_storage().nbytes()
+                for t in tensors if t.device == trace.device}.values())
 
 
 def measure_loop_peak(module: nn.Module, batches: Sequence[Inputs], loss_fn: LossFn | None = None, *,
@@ -65,13 +82,15 @@ def measure_loop_peak(module: nn.Module, batches: Sequence[Inputs], loss_fn: Los
     micro-steps, gradients cleared (``set_to_none`` as the loop says) before the first micro-step's forward or, for
     ``ZeroGrad.BEFORE_BACKWARD``, right before its backward, the output kept through backward (and the optimizer's
     step) when the loop keeps it, released at the end of each micro-step; forward and loss under the loop's
-    autocast, backward outside it. On CUDA the allocator's peak, else the live storages: parameters, buffers,
+    autocast, backward outside it. Read at the device's allocator (as ``measure_peak``): parameters, buffers,
     gradients, optimizer state, everything the loop allocates, and each batch from its micro-step on, or from the
     first of the ``loop.batches_held`` taken together (pass one batch object repeated to count one, as a loader
     that makes each batch in turn holds; k distinct ones repeated for a loop that holds k). The module's
     parameters train: pass a copy to keep the model as it was."""
     device = next(module.parameters()).device
     every, held = loop.gradient_accumulation_steps, loop.batches_held
+    counted: dict[int, int] = {}  # storage -> bytes, of the batches counted so far
+    batch_bytes: list[int] = []  # per window: bytes of the batches counted when it opened
 
     def clear() -> None:
         if optimizer is not None:
@@ -79,13 +98,15 @@ def measure_loop_peak(module: nn.Module, batches: Sequence[Inputs], loss_fn: Los
         else:
             module.zero_grad(set_to_none=loop.set_to_none)
 
-    def run() -> None:
+    def run(trace: AllocatorTrace) -> None:
         for i, inputs in enumerate(batches):
-            if tracker is not None and i % held == 0:  # counted from its micro-step on (the caller holds it after),
-                for batch in batches[i:i + held]:     # with the others the loop holds at once
+            if i % held == 0:  # counted from its micro-step on (the caller holds it after), with the others the
+                for batch in batches[i:i + held]:  # loop holds at once
                     for t in tree_leaves((batch.args, batch.kwargs)):
-                        if isinstance(t, torch.Tensor):
-                            tracker.track(t)
+                        if isinstance(t, torch.Tensor) and t.device == device:
+                            counted[storage_id(t.untyped_storage())] = t.untyped_storage().nbytes()
+            trace.mark()
+            batch_bytes.append(sum(counted.values()))
             first = i % every == 0
             if first and loop.zero_grad is ZeroGrad.BEFORE_FORWARD:
                 clear()
@@ -109,18 +130,12 @@ def measure_loop_peak(module: nn.Module, batches: Sequence[Inputs], loss_fn: Los
     module.train()
     for p in module.parameters():
         p.grad = None
-    tracker = None if device.type == "cuda" else LiveStorages(device)
-    if tracker is None:
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        run()
-        torch.cuda.synchronize(device)
-        return torch.cuda.max_memory_allocated(device)
-    for t in [*module.parameters(), *module.buffers()]:
-        tracker.track(t)
-    with tracker:
-        run()
-    return tracker.peak_bytes
+    with AllocatorTrace(device) as trace:
+        run(trace)
+    if trace.base_bytes is not None:  # the allocator counted the batches already there
+        return trace.base_bytes + trace.peak_bytes
+    before = _before(trace, [*module.parameters(), *module.buffers()])
+    return before + max(w.peak_bytes + b for w, b in zip(trace.windows, batch_bytes))
 
 
 def _step(module: nn.Module, inputs: Inputs, loss_fn: Callable[[Any], torch.Tensor] | None, *,
@@ -178,32 +193,3 @@ def measure(module: nn.Module, inputs: Inputs, loss_fn: Callable[[Any], torch.Te
     """Peak memory of one step and median time of ``runs`` steps."""
     return Measurement(peak_bytes=measure_peak(module, inputs, loss_fn),
                        step_ms=step_times_ms([module], inputs, loss_fn, runs=runs)[0])
-
-
-def measure_allocated_peak(module: nn.Module, inputs: Inputs, loss_fn: Callable[[Any], torch.Tensor] | None = None,
-                           *, keep_output: bool = True) -> int:
-    """Peak bytes of one training step counted at the allocator: the ruler for compiled modules, whose
-    kernels allocate below the dispatcher where ``LiveStorages`` cannot see them.
-
-    On CUDA it is ``measure_peak`` (``max_memory_allocated`` already counts every allocation). On CPU
-    it is the storages of the parameters, buffers and inputs alive before the step plus the highest
-    running sum of torch.profiler's memory events during it (every allocation and free of the CPU
-    allocator, so gradients, compiled buffers and workspaces included). The step is as in
-    ``measure_peak``."""
-    from torch.profiler import ProfilerActivity, profile
-
-    device = next(module.parameters()).device
-    if device.type == "cuda":
-        return measure_peak(module, inputs, loss_fn, keep_output=keep_output)
-    resident = {storage_id(t.untyped_storage()): t.untyped_storage().nbytes()
-                for t in _resident(module, inputs) if t.device == device}
-    with untouched(module), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        _step(module, inputs, loss_fn, keep_output=keep_output)
-    events = sorted((e for e in prof.profiler.kineto_results.events()
-                     if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU),
-                    key=lambda e: e.start_ns())
-    live = peak = 0
-    for event in events:
-        live += event.nbytes()
-        peak = max(peak, live)
-    return sum(resident.values()) + peak

@@ -22,10 +22,12 @@ from torch import nn
 from planner.capture.api import Captured, target_text
 from planner.capture.calls import SCOPE_KEY
 from planner.capture.inputs import Inputs
-from planner.capture.ops import kernel_name, writes_new_memory
+from planner.capture.ops import draws_random, kernel_name, writes_new_memory
 from planner.capture.step import LossFn, default_loss, sync, untouched
 from planner.compat.torch_private import disable_current_modes, tree_leaves
 from planner.errors import ProfileError
+from planner.profiling.allocator import AllocatorTrace, uncounted
+from planner.profiling.devices import load_device
 from planner.profiling.eager import eager_excess, eager_forward_trace
 from planner.profiling.link import measure_host_link
 from planner.profiling.memtrack import GradBytes, LiveStorages, local_of, storage_key
@@ -45,6 +47,21 @@ class StepTimes:
     checkpoint_overhead_ms: float
     sac_op_us: float | None = None
     """Per-op cost of SAC's dispatch modes, us; None when not measured (estimates)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Hidden:
+    """What a step's nodes allocated inside their ops, where only the allocator sees it (bytes)."""
+
+    forward: list[int]
+    """Per node: its forward's allocator peak beyond its live-storage peak (``NodeCost.fwd_hidden_bytes``)."""
+    backward: list[int]
+    """Per node: the same for its backward (0 without one)."""
+    backward_start: list[int]
+    """Per node: what the allocator held beyond the live storages when its backward started
+    (``NodeCost.bwd_start_hidden_bytes``)."""
+    peak_bytes: int
+    """The step's highest allocator peak, in live bytes (the storages alive plus what the op allocated inside)."""
 
 
 def profile(
@@ -94,7 +111,7 @@ def profile(
                           checkpoint_overhead_ms=checkpoint_overhead_ms(device),
                           sac_op_us=measure_sac_op_us(captured.graph_module, inputs, loss_fn, device, ops))
     return assemble(recorder, captured, model, inputs, times=times, excess=excess, device=str(device),
-                    profile_peak_bytes=recorder.tracker.peak_bytes)
+                    profile_peak_bytes=recorder.hidden().peak_bytes)
 
 
 def check_trainable(model: nn.Module) -> None:
@@ -119,12 +136,14 @@ def eager_excess_of(recorder: MemoryRecorder, captured: Captured, model: nn.Modu
 
 def assemble(recorder: MemoryRecorder, captured: Captured, model: nn.Module, inputs: Inputs, *,
              times: StepTimes, excess: list[int] | None, device: str, estimated_for: str = "", pieces: int = 1,
-             profile_peak_bytes: int | None = None, host_link: tuple[float, float] | None = None) -> Profile:
+             profile_peak_bytes: int | None = None, host_link: tuple[float, float] | None = None,
+             hidden: Hidden | None = None) -> Profile:
     """The ``Profile`` of a recorded step with its times (measured or estimated); ``host_link``: the GB/s of copies
     to and from pinned host memory (default: measured on the device now, ``planner.profiling.link``; an estimate
     passes its spec's)."""
     if host_link is None and not estimated_for:
         host_link = measure_host_link(torch.device(device))
+    hidden = recorder.hidden() if hidden is None else recorder.with_hidden(hidden)
     nodes = tuple(
         NodeCost(
             name=rec["name"], kind=rec["kind"], target=rec["target"], scope=rec["scope"],
@@ -132,13 +151,15 @@ def assemble(recorder: MemoryRecorder, captured: Captured, model: nn.Module, inp
             fwd_ms=times.fwd_ms[i], bwd_ms=times.bwd_ms[i],
             fwd_start_bytes=rec["fwd_start"], fwd_peak_bytes=rec["fwd_peak"],
             bwd_start_bytes=recorder.bwd_start.get(i), bwd_peak_bytes=recorder.bwd_peak.get(i),
+            fwd_hidden_bytes=hidden.forward[i], bwd_hidden_bytes=hidden.backward[i],
+            bwd_start_hidden_bytes=hidden.backward_start[i],
             bwd_grad_bytes=recorder.bwd_grads.get(i) if i in recorder.bwd_peak else None,
             inputs=tuple(sorted(rec["inputs"])), outputs=tuple(sorted(rec["outputs"])),
             saves=tuple(sorted(rec["saves"])), mutates=tuple(sorted(rec["mutates"])),
             mutated_buffers=tuple(rec["buffers"]), checkpointable=rec["kind"] != LOSS_NODE,
             mutated_buffer_bytes=sum(recorder.buffer_bytes[name] for name in rec["buffers"]),
             eager_excess_bytes=excess[i] if excess else 0, stop_peak_bytes=rec.get("stop_peak"),
-            aten_ops=rec["ops"][1] - rec["ops"][0], kernels=tuple(rec["kernels"]),
+            aten_ops=rec["ops"][1] - rec["ops"][0], kernels=tuple(rec["kernels"]), random=rec["random"],
         )
         for i, rec in enumerate(recorder.records)
     )
@@ -154,7 +175,9 @@ def assemble(recorder: MemoryRecorder, captured: Captured, model: nn.Module, inp
         step_fwd_ms=times.step_fwd_ms,
         step_bwd_ms=times.step_bwd_ms,
         checkpoint_overhead_ms=times.checkpoint_overhead_ms, sac_op_us=times.sac_op_us,
-        baseline_peak_bytes=recorder.tracker.peak_bytes,
+        baseline_peak_bytes=max(recorder.tracker.peak_bytes, hidden.peak_bytes),
+        rng_state_bytes=rng_state_bytes(load_device(estimated_for).kind if estimated_for
+                                        else torch.device(device).type),
         end_bytes=recorder.end_bytes,
         input_bytes=recorder.input_bytes,
         keep_output=recorder.keep_output,
@@ -165,6 +188,13 @@ def assemble(recorder: MemoryRecorder, captured: Captured, model: nn.Module, inp
         profile_peak_bytes=profile_peak_bytes,
         d2h_gb_per_s=host_link[0] if host_link else None, h2d_gb_per_s=host_link[1] if host_link else None,
     )
+
+
+def rng_state_bytes(device_kind: str) -> int:
+    """Bytes of RNG state on a device of ``device_kind`` (``cpu``, ``cuda``, a spec's ``gpu``) that a checkpoint
+    with ``preserve_rng_state`` stashes: the CPU generator's state on a CPU; none on a GPU, whose state torch reads
+    into host memory (as it does the CPU's)."""
+    return torch.get_rng_state().nbytes if device_kind == "cpu" else 0
 
 
 def device_of(model: nn.Module, inputs: Inputs) -> torch.device:
@@ -188,20 +218,31 @@ class MemoryRecorder(StepRunner):
     """One instrumented step: storages, saved tensors, mutations and per-node peaks."""
 
     def __init__(self, gm: fx.GraphModule, model: nn.Module, device: torch.device,
-                 op_ms: Callable[[Any, tuple, Any], float] | None = None, *, keep_output: bool = True) -> None:
+                 op_ms: Callable[[Any, tuple, Any], float] | None = None, *, keep_output: bool = True,
+                 op_workspace: Callable[[Any, tuple, Any], int] | None = None) -> None:
         super().__init__(gm, device, keep_output=keep_output)
         self.model = model
         self.op_ms = op_ms
         """Optional ``(func, args, out) -> ms`` estimate of each op (the roofline on meta tensors)."""
+        self.op_workspace = op_workspace
+        """Optional ``(func, args, out) -> bytes`` estimate of what each op allocates inside itself, which a replay
+        on meta tensors cannot see (``planner.profiling.workspace``)."""
+        self.est_workspace: tuple[defaultdict[int, int], defaultdict[int, int]] = (defaultdict(int), defaultdict(int))
+        """Per node, the largest estimated in-op bytes of an op of its forward, and of its backward."""
         self.est_fwd_ms: defaultdict[int, float] = defaultdict(float)
         self.est_bwd_ms: defaultdict[int, float] = defaultdict(float)
         self.tracker = LiveStorages(device)
+        self.allocator = AllocatorTrace(device)
+        """The allocator during the step, in one window per ``tracker.mark()``: what ops allocate inside
+        themselves, which the tracker (the dispatcher) does not see."""
         self.storages: list[StorageCost] = []
         self.records: list[dict] = []
         self.bwd_start: dict[int, int] = {}
         self.bwd_peak: dict[int, int] = {}
         self.bwd_grads: dict[int, int] = {}
         """Per node: bytes of parameter gradients alive when its backward started."""
+        self.bwd_windows: defaultdict[int, list[int]] = defaultdict(list)
+        """Per node: the allocator's window of each window of its backward."""
         self.end_bytes: int | None = None
         """Live bytes once backward has finished."""
         self.input_bytes = 0
@@ -230,9 +271,45 @@ class MemoryRecorder(StepRunner):
             self.tracker.track(value)  # unless counted already (e.g. one sharing a parameter's storage)
         self.input_bytes = sum(local_of(t).numel() * t.element_size() for t in {id(t): t for t in tensors}.values())
         self.tracker.trace = []
-        with self.tracker, torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t):
+        with self.allocator, self.tracker, torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t):
             super().step(inputs, loss_fn)
             self._close_window()
+
+    def _mark(self) -> tuple[int, int]:
+        """Opens a window of the tracker and of the allocator: (live bytes now, the allocator's window)."""
+        return self.tracker.mark(), self.allocator.mark()
+
+    def hidden(self) -> Hidden:
+        """What each node's ops allocated where the tracker does not look, at its allocator peak, beyond its
+        live-storage peak: inside the ops (workspaces), and what stays allocated outside storages. The allocator's
+        bytes are read in live bytes from the step's first mark on (what the CPU allocator freed before that is
+        not the step's)."""
+        windows = self.allocator.windows
+        n = len(self.records)
+        forward, backward, start = [0] * n, [0] * n, [0] * n
+        if windows and self.records:
+            first = self.records[0]
+            offset = first["fwd_start"] - windows[first["window"]].start_bytes
+
+            def level(window: int) -> int:
+                return offset + windows[window].peak_bytes
+
+            for i, rec in enumerate(self.records):
+                forward[i] = max(0, level(rec["window"]) - rec["fwd_peak"])
+            for i, opened in self.bwd_windows.items():
+                backward[i] = max(0, max(level(k) for k in opened) - self.bwd_peak[i])
+                start[i] = max(0, offset + windows[opened[0]].start_bytes - self.bwd_start[i])
+        for i, nbytes in self.est_workspace[0].items():  # estimated where nothing was measured (meta tensors)
+            forward[i] = max(forward[i], nbytes)
+        for i, nbytes in self.est_workspace[1].items():
+            backward[i] = max(backward[i], nbytes)
+        return self.with_hidden(Hidden(forward=forward, backward=backward, backward_start=start, peak_bytes=0))
+
+    def with_hidden(self, hidden: Hidden) -> Hidden:
+        """``hidden`` (per node, measured here or elsewhere) with the step's peak at the allocator it gives."""
+        peak = max([self.tracker.peak_bytes] + [r["fwd_peak"] + h for r, h in zip(self.records, hidden.forward)]
+                   + [self.bwd_peak[i] + hidden.backward[i] for i in self.bwd_peak])
+        return replace(hidden, peak_bytes=peak)
 
     def before_backward(self) -> None:
         # A tensor "saved" by an autograd node outside the loss's graph (a side branch such as
@@ -269,7 +346,7 @@ class MemoryRecorder(StepRunner):
             assert isinstance(node.target, str)  # a call_module node's target is the module's path
             names |= {self._buffer_of[storage_key(b)] for b in self.module.get_submodule(node.target).buffers()
                       if storage_key(b) in self._buffer_of}
-        with disable_current_modes():  # profiling's own copies are not the model's memory
+        with disable_current_modes(), uncounted():  # profiling's own copies are not the model's memory
             return [(name, self.model.get_buffer(name).detach().clone()) for name in sorted(names)]
 
     def _here(self, value: Any) -> bool:
@@ -277,15 +354,22 @@ class MemoryRecorder(StepRunner):
         return (isinstance(value, torch.Tensor) and value.device.type == self.device.type
                 and (self.device.type == "meta" or not value.is_meta))
 
-    def _op(self, func, args, out) -> None:
+    def _op(self, func, args, kwargs, out) -> None:
         """Notes casts of parameters that autocast keeps in its cache, BatchNorm's running-stat
-        updates (unannotated in its schema), and each op's estimated time when estimating."""
+        updates (unannotated in its schema), random draws, and each op's estimated time when estimating."""
         if func in _BATCH_NORMS and len(args) > 5 and args[5] is True:
             for stat in args[3:5]:
                 if isinstance(stat, torch.Tensor):
                     self._written(stat)
         if self._current is not None and writes_new_memory(func):
             self._current["kernels"].append(kernel_name(func))
+        if self._current is not None and draws_random(func, args, kwargs):
+            self._current["random"] = True
+        if self.op_workspace is not None:
+            window = (0, len(self.records) - 1) if self._current is not None else (1, self._open)
+            if window[1] is not None:
+                found = self.est_workspace[window[0]]
+                found[window[1]] = max(found[window[1]], self.op_workspace(func, args, out))
         if self.op_ms is not None:
             if self._current is not None:
                 self.est_fwd_ms[len(self.records) - 1] += self.op_ms(func, args, out)
@@ -327,7 +411,7 @@ class MemoryRecorder(StepRunner):
             "kind": node.op if node is not None else LOSS_NODE,
             "target": target_text(node) if node is not None else "loss_fn",
             "scope": tuple(scope), "inputs": self._storages(values),
-            "outputs": set(), "saves": set(), "mutates": set(), "buffers": [], "kernels": [],
+            "outputs": set(), "saves": set(), "mutates": set(), "buffers": [], "kernels": [], "random": False,
         }
         self.records.append(record)
         self._current = record
@@ -335,7 +419,7 @@ class MemoryRecorder(StepRunner):
         touchable = self._touchable_buffers(node, values)
         self._producer = index
         first_new = len(self.storages)
-        record["fwd_start"] = self.tracker.mark()
+        record["fwd_start"], record["window"] = self._mark()
         first_op = len(self._trace())
         try:
             result = super().around_node(index, node, compute, values)
@@ -363,7 +447,8 @@ class MemoryRecorder(StepRunner):
             return
         self._close_window()
         self._open = index
-        live = self.tracker.mark()
+        live, window = self._mark()
+        self.bwd_windows[index].append(window)
         self.bwd_start.setdefault(index, live)
         self.bwd_grads.setdefault(index, self._grad_bytes())
 

@@ -86,8 +86,8 @@ class LiveStorages(TorchDispatchMode):
         """Optional callback ``(tensor)`` run for each tensor an op modifies in place."""
         self.trace: list[tuple[str, int]] | None = None
         """When a list, ``(op name, live bytes after it)`` is appended for every op."""
-        self.on_op: Callable[[Any, tuple, Any], None] | None = None
-        """Optional callback ``(func, args, out)`` run after every op."""
+        self.on_op: Callable[[Any, tuple, dict, Any], None] | None = None
+        """Optional callback ``(func, args, kwargs, out)`` run after every op."""
         self.limit_bytes: int | None = None
         """When set, an op that leaves more than this many bytes live raises ``OverLimit`` (before the next
         op can allocate more): the profiler's guard on a device too small for the whole step."""
@@ -161,7 +161,7 @@ class LiveStorages(TorchDispatchMode):
         if self.trace is not None:
             self.trace.append((func.name(), self.live_bytes))
         if self.on_op is not None:
-            self.on_op(func, args, out)
+            self.on_op(func, args, kwargs, out)
         return out
 
 

@@ -39,6 +39,7 @@ from planner.profiling.memory_pass import (
     eager_excess_of,
 )
 from planner.profiling.record import Profile
+from planner.profiling.workspace import cpu_workspace_bytes
 
 META = torch.device("meta")
 
@@ -55,7 +56,8 @@ def estimate(captured: Captured, model: nn.Module, inputs: Inputs, *, spec: Devi
             values (``.item()``, data-dependent shapes) which meta tensors do not have.
     """
     roofline = Roofline(spec)
-    replay = memory_on_meta(captured, model, inputs, loss_fn=loss_fn, keep_output=keep_output, op_ms=roofline.op_ms)
+    replay = memory_on_meta(captured, model, inputs, loss_fn=loss_fn, keep_output=keep_output, op_ms=roofline.op_ms,
+                            op_workspace=cpu_workspace_bytes if spec.kind == "cpu" else None)
     recorder = replay.recorder
     count = len(recorder.records)
     fwd = [recorder.est_fwd_ms[i] for i in range(count)]
@@ -80,10 +82,11 @@ class MetaReplay:
 
 def memory_on_meta(captured: Captured, model: nn.Module, inputs: Inputs, *, loss_fn: LossFn | None = None,
                    keep_output: bool = True, op_ms: Callable[[Any, tuple, Any], float] | None = None,
-                   eager: bool = True) -> MetaReplay:
+                   eager: bool = True, op_workspace: Callable[[Any, tuple, Any], int] | None = None) -> MetaReplay:
     """The memory pass of one training step of ``captured`` on meta tensors: nothing is allocated, and the
     model is left as it was (the pass runs on a copy of its module tree with meta tensors, ``meta_copy``).
-    ``op_ms``: a per-op time estimate to record as it goes (the roofline), if any. ``eager``: also run the
+    ``op_ms``: a per-op time estimate to record as it goes (the roofline), if any; ``op_workspace``: a per-op
+    estimate of what it allocates inside itself (``planner.profiling.workspace``), if any. ``eager``: also run the
     model's own forward on meta to measure what its Python locals keep (``MetaReplay.excess``); a forward
     that reads values (a ``.item()``) cannot run there, so a caller that knows the excess otherwise skips it.
 
@@ -100,7 +103,7 @@ def memory_on_meta(captured: Captured, model: nn.Module, inputs: Inputs, *, loss
         copies: dict[int, Any] = {}  # one copy per tensor: labels=input_ids is one tensor, counted once
         args, kwargs = tree_map(lambda v: copies.setdefault(id(v), to_meta(v)), (inputs.args, inputs.kwargs))
         example = Inputs(args=args, kwargs=kwargs)
-        recorder = MemoryRecorder(graph, tree, META, op_ms=op_ms, keep_output=keep_output)
+        recorder = MemoryRecorder(graph, tree, META, op_ms=op_ms, keep_output=keep_output, op_workspace=op_workspace)
         with AnsweredReads(reads):
             recorder.step(example, loss_fn)
         with AnsweredReads(reads):

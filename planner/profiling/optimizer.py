@@ -20,6 +20,7 @@ from torch import nn
 
 from planner.common.loop import OptimizerState
 from planner.errors import OptionError
+from planner.profiling.allocator import AllocatorTrace
 from planner.profiling.memtrack import LiveStorages, local_of
 
 NAMED = {"adamw": (torch.optim.AdamW, {}), "adam": (torch.optim.Adam, {}), "sgd": (torch.optim.SGD, {"lr": 0.01}),
@@ -115,22 +116,30 @@ def _run_on_meta(cls: type, groups: list[dict], defaults: dict, *, device_type: 
                 copies[id(p)] = copy
             meta_params.append(copies[id(p)])
         meta_groups.append({**settings, "params": meta_params})
-    with LiveStorages(META) as tracker:
+    host = AllocatorTrace("cpu" if device_type == "cpu" else META)  # its scalars are the device's memory there
+    with LiveStorages(META) as tracker, host:
         for copy in copies.values():
             assert copy.grad is not None  # set above
             tracker.track(copy)
             tracker.track(copy.grad)
         optimizer = _construct(cls, meta_groups, defaults)
         before = tracker.mark()
+        host.mark()
         optimizer.step()
         first_peak, kept = tracker.window_peak_bytes, tracker.mark()
+        host.mark()
         optimizer.step()
         second_peak = tracker.window_peak_bytes
     state = kept - before
-    if device_type == "cpu":  # the state's host scalars (AdamW's ``step``) live with the parameters there
-        state += sum(value.untyped_storage().nbytes() for values in optimizer.state.values()
-                     for value in values.values() if isinstance(value, torch.Tensor) and value.device.type == "cpu")
-    return state, max(first_peak - kept, second_peak - kept, 0)
+    scalars = 0
+    if device_type == "cpu":  # the state's host scalars (AdamW's ``step``) live with the parameters there, and the
+        # step makes more as it runs (Python numbers wrapped, ``step`` copied), some where no dispatcher looks
+        host_state = sum(value.untyped_storage().nbytes() for values in optimizer.state.values()
+                         for value in values.values() if isinstance(value, torch.Tensor) and value.device.type == "cpu")
+        state += host_state
+        first, second = (w.peak_bytes - w.start_bytes for w in host.windows)
+        scalars = max(first - host_state, second, 0)  # the first step also made the state
+    return state, max(first_peak - kept, second_peak - kept, 0) + scalars
 
 
 def _construct(cls: type, groups: list[dict], defaults: dict) -> torch.optim.Optimizer:

@@ -71,6 +71,15 @@ class NodeCost:
     """Live bytes just before its backward ran; None when it has no backward."""
     bwd_peak_bytes: int | None
     """Peak live bytes while its backward ran; None when it has no backward."""
+    fwd_hidden_bytes: int = 0
+    """Bytes its forward's ops allocate inside themselves beyond ``fwd_peak_bytes`` at the allocator's peak (oneDNN's
+    reorders in a CPU convolution, cuDNN and cuBLAS workspaces): the dispatcher never sees them, the allocator
+    does, so its forward peaks at ``fwd_peak_bytes + fwd_hidden_bytes`` there; 0 where none or unknown."""
+    bwd_hidden_bytes: int = 0
+    """The same for its backward: its allocator peak is ``bwd_peak_bytes + bwd_hidden_bytes``."""
+    bwd_start_hidden_bytes: int = 0
+    """What the allocator held beyond the live storages when its backward started (scalars that autograd saved
+    from Python numbers): where a segment re-run just before this node's backward starts from."""
     bwd_grad_bytes: int | None = None
     """Bytes of parameter gradients alive just before its backward ran (those the backward of the nodes before
     it made; part of ``bwd_start_bytes``); None when unknown or it has no backward."""
@@ -102,6 +111,19 @@ class NodeCost:
     """Names of the ops its forward dispatches below autograd that write fresh memory, in order
     (``planner.capture.ops``): what selective checkpointing sees of it. A plan run by module hooks keeps this
     node by keeping these ops, each named by its occurrence among same-named ops of the segment."""
+    random: bool = True
+    """Its forward draws random numbers (dropout): a checkpointed segment holding it stashes the RNG state to
+    re-run it alike. True when unknown (profiles saved before it was recorded), which is always safe."""
+
+    @property
+    def fwd_allocator_peak_bytes(self) -> int:
+        """Its forward's peak at the allocator: the live storages' peak plus what its ops allocate inside."""
+        return self.fwd_peak_bytes + self.fwd_hidden_bytes
+
+    @property
+    def bwd_allocator_peak_bytes(self) -> int | None:
+        """Its backward's peak at the allocator; None when it has no backward."""
+        return None if self.bwd_peak_bytes is None else self.bwd_peak_bytes + self.bwd_hidden_bytes
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -125,8 +147,12 @@ class Profile:
     """Forward time of a whole un-instrumented step (graph + loss), ms."""
     step_bwd_ms: float
     """Backward time of a whole un-instrumented step, ms."""
+    rng_state_bytes: int = 0
+    """Bytes of RNG state on the device that ``torch.utils.checkpoint`` stashes for a segment drawing random
+    numbers (a CPU's generator state, 5056 B; 0 on a GPU, whose states it reads into host memory)."""
     baseline_peak_bytes: int = field(default=0)
-    """Peak live bytes of the profiled un-checkpointed step."""
+    """Peak bytes of the profiled un-checkpointed step at the allocator (live storages, and what ops allocate
+    inside themselves)."""
     end_bytes: int | None = None
     """Live bytes right after the step's backward: parameters and buffers, gradients, the inputs, the output
     when kept (where the optimizer steps); None when unknown."""

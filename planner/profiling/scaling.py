@@ -1,6 +1,7 @@
 """A profile at another batch shape, from the example's: memory from a meta replay at that shape (exact,
-nothing allocated), times the example's measured ones scaled node by node by the ratio of roofline estimates at
-the two shapes. Plans that follow the batch (``planner.follow``) profile each new shape group this way."""
+nothing allocated) with what ops allocate inside themselves scaled from the example's measured bytes, times the
+example's measured ones scaled node by node by the ratio of roofline estimates at the two shapes. Plans that
+follow the batch (``planner.follow``) profile each new shape group this way."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from planner.capture.inputs import Inputs
 from planner.capture.step import LossFn
 from planner.profiling.devices import load_device
 from planner.profiling.estimate import Roofline
-from planner.profiling.memory_pass import StepTimes, assemble
+from planner.profiling.memory_pass import Hidden, MemoryRecorder, StepTimes, assemble
 from planner.profiling.meta import memory_on_meta
 from planner.profiling.record import Profile
 
@@ -73,4 +74,34 @@ def scaled_profile(captured: Captured, model: nn.Module, example: Inputs, scaled
                          step_bwd_ms=reference.step_bwd_ms * scale,
                          checkpoint_overhead_ms=reference.checkpoint_overhead_ms, sac_op_us=reference.sac_op_us)
     return assemble(recorder, captured, model, replay.example, times=times_ms, excess=replay.excess,
-                    device=reference.device)
+                    device=reference.device, hidden=_hidden_scaled(recorder, reference),
+                    host_link=_link_of(reference))
+
+
+def _link_of(reference: Profile) -> tuple[float, float] | None:
+    """The host link the reference measured (a shape group's profile does not measure it again: that copies
+    tens of MiB, during the training call the group is planned in)."""
+    if reference.d2h_gb_per_s is None or reference.h2d_gb_per_s is None:
+        return None
+    return reference.d2h_gb_per_s, reference.h2d_gb_per_s
+
+
+def _hidden_scaled(recorder: MemoryRecorder, reference: Profile) -> Hidden:
+    """What each node's ops allocate inside themselves at this shape, which a meta replay cannot see: the
+    reference's measured bytes (``NodeCost.fwd_hidden_bytes``...), scaled up by how much more the node allocates
+    here than there where it allocates more (workspaces grow with the tensors: a convolution's reorders are its
+    output's size), kept where it allocates less (a fixed per-thread buffer does not shrink with the batch)."""
+    then = {node.name: node for node in reference.nodes}
+    n = len(recorder.records)
+    forward, backward, start = [0] * n, [0] * n, [0] * n
+    for i, record in enumerate(recorder.records):
+        node = then.get(record["name"])
+        if node is None:
+            continue
+        rise = record["fwd_peak"] - record["fwd_start"]
+        grown = max(1.0, rise / (node.fwd_peak_bytes - node.fwd_start_bytes)) \
+            if node.fwd_peak_bytes > node.fwd_start_bytes else 1.0
+        forward[i] = round(node.fwd_hidden_bytes * grown)
+        backward[i] = round(node.bwd_hidden_bytes * grown)
+        start[i] = node.bwd_start_hidden_bytes
+    return Hidden(forward=forward, backward=backward, backward_start=start, peak_bytes=0)

@@ -65,11 +65,14 @@ class Chain:
     the chain's ops of that name) (``Segment.saved_ops``)."""
     restore_buffers: tuple[str, ...] = ()
     """Buffers the chain's forward mutates (BatchNorm statistics): put back after the re-run."""
+    random: bool = True
+    """The chain's forward draws random numbers: its checkpoint stashes the RNG state (``Segment.random``)."""
 
     @classmethod
     def of(cls, segment: Segment) -> Chain:
         """The chain of a plan's segment (a plan run by hooks)."""
-        return cls(members=segment.chain, saved_ops=segment.saved_ops, restore_buffers=segment.restore_buffers)
+        return cls(members=segment.chain, saved_ops=segment.saved_ops, restore_buffers=segment.restore_buffers,
+                   random=segment.random)
 
 
 class _OutRef(NamedTuple):
@@ -213,7 +216,8 @@ class _Runner:
         state = _Open(region=None)
         replay = functools.partial(self._replay, state.records, rebuild)
         # preserve_rng_state: dropout inside the chain draws the same numbers when re-run
-        state.region = checkpoint_region(replay, *tensors, preserve_rng_state=True, context_fn=self._contexts)
+        state.region = checkpoint_region(replay, *tensors, preserve_rng_state=self.chain.random,
+                                         context_fn=self._contexts)
         next(state.region)
         if not self.checked:
             state.watch = _Watch()

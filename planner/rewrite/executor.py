@@ -183,4 +183,5 @@ def _single_ops(captured: Captured, profile: Profile) -> frozenset[int]:
 
 
 def _spec(segment: Segment) -> SegmentSpec:
-    return SegmentSpec(nodes=segment.nodes, restore_buffers=segment.restore_buffers, saved_nodes=segment.saved_nodes)
+    return SegmentSpec(nodes=segment.nodes, restore_buffers=segment.restore_buffers, saved_nodes=segment.saved_nodes,
+                       random=segment.random)

@@ -63,6 +63,8 @@ class SegmentSpec:
     """Buffers its forward mutates (BatchNorm statistics): restored after recomputation."""
     saved_nodes: tuple[str, ...] = ()
     """Nodes whose outputs selective checkpointing keeps instead of re-running (``planner.rewrite.sac``)."""
+    random: bool = True
+    """Its forward draws random numbers: the checkpoint stashes the RNG state (``preserve_rng_state``)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -115,7 +117,7 @@ def rewrite(model: nn.Module, captured: Captured, segments: Sequence[SegmentSpec
             raise AssertionError(f"segment nodes {a}:{b} do not align with the re-traced graph")
     saved = [_saved_in(group, spans, flat, seg) for group, seg in zip(groups, segments)]
     main, pieces = _split(coarse_gm.graph, groups, [bool(s.restore_buffers or s.saved_nodes) for s in segments],
-                          saved)
+                          [s.random for s in segments], saved)
     name = f"Checkpointed{type(model).__name__}"
     source, code_globals = _generate(type(model), name, main, pieces, segments, guard=_eval_guard(type(model), main))
     root.__class__ = GeneratedClass.of(type(model), name, source, code_globals).new_class()
@@ -168,10 +170,11 @@ def _flat_spans(coarse: fx.Graph, flat: list[fx.Node], calls: CallIndex) -> dict
     return spans
 
 
-def _split(graph: fx.Graph, groups: list[list[fx.Node]], with_context: list[bool],
+def _split(graph: fx.Graph, groups: list[list[fx.Node]], with_context: list[bool], random: list[bool],
            saved: list[set[fx.Node]] | None = None) -> tuple[fx.Graph, list[fx.Graph]]:
-    """Moves each group into its own graph; the main graph calls it through ``checkpoint``.
-    ``saved[g]``: nodes of group g bracketed by ``sac_mark`` calls (selective checkpointing)."""
+    """Moves each group into its own graph; the main graph calls it through ``checkpoint``, which stashes the RNG
+    state for groups whose ``random`` is True. ``saved[g]``: nodes of group g bracketed by ``sac_mark`` calls
+    (selective checkpointing)."""
     group_of = {node: g for g, nodes in enumerate(groups) for node in nodes}
     main = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
@@ -188,6 +191,8 @@ def _split(graph: fx.Graph, groups: list[list[fx.Node]], with_context: list[bool
         outputs = [n for n in groups[g] if any(u not in members for u in n.users)]
         pieces.append(_segment_graph(groups[g], inputs, outputs, saved[g] if saved else set()))
         kwargs: dict = {"use_reentrant": False}
+        if not random[g]:  # nothing random to draw alike when re-run: no RNG state to stash
+            kwargs["preserve_rng_state"] = False
         if with_context[g]:
             kwargs["context_fn"] = main.get_attr(f"{CONTEXT_PREFIX}{g}")
         fn = main.get_attr(f"{SEGMENT_PREFIX}{g}")

@@ -14,9 +14,9 @@ segment's contexts).
 
 On a GPU copies run on a side stream into pinned host memory (torch's caching host allocator pools it), ordered
 by events; a storage leaves the device once its copy is done. On a CPU the host store is the same memory: copies
-are synchronous and made outside every dispatch mode, so that ``planner.profiling.memtrack.LiveStorages`` counts
-device-resident bytes only (the host copies are the tagged store it leaves out), and the plan's predicted peak
-can be checked exactly on a machine without a GPU.
+are synchronous and made outside every dispatch mode and inside ``planner.profiling.allocator.uncounted``, so that
+the allocator's ruler (and ``LiveStorages``) count device-resident bytes only (the host copies are the tagged store
+they leave out), and the plan's predicted peak can be checked exactly on a machine without a GPU.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from torch import nn
 from planner.capture.ops import kernel_name, writes_new_memory
 from planner.common.contexts import entered
 from planner.compat.torch_private import TorchDispatchMode, disable_current_modes, storage_id, tree_leaves
+from planner.profiling.allocator import uncounted
 from planner.profiling.memtrack import dtensor_class, storage_resized
 from planner.rewrite.offload_spec import OffloadSpec, OffloadTarget
 
@@ -66,7 +67,7 @@ class _Handle:
         source = self.on_device
         assert source is not None
         cuda = self.device.type == "cuda"
-        with disable_current_modes():  # the host copy is not device memory: trackers must not count it
+        with disable_current_modes(), uncounted():  # the host copy is not device memory: rulers must not count it
             self.host = torch.empty(source.numel(), dtype=torch.uint8, pin_memory=cuda)
             if not cuda:
                 self.host.copy_(source)

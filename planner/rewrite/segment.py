@@ -35,6 +35,9 @@ class Segment:
     """Plans run by module hooks: the ops whose fresh outputs selective checkpointing keeps, each as (op name,
     its occurrence among the segment's ops of that name, from 0), in the order the segment's forward runs them:
     the kernels (``NodeCost.kernels``) of its saved nodes."""
+    random: bool = True
+    """Its forward draws random numbers (dropout), so its checkpoint stashes the RNG state to re-run it alike
+    (``preserve_rng_state``); a segment that draws none stashes nothing. True in plans saved without it."""
 
 
 def segments_of(prof: Profile, regions: Regions, memory: MemoryModel, plan: ChunkPlan,
@@ -55,6 +58,7 @@ def segments_of(prof: Profile, regions: Regions, memory: MemoryModel, plan: Chun
             saved_nodes=tuple(prof.nodes[o].name for o in mine),
             chain=regions.chains[first, stop] if regions.chains is not None else (),
             saved_ops=_kernels(prof, lo, hi, set(mine)) if regions.chains is not None else (),
+            random=any(n.random for n in nodes),
         ))
     return tuple(out)
 

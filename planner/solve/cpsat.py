@@ -377,7 +377,7 @@ def search(model: MemoryModel, budget_bytes: int, *, deadline: Deadline, hint: C
                          f"(status {solver.status_name(status)}); raise time_limit_s",
                          bound_us=max(0, int(solver.best_objective_bound)))
     plan, saves = read_plan(solver, variables), read_saves(solver, variables)
-    timeline = simulate(model, plan, saves)
+    timeline = simulate(model, plan, saves, stashes=False)
     if timeline.peak_bytes > budget_bytes:  # the encoding and the simulator must agree
         raise AssertionError(f"solver plan {plan} saving {sorted(saves)} simulates to {timeline.peak_bytes} "
                              f"> budget {budget_bytes}")

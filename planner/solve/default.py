@@ -88,7 +88,7 @@ def _best_whole_segment(model: MemoryModel, budget_bytes: int, deadline: Deadlin
     if lower is None:
         return None, None
     plan, bound = lower
-    if simulate(model, plan).peak_bytes <= budget_bytes:
+    if simulate(model, plan, stashes=False).peak_bytes <= budget_bytes:
         proven = Solution(plan=plan, status=SolverStatus.OPTIMAL, recompute_us=bound, bound_us=bound, solve_time_s=0.0)
         return incumbent.offer(proven), bound
     try:

@@ -68,7 +68,7 @@ def min_peak_saves(model: MemoryModel, *, deadline: Deadline, workers: int | Non
 def encoded_peak(model: MemoryModel, plan: ChunkPlan, *, deadline: Deadline,
                  saves: frozenset = frozenset(), options: SaveOptions | None = None) -> int:
     """The peak the CP-SAT encoding gives a fixed plan (saving ``saves``, candidates of ``options``);
-    equals ``simulate(model, plan, saves).peak_bytes`` when the encoding is right (tests check it on
+    equals ``simulate(model, plan, saves, stashes=False).peak_bytes`` when the encoding is right (tests check it on
     random graphs and plans)."""
     cp, variables, peak = build(model, budget_bytes=None, options=options)
     assert peak is not None  # build() returns the peak variable when it has no budget

@@ -48,7 +48,7 @@ def rotor(model: MemoryModel, budget_bytes: int, *, deadline: Deadline, options:
     if plan is None:
         raise NoSolution(Failure.INFEASIBLE,
                          "no plan fits the budget" + ("" if exact else " under the conservative chain model"))
-    timeline = simulate(model, plan)
+    timeline = simulate(model, plan, stashes=False)
     if timeline.peak_bytes > budget_bytes:
         raise AssertionError(f"rotor plan {plan} simulates to {timeline.peak_bytes} > budget {budget_bytes}")
     return Solution(plan=plan, status=SolverStatus.OPTIMAL if exact else SolverStatus.FEASIBLE,
@@ -71,7 +71,7 @@ def rotor_saves(model: MemoryModel, budget_bytes: int, options: SaveOptions, *, 
     if found is None:
         raise NoSolution(Failure.INFEASIBLE if dp.exact else Failure.OUT_OF_TIME, "no plan fits the budget")
     plan, saves = found
-    timeline = simulate(model, plan, saves)
+    timeline = simulate(model, plan, saves, stashes=False)
     if timeline.peak_bytes > budget_bytes:
         raise AssertionError(f"rotor plan {plan} saving {sorted(saves)} simulates to {timeline.peak_bytes} "
                              f"> budget {budget_bytes}")
@@ -104,7 +104,7 @@ def smallest_peak(model: MemoryModel) -> tuple[ChunkPlan, bool]:
     peak: that reading is exact, or the relaxation's smallest peak meets the plan's.
 
     Bisects the budget with a forward pass that keeps, per state, only the fewest kept bytes."""
-    baseline = simulate(model, ()).peak_bytes
+    baseline = simulate(model, (), stashes=False).peak_bytes
     dp = ChainDP(model, baseline, optimistic=False)
     lo, hi = 0, baseline
     best: ChunkPlan = ()
@@ -114,7 +114,7 @@ def smallest_peak(model: MemoryModel) -> tuple[ChunkPlan, bool]:
         if plan is None:
             lo = mid + 1
         else:
-            best, hi = plan, simulate(model, plan).peak_bytes
+            best, hi = plan, simulate(model, plan, stashes=False).peak_bytes
     if dp.exact:
         return best, True
     # Not every storage tracked, or eager locals the plan decides: the relaxation's smallest peak is a
@@ -127,4 +127,4 @@ def smallest_peak(model: MemoryModel) -> tuple[ChunkPlan, bool]:
             lo = mid + 1
         else:
             hi = mid
-    return best, lo >= simulate(model, best).peak_bytes
+    return best, lo >= simulate(model, best, stashes=False).peak_bytes
