@@ -123,6 +123,48 @@ class ViT(nn.Module):
         return self.head(self.norm(x)[:, 0])
 
 
+class LayerNorm2d(nn.LayerNorm):
+    """LayerNorm over the channels of an NCHW tensor, as timm's and torchvision's ConvNeXt write it."""
+
+    def forward(self, x):
+        return F.layer_norm(x.permute(0, 2, 3, 1), self.normalized_shape, self.weight, self.bias,
+                            self.eps).permute(0, 3, 1, 2)
+
+
+class ConvNeXtBlock(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.conv_dw = nn.Conv2d(dim, dim, 7, padding=3, groups=dim)
+        self.norm = nn.LayerNorm(dim, eps=1e-6)
+        self.fc1, self.act, self.fc2 = nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim)
+        self.gamma = nn.Parameter(torch.full((dim,), 1e-6))
+
+    def forward(self, x):
+        y = self.conv_dw(x).permute(0, 2, 3, 1)
+        y = self.fc2(self.act(self.fc1(self.norm(y))))
+        return x + y.mul(self.gamma).permute(0, 3, 1, 2)
+
+
+class ConvNeXt(nn.Module):
+    """timm's and torchvision's ConvNeXt layout (patchify stem, depthwise 7x7 convolutions, channels-last LayerNorm,
+    inverted MLPs with layer scale), smaller: its convolutions run through oneDNN on a CPU, which allocates reorders
+    inside each op."""
+
+    def __init__(self, depths=(1, 1, 2, 1), dims=(32, 64, 128, 256), classes: int = 10) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, dims[0], 4, 4), LayerNorm2d(dims[0], eps=1e-6))
+        stages, cin = [], dims[0]
+        for i, (depth, dim) in enumerate(zip(depths, dims)):
+            down = nn.Identity() if i == 0 else nn.Sequential(LayerNorm2d(cin, eps=1e-6), nn.Conv2d(cin, dim, 2, 2))
+            stages.append(nn.Sequential(down, *[ConvNeXtBlock(dim) for _ in range(depth)]))
+            cin = dim
+        self.stages = nn.Sequential(*stages)
+        self.norm, self.head = nn.LayerNorm(cin, eps=1e-6), nn.Linear(cin, classes)
+
+    def forward(self, x):
+        return self.head(self.norm(self.stages(self.stem(x)).mean((2, 3))))
+
+
 def images(batch: int, size: int = 32) -> tuple[torch.Tensor]:
     return (torch.randn(batch, 3, size, size, generator=torch.Generator().manual_seed(0)),)
 
