@@ -5,6 +5,7 @@ measured there (``planner.profiling.allocator``)."""
 import pytest
 import torch
 import torch.nn as nn
+from zoo import ConvNeXt, images, labels_loss
 
 from planner import optimize, prepare
 from planner.capture.inputs import as_inputs
@@ -12,7 +13,6 @@ from planner.errors import ProfileError
 from planner.pipeline import plan_for
 from planner.profiling.allocator import AllocatorTrace, uncounted
 from planner.profiling.measure import measure_live_peak, measure_peak
-from zoo import ConvNeXt, images, labels_loss
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +83,6 @@ def test_an_inner_trace_is_seen_by_the_outer_one_and_uncounted_memory_by_neither
 def test_a_profiler_running_already_is_one_line():
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True), pytest.raises(ProfileError,
-                                                                                       match="outside torch.profiler"):
-        with AllocatorTrace("cpu"):
-            pass
+    running = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+    with running, pytest.raises(ProfileError, match="outside torch.profiler"), AllocatorTrace("cpu"):
+        pass
