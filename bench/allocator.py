@@ -70,7 +70,7 @@ def unet_case(batch: int) -> tuple:
 
 
 def row(name: str, case: tuple, time_limit_s: float) -> dict:
-    from planner import optimize
+    from planner import InfeasibleBudget, optimize
     from planner.capture.inputs import as_inputs
     from planner.profiling.measure import measure_live_peak, measure_peak
 
@@ -85,7 +85,12 @@ def row(name: str, case: tuple, time_limit_s: float) -> dict:
         budget = (params + plain) // 2
         against = "half its activations"
     began = time.perf_counter()
-    plan = optimize(model, budget, inputs=inputs, loss_fn=loss_fn, time_limit_s=time_limit_s)
+    try:
+        plan = optimize(model, budget, inputs=inputs, loss_fn=loss_fn, time_limit_s=time_limit_s)
+    except InfeasibleBudget as exc:  # below what any plan reaches: planned at the smallest peak instead
+        assert exc.min_peak_bytes is not None
+        budget, against = exc.min_peak_bytes, f"{against} ({budget / MiB:.1f} MiB): infeasible, its smallest peak"
+        plan = optimize(model, budget, inputs=inputs, loss_fn=loss_fn, time_limit_s=time_limit_s)
     planned = time.perf_counter() - began
     measured = measure_peak(plan.module, example, loss_fn)
     return {"model": name, "against": against, "plain": plain, "plain_live": measure_live_peak(model, example, loss_fn),

@@ -125,6 +125,11 @@ class PlanOptions:
     host_budget: int | str | None = _option(None, prepared=False, refused={**_PLANNING, **_COMPILED})
     """Most pinned host memory the plan's offloaded activations may hold, per rank (``"64GB"``, bytes); pinned memory
     cannot be swapped out. None: no limit."""
+    compilable: bool = _option(False, prepared=True, refused=_PROFILE, neutral=(False,))
+    """Plan for ``torch.compile``: a plan run by module hooks (Hugging Face models, ``enable``, plans that follow the
+    batch) gets segments of one module call each (a layer, its MLP, its attention), which compiled code runs through
+    ``torch.utils.checkpoint`` in one graph; a segment of several calls cannot be compiled. A rewritten graph
+    (torch.fx) compiles either way (``docs/compiled.md``)."""
     progress: Callable[[str], None] | None = _option(None, prepared=False)
     """Called with the name of each stage as it starts (``capture``, ``profile``, ``solve``, ``rewrite``)."""
 
@@ -240,6 +245,7 @@ class OptionArgs(TypedDict, total=False):
     shapes: Sequence[Any] | None
     offload: bool | str | None
     host_budget: int | str | None
+    compilable: bool
     progress: Callable[[str], None] | None
 
 

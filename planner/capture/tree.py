@@ -28,7 +28,8 @@ _CONTAINERS = tuple(key for key, value in vars(nn.Module()).items() if isinstanc
 def clone_tree(*roots: nn.Module) -> tuple[nn.Module, ...]:
     """Each root's modules as new objects of their classes with their own containers, sharing every
     parameter, buffer and other attribute but methods bound to the module on the instance (rebound to the new
-    object: accelerate sets ``model.forward`` so); a module reachable twice (within or across the roots) is
+    object: accelerate sets ``model.forward`` so) and callables that hold the module and can be ``rebound`` to
+    another (a plan's checkpointed forwards); a module reachable twice (within or across the roots) is
     cloned once, so the clones share what the originals share."""
     memo: dict[int, nn.Module] = {}
 
@@ -43,6 +44,8 @@ def clone_tree(*roots: nn.Module) -> tuple[nn.Module, ...]:
         for key, value in state.items():  # a forward set on the instance (accelerate's autocast wrapper) bound to
             if isinstance(value, MethodType) and value.__self__ is module:  # the module runs the clone, not it
                 state[key] = MethodType(value.__func__, new)
+            elif getattr(value, "module", None) is module and callable(getattr(value, "rebound", None)):
+                state[key] = value.rebound(new)  # a forward that knows its module (a plan's checkpointed one)
         new.__dict__.update(state)
         memo[id(module)] = new
         for name, child in module._modules.items():

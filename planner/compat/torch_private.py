@@ -318,6 +318,16 @@ def activation_memory_budget(fraction: float) -> contextlib.AbstractContextManag
     return config.patch(activation_memory_budget=fraction)
 
 
+def skip_checkpoint_side_effects_in_backward() -> None:
+    """Has dynamo trace a checkpointed region whose forward mutates state outside it (Hugging Face's output
+    recorder, hub kernels' layers) into the graph, without replaying that mutation when the region is re-run in
+    backward, instead of breaking the graph there (``skip_fwd_side_effects_in_bwd_under_checkpoint``; a
+    process-wide setting of torch.compile, left as it is on a torch without it)."""
+    config = _module("torch._dynamo.config")
+    if hasattr(config, "skip_fwd_side_effects_in_bwd_under_checkpoint"):
+        config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
+
+
 def compile_fx(gm: fx.GraphModule, example_inputs: list) -> Any:
     """Inductor's compiler (``torch.compile``'s default backend) on one dynamo graph."""
     return _need("torch._inductor.compile_fx", "compile_fx")(gm, example_inputs)

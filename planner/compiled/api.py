@@ -176,16 +176,13 @@ def _ms(measured: Probe) -> float:
 
 def _plan_probe(model: nn.Module, budget_bytes: int, inputs: UserInputs, example: Inputs,
                 opts: PlanOptions) -> tuple[Plan, tuple[CompiledModule, Probe]] | None:
-    """ckplan's eager plan for the budget, compiled and measured; planned once more at a budget scaled by
-    budget / measured peak when the compiled peak is over. None when no eager plan fits, or when the plan
-    runs by module hooks (their checkpoints are entered and left across graph breaks, and under
-    torch.compile the re-run does not reproduce the saved tensors: torch's CheckpointError)."""
+    """ckplan's eager plan for the budget (``compilable``: a plan run by module hooks gets segments of one module
+    call each, which compiled code runs), compiled and measured; planned once more at a budget scaled by
+    budget / measured peak when the compiled peak is over. None when no eager plan fits."""
     progress = opts.progress
     if progress is not None:
         progress("capture and profile the eager step")
-    prepared = prepare(model, inputs=inputs, options=replace(opts, progress=None))
-    if not prepared.executor.compiles:
-        return None  # plans run by module hooks (Hugging Face models) do not compile: see docs/compiled.md
+    prepared = prepare(model, inputs=inputs, options=replace(opts, progress=None, compilable=True))
     target = budget_bytes
     for _ in range(2):
         if progress is not None:

@@ -100,7 +100,8 @@ def prepared_from(model: nn.Module, example: Inputs, captured: Captured, profile
     sac = sac_op_cost(profile, load_device(device) if is_device_spec(device) else None)  # from the profile
     # or the device spec, never from this machine
     executor = executor_for(captured.method)  # how the plan will run, and so what it allows
-    rules = executor.rules(captured, profile, units=distributed.units if distributed else ())
+    rules = executor.rules(captured, profile, units=distributed.units if distributed else (),
+                           compilable=options.compilable)
     return Prepared(model=model, example=example, options=options, captured=captured, profile=profile,
                     executor=executor, rules=rules, sac_cost=sac, distributed=distributed, loop=loop,
                     chunks=cost_model(profile, rules, max_chunks=options.max_chunks, sac=sac,

@@ -86,6 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "no limit)")
     p.add_argument("--whole-segments", action="store_true",
                    help="re-run whole segments (no op-level saves inside them; docs/selective.md)")
+    p.add_argument("--compilable", action="store_true",
+                   help="plan for torch.compile: a plan run by module hooks (Hugging Face models) gets segments of "
+                        "one module call each, which compiled code runs (docs/compiled.md)")
     p.add_argument("--follow-batch", action=argparse.BooleanOptionalAction, default=None,
                    help="each training call runs the plan of its own shape's group: none where the step fits "
                         "(default: where the plan runs by module hooks and the loss is the model's own output)")

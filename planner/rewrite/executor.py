@@ -20,6 +20,7 @@ from typing import Any, ClassVar
 from torch import nn
 
 from planner.capture.api import Captured, capture
+from planner.capture.calls import member_call
 from planner.capture.fsdp_units import resolve_units
 from planner.capture.inputs import as_inputs
 from planner.capture.method import CaptureMethod, ExecutorKind
@@ -50,17 +51,17 @@ class Executor(abc.ABC):
     """One way of running a plan: the rules every stage follows, and building the planned module."""
 
     kind: ClassVar[ExecutorKind]
-    compiles: ClassVar[bool]
-    """Whether ``torch.compile(planned_module)`` trains as the eager plan does."""
 
     def __init__(self, method: CaptureMethod) -> None:
         self.method = method
         """How the model was captured (what ``apply`` captures a fresh instance with again)."""
 
     @abc.abstractmethod
-    def rules(self, captured: Captured, profile: Profile, *, units: Sequence[str] = ()) -> SegmentRules:
+    def rules(self, captured: Captured, profile: Profile, *, units: Sequence[str] = (),
+              compilable: bool = False) -> SegmentRules:
         """Where segments may lie, which nodes they can keep, which module code they run; ``units``: the
-        FSDP units of a distributed plan (a segment re-runs at most one)."""
+        FSDP units of a distributed plan (a segment re-runs at most one); ``compilable``: only segments
+        ``torch.compile`` can run."""
 
     @abc.abstractmethod
     def build(self, model: nn.Module, captured: Captured, segments: Sequence[Segment], *,
@@ -91,11 +92,12 @@ class GraphExecutor(Executor):
     """Plans of models torch.fx traces: the rewritten graph (``planner.rewrite.graph``)."""
 
     kind = ExecutorKind.GRAPH
-    compiles = True
 
-    def rules(self, captured: Captured, profile: Profile, *, units: Sequence[str] = ()) -> SegmentRules:
+    def rules(self, captured: Captured, profile: Profile, *, units: Sequence[str] = (),
+              compilable: bool = False) -> SegmentRules:
         """Any run of nodes; single ops can be kept; segments run the traced code of what they cut. FSDP
-        units captured as calls fix the chunking (segments are cut between them: ``split_at_units``)."""
+        units captured as calls fix the chunking (segments are cut between them: ``split_at_units``). Every
+        such plan compiles."""
         return SegmentRules(spans=None, savable=_single_ops(captured, profile), opens_modules=True,
                             refinable=self.method is not CaptureMethod.FX_UNITS)
 
@@ -132,15 +134,17 @@ class HookExecutor(Executor):
     (``planner.rewrite.chains``), on a clone of the module tree or on the model itself (``enable``)."""
 
     kind = ExecutorKind.HOOKS
-    compiles = False  # regions entered and left across graph breaks: torch's CheckpointError under compile
 
-    def rules(self, captured: Captured, profile: Profile, *, units: Sequence[str] = ()) -> SegmentRules:
-        """Chains of module calls only (under FSDP, chains that re-run at most one unit, ``one_unit``); any
-        single op whose kernels the profile names can be kept (``Segment.saved_ops``: selective checkpointing
-        finds them by their order among the chain's ops); every module runs its own code."""
+    def rules(self, captured: Captured, profile: Profile, *, units: Sequence[str] = (),
+              compilable: bool = False) -> SegmentRules:
+        """Chains of module calls only (under FSDP, chains that re-run at most one unit, ``one_unit``; with
+        ``compilable``, chains of one call of a module, at each of its calls); any single op whose kernels the
+        profile names can be kept (``Segment.saved_ops``: selective checkpointing finds them by their order among
+        the chain's ops); every module runs its own code."""
         end = checkpointable_end(profile)
         savable = frozenset(i for i in _single_ops(captured, profile) if profile.nodes[i].kernels)
-        spans = tuple(s for s in find_chains(profile.calls, end) if one_unit(s, units))
+        spans = tuple(s for s in find_chains(profile.calls, end) if one_unit(s, units)
+                      and (not compilable or (len(s.members) == 1 and member_call(s.members[0])[1] is None)))
         return SegmentRules(spans=spans, savable=savable, opens_modules=False)
 
     def build(self, model: nn.Module, captured: Captured, segments: Sequence[Segment], *,

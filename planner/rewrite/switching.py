@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Hashable, Mapping, Sequence
 from typing import Any, Protocol
 
+import torch
 from torch import nn
 
 from planner.capture.cache import install_no_cache, training_with_grad
@@ -53,6 +54,12 @@ class Switching:
             self._switch(*first)
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if torch.compiler.is_compiling():  # the choice is Python dynamo cannot trace: it runs outside the graph,
+            return _chosen_eagerly(self, module, args, kwargs)  # and a new plan's forwards fail dynamo's guards
+        self.choose(module, args, kwargs)
+
+    def choose(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        """Installs the plan of this call (nothing for a call without gradients)."""
         if not training_with_grad(module):
             return
         key, segments = self.chooser.choose(bind(module, args, kwargs) or {})
@@ -81,3 +88,9 @@ class Switching:
         for handle in self.handles:
             handle.remove()
         self.handles = []
+
+
+@torch.compiler.disable
+def _chosen_eagerly(switching: Switching, module: nn.Module, args: tuple, kwargs: dict) -> None:
+    """``Switching.choose`` in compiled code: run eagerly, one graph break where each call picks its plan."""
+    switching.choose(module, args, kwargs)
