@@ -18,12 +18,14 @@ transformers' flag do it). Writes
 ``gpu_check.md`` (and the profiles) under ``--out``::
 
     python bench/gpu_check.py --out "$OUT"                # on a CUDA machine (the small examples and gpt_large)
+    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python bench/gpu_check.py --out "$OUT/expandable"  # reserved
     python bench/gpu_check.py --device cpu --examples seed_cnn gpt --out /tmp/gpu_check   # dry run here
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import sys
 import time
@@ -310,8 +312,10 @@ def main() -> None:
     what = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
     lines = [f"# ckplan on {what}", "",
              f"`python bench/gpu_check.py --device {args.device} --examples {' '.join(args.examples)} "
-             f"--budgets {' '.join(map(str, args.budgets))} --runs {args.runs}`, torch {torch.__version__}. "
-             "Peaks in MiB (predicted / measured); overhead = step time / un-checkpointed step - 1.", "",
+             f"--budgets {' '.join(map(str, args.budgets))} --runs {args.runs}`, torch {torch.__version__}, "
+             f"PYTORCH_CUDA_ALLOC_CONF={os.environ.get('PYTORCH_CUDA_ALLOC_CONF', '(unset)')}. "
+             "Peaks in MiB (predicted / measured at the allocator: `max_memory_allocated`); overhead = step time / "
+             "un-checkpointed step - 1.", "",
              "| example | budget / plan | segments / saves | peak pred / meas | overhead pred | overhead meas | solver |",
              "|---|---|---|---|---|---|---|"]
     for name in args.examples:
