@@ -103,7 +103,7 @@ def test_a_budget_below_every_probe_is_infeasible_with_the_smallest_measured_pea
 def test_a_hugging_face_lm_compiles_to_a_byte_budget_without_its_cache_in_training():
     """Qwen2 (3 layers, random weights), Trainer's loop (the output dropped before backward): the chosen
     module fits, its loss is the model's, training calls return no key/value cache and evaluation
-    calls still do. ckplan's own plan runs by module hooks there and is not a probe."""
+    calls still do. ckplan's own plan runs by module hooks there, planned with ``compilable=True``: a probe too."""
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     config = transformers.Qwen2Config(vocab_size=512, hidden_size=64, intermediate_size=176, num_hidden_layers=3,
@@ -112,7 +112,7 @@ def test_a_hugging_face_lm_compiles_to_a_byte_budget_without_its_cache_in_traini
     ids = torch.randint(1, 512, (8, 128), generator=torch.Generator().manual_seed(1))
     batch = {"input_ids": ids, "labels": ids}
     plan = optimize_compiled(model, "90%", inputs=batch, fractions=[0.5], keep_output=False, runs=1)
-    assert [p.source for p in plan.probes] == [Source.KNAPSACK, Source.KNAPSACK]
+    assert [p.source for p in plan.probes] == [Source.KNAPSACK, Source.KNAPSACK, Source.PLAN]
     assert plan.peak_bytes <= plan.budget_bytes
     out = plan.module(**batch)
     assert out.past_key_values is None
