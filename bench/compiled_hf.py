@@ -42,6 +42,8 @@ def decoder(family: str, width: int, layers: int):
 
 
 def rows_for(family: str, args: argparse.Namespace) -> list[str]:
+    import torch._dynamo
+
     from planner import InfeasibleBudget, plan_for, prepare
     from planner.capture.inputs import as_inputs
     from planner.compiled.backend import CompiledModule
@@ -52,12 +54,15 @@ def rows_for(family: str, args: argparse.Namespace) -> list[str]:
     batch = {"input_ids": ids, "labels": ids}
     example = as_inputs(model, batch)
     loss = lambda out: out.loss
+    torch._dynamo.reset()  # every module compiled below is an entry of the model's frames: keep under dynamo's limit
     plain = torch.compile(model)
     hf_model = copy.deepcopy(model)
     hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     hf_model.train()
     hf = torch.compile(hf_model)
-    peaks = {"none": measure_peak(plain, example, loss), "hf": measure_peak(hf, example, loss)}
+    peaks = {"none": measure_peak(plain, example, loss)}
+    torch._dynamo.reset()
+    peaks["hf"] = measure_peak(hf, example, loss)
     budget = peaks["hf"]
     prepared = prepare(copy.deepcopy(model), inputs=batch, compilable=True, follow_batch=False)
     # the eager model counts what inductor fuses away (the loss's log-softmax over the logits): the first budget
@@ -71,6 +76,7 @@ def rows_for(family: str, args: argparse.Namespace) -> list[str]:
         except InfeasibleBudget as exc:
             assert exc.min_peak_bytes is not None
             plan = plan_for(prepared, exc.min_peak_bytes)
+        torch._dynamo.reset()
         ours = torch.compile(plan.module)
         peaks["ckplan"] = measure_peak(ours, example, loss)
         if peaks["ckplan"] <= budget:
@@ -78,6 +84,7 @@ def rows_for(family: str, args: argparse.Namespace) -> list[str]:
         target = int(min(target, plan.predicted_peak_bytes) * budget / peaks["ckplan"])
     fraction, fitted = None, None
     for f in args.fractions:
+        torch._dynamo.reset()
         probe = CompiledModule(model, f)
         peak = measure_peak(probe, example, loss)
         print(f"{family}: activation_memory_budget {f}: {peak / MiB:.1f} MiB (budget {budget / MiB:.1f})", flush=True)
@@ -85,6 +92,7 @@ def rows_for(family: str, args: argparse.Namespace) -> list[str]:
             fraction, fitted, peaks["fraction"] = f, probe, peak
             break
     modules = [plain, hf, ours] + ([fitted] if fitted is not None else [])
+    torch._dynamo.reset()  # the warm-up round compiles each of them again, within dynamo's recompile limit
     samples = step_samples_ms(modules, example, loss, runs=args.runs)
     medians = [statistics.median(s) for s in samples]
     base = medians[0]

@@ -14,7 +14,7 @@ import torch
 from planner import disable, enable, optimize
 from planner.capture.inputs import as_inputs
 from planner.profiling.measure import measure_peak
-from planner.rewrite.chains import ChainError
+from planner.rewrite.compiled_forward import CompiledChainError
 
 pytestmark = pytest.mark.slow  # each compiles the model: ~10-30 s on 2 cores
 
@@ -115,5 +115,5 @@ def test_a_segment_of_several_calls_under_compile_is_one_line_naming_the_way_out
     if all(len(s.chain) == 1 for s in plan.segments):
         pytest.skip("this plan has no segment of several calls")
     torch._dynamo.reset()
-    with pytest.raises(ChainError, match=r"compilable=True \(ckplan --compilable\)"):
+    with pytest.raises(CompiledChainError, match=r"compilable=True \(ckplan --compilable\)"):
         torch.compile(plan.module, backend="aot_eager")(**batch)

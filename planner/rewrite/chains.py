@@ -31,13 +31,12 @@ import weakref
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from types import MethodType
 from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from planner.capture.cache import training_with_grad
 from planner.capture.calls import member_call
@@ -51,7 +50,8 @@ from planner.compat.torch_private import (
     tree_unflatten,
 )
 from planner.errors import PlannerError
-from planner.rewrite.graph import restore_buffers
+from planner.rewrite.compiled_forward import CheckpointedForward, refuse_compiled
+from planner.rewrite.graph import COMPILED_CONTEXT, restore_buffers
 from planner.rewrite.offload import offloaded_contexts
 from planner.rewrite.segment import Segment
 
@@ -112,6 +112,12 @@ class _SavedKernels:
         if (name, occurrence) in self.saved and not draws_random(op, args, kwargs):
             return CheckpointPolicy.MUST_SAVE
         return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _kept_ops_contexts(saved: frozenset[tuple[str, int]]) -> tuple:
+    """SAC's contexts keeping the ``saved`` ops, counted afresh (the ``context_fn`` of a chain under torch.compile,
+    which calls it when it traces the region)."""
+    return create_selective_checkpoint_contexts(_SavedKernels(saved).policy)
 
 
 def _rng_states() -> list[torch.Tensor]:
@@ -197,14 +203,18 @@ class _Runner:
         one hook and left in another, or kept for one call of many, is nothing dynamo can trace)."""
         return len(self.members) == 1 and member_call(self.chain.members[0])[1] is None
 
+    @property
+    def random(self) -> bool:
+        """The chain's forward draws random numbers (``Chain.random``)."""
+        return self.chain.random
+
     def compiled_contexts(self) -> Callable[[], tuple]:
         """``context_fn`` under torch.compile, a plain function of no state it mutates: the chain's kept ops by
         the same policy, or every op re-run. Buffers are not put back (compiled code updates them once) and
         nothing is offloaded."""
         if not self.chain.saved_ops:
-            return _RECOMPUTE_ALL
-        return functools.partial(create_selective_checkpoint_contexts,
-                                 _SavedKernels(frozenset(self.chain.saved_ops)).policy)
+            return COMPILED_CONTEXT
+        return functools.partial(_kept_ops_contexts, frozenset(self.chain.saved_ops))  # dynamo takes constants
 
     def _pre(self, j: int, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if self.replaying:
@@ -319,60 +329,6 @@ class _Runner:
             outputs.append(tree_flatten(module(*args, **kwargs))[0])
 
 
-@torch.compiler.disable
-def _refuse_compiled(runner: _Runner) -> None:
-    """A member of a chain torch.compile cannot run, called in compiled code: the step stops before it runs, in
-    one line that says what to do (run eagerly, so that the error reaches the caller rather than a graph break)."""
-    raise ChainError(f"{runner}: torch.compile cannot run a segment of several module calls, or of one call among "
-                     "many; plan with compilable=True (ckplan --compilable), whose segments are one module call "
-                     "each, or train this plan without torch.compile")
-
-
-def _recompute_all(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    return CheckpointPolicy.PREFER_RECOMPUTE
-
-
-_RECOMPUTE_ALL = functools.partial(create_selective_checkpoint_contexts, _recompute_all)
-"""``context_fn`` of a chain without kept ops under torch.compile (which takes plain functions)."""
-
-
-class _CheckpointedForward:
-    """The forward of the member of a chain of one module call: in eager code the module's own forward (the
-    chain's hooks checkpoint it), in compiled code that forward through ``torch.utils.checkpoint``, as Hugging
-    Face's ``GradientCheckpointingLayer`` calls it: what dynamo traces into one graph and AOTAutograd's
-    partitioner re-runs. It is the member's ``forward`` attribute while the plan is installed."""
-
-    def __init__(self, runner: _Runner, module: nn.Module | None = None, before: Any = None) -> None:
-        self.runner = runner
-        if module is None:  # installing: the chain's member, and the forward set on it already (a wrapper's)
-            module, before = runner.members[0], runner.members[0].__dict__.get("forward")
-            module.forward = self
-        self.module, self.before = module, before
-
-    def rebound(self, module: nn.Module) -> _CheckpointedForward:
-        """This forward for a clone of its module (``planner.capture.tree.clone_tree``), which runs the clone."""
-        before = self.before
-        if isinstance(before, MethodType) and before.__self__ is self.module:
-            before = MethodType(before.__func__, module)
-        return _CheckpointedForward(self.runner, module, before)
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        module = self.module
-        forward = self.before if self.before is not None else type(module).forward.__get__(module)
-        if not torch.compiler.is_compiling() or not training_with_grad(module):
-            return forward(*args, **kwargs)
-        return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=self.runner.chain.random,
-                          context_fn=self.runner.compiled_contexts(), **kwargs)
-
-    def remove(self) -> None:
-        """Puts the member's forward back as it was."""
-        if self.module.__dict__.get("forward") is self:
-            if self.before is None:
-                del self.module.forward
-            else:
-                self.module.forward = self.before
-
-
 @dataclass(kw_only=True, slots=True)
 class Installed:
     """A plan's hooks on a module tree; ``remove()`` takes every one of them off again."""
@@ -381,7 +337,7 @@ class Installed:
     runners: list[_Runner]
     handles: list
     calls: list[_Calls]
-    forwards: list[_CheckpointedForward] = field(default_factory=list)
+    forwards: list[CheckpointedForward] = field(default_factory=list)
     """The forwards put on the members of chains of one module call (what torch.compile runs)."""
 
     def hook_ids(self) -> frozenset[int]:
@@ -400,7 +356,7 @@ class Installed:
 
     def _restart(self, module: nn.Module, args: tuple) -> None:
         """Before the root's forward: call indices count from here."""
-        if torch.compiler.is_compiling():  # compiled code runs the chains' forwards (_CheckpointedForward)
+        if torch.compiler.is_compiling():  # compiled code runs the chains' forwards (CheckpointedForward)
             return
         for each in self.calls:
             each.restart()
@@ -436,7 +392,7 @@ def install(root: nn.Module, chains: Sequence[Chain]) -> Installed:
             calls.setdefault(id(module), _Calls(module)).add(runner, j, member_call(name)[1],
                                                             last=j == len(members) - 1)
     handles = [handle for each in calls.values() for handle in each.register()]
-    forwards = [_CheckpointedForward(runner) for runner in runners if runner.compiles]
+    forwards = [CheckpointedForward(runner) for runner in runners if runner.compiles]
     if forwards:  # what their regions mutate outside (HF's output recorder) must not break the compiled graph
         skip_checkpoint_side_effects_in_backward()
     installed = Installed(root=root, runners=runners, handles=handles, calls=list(calls.values()), forwards=forwards)
@@ -474,11 +430,11 @@ class _Calls:
         return self.every + self.at.get(call, []) if self.at else self.every
 
     def _pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        if torch.compiler.is_compiling():  # chains of one call run in their _CheckpointedForward
+        if torch.compiler.is_compiling():  # chains of one call run in their CheckpointedForward
             blocked = [runner for runner, _ in self.every + [r for rs in self.at.values() for r in rs]
                        if not runner.compiles]
             if blocked:
-                _refuse_compiled(blocked[0])
+                refuse_compiled(str(blocked[0]))
             return
         call = self.count
         self.count += 1
