@@ -7,7 +7,8 @@ the textbook placement; ckplan plans at any budget between that and the plain st
 
 ``EagerRNN`` is the same network written so that torch.fx cannot trace it (``torch.zeros(x.shape[0], ...)``
 in forward): ckplan records it eagerly and runs the plan with module hooks, checkpointing single calls of the
-cell by their index in the loop (``cell#7``).
+cell by their index in the loop (``cell#7``). ``StateRNN`` keeps only the state from step to step and classifies
+the sequence from the last one.
 """
 
 import torch
@@ -65,6 +66,31 @@ class EagerRNN(UnrolledRNN):
                 h, c = self.cell(x[:, t], (h, c))
             outs.append(h)
         return self.head(torch.stack(outs, dim=1))
+
+
+class StateRNN(nn.Module):
+    """An ``nn.LSTMCell`` called over ``steps`` time steps in a Python loop that hands on only its state, the head
+    on the last step's ``h`` (a classifier over the sequence); not traceable by torch.fx (``torch.zeros`` shaped by
+    the batch in forward). ``hand = True`` checkpoints every call of the cell, as one would by hand."""
+
+    def __init__(self, vocab: int = 1000, width: int = 256, steps: int = 512) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.cell = nn.LSTMCell(width, width)
+        self.head = nn.Linear(width, vocab)
+        self.steps = steps
+        self.hand = False
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        h = torch.zeros(ids.shape[0], self.cell.hidden_size)
+        c = torch.zeros(ids.shape[0], self.cell.hidden_size)
+        for t in range(self.steps):
+            if self.hand:
+                h, c = checkpoint(self.cell, x[:, t], (h, c), use_reentrant=False)
+            else:
+                h, c = self.cell(x[:, t], (h, c))
+        return self.head(h)
 
 
 VOCAB, STEPS = 256, 512

@@ -101,7 +101,12 @@ class InfeasibleBudget(PlannerError):
                        f"reachable peak is unknown (budget {budget})")
         else:
             smallest = format_bytes(min_peak_bytes)
-            parts = ", ".join(f"{k} {format_bytes(v)}" for k, v in (breakdown.items() if breakdown else ()) if v)
+            parts = ", ".join(f"{label} {format_bytes(getattr(breakdown, name))}"
+                              for name, label in breakdown.LABELS.items() if getattr(breakdown, name)) \
+                if breakdown else ""
+            if breakdown and breakdown.largest_kept:
+                parts += "; largest kept activations: " + ", ".join(f"{node} {format_bytes(nbytes)}"
+                                                                    for node, nbytes in breakdown.largest_kept)
             message = (f"budget {budget} is below the smallest peak any checkpointing plan reaches, {smallest}"
                        f"{f' ({parts})' if parts else ''}; raise the budget to at least {smallest} or shrink the batch")
         if max_chunks is not None:

@@ -139,6 +139,7 @@ def ddp_worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
     accelerator.free_memory()  # the DDP wrappers go before their process group (one outliving gloo's can hang)
     accelerator.end_training()
+    os._exit(0)  # past C++'s exit-time teardown, as test_distributed.finish_rank does
 
 
 def test_a_plan_made_on_rank0_trains_in_accelerates_ddp_job(tmp_path):

@@ -1,10 +1,16 @@
 """Plans for one rank of an FSDP2 or DDP job: the per-rank memory model, and 2-rank gloo training runs.
 
-The multi-process tests spawn 2 ranks on 127.0.0.1 and fail (instead of hanging) after a timeout.
+The multi-process tests spawn 2 ranks on 127.0.0.1 and fail (instead of hanging) after a timeout. Full-suite runs
+have lost a rank to SIGABRT now and then ("terminate called without an active exception": a ``std::thread``
+destroyed while joinable, the signature of C++ teardown at process exit), in tests that pass alone. So each rank
+dumps its Python stacks if it dies of a signal (``faulthandler``: where it was, should one die mid-run), and ends in
+``finish_rank``: its result written, every rank past a barrier, the process group destroyed, then ``os._exit(0)``,
+skipping the exit-time teardown of gloo's and the profiler's C++ state; nothing a test checks happens after it.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import socket
@@ -283,9 +289,22 @@ def run_ranks(worker, out_dir: Path, *, world_size: int = 2, timeout_s: float = 
 
 
 def _init(rank: int, world_size: int, port: int) -> None:
+    faulthandler.enable(all_threads=True)  # a rank that dies of a signal says where it was
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
+
+
+def finish_rank(out_dir: str, rank: int, result: dict) -> None:
+    """Ends a rank: ``result`` written as ``rank<r>.json``, every rank past a barrier (none tears down while another
+    still runs collectives), the process group destroyed, and the process gone with ``os._exit(0)`` (the module
+    docstring says why)."""
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _train(module: nn.Module, wrapped: nn.Module, x: Any, extra_resident: int = 0, *,
@@ -372,8 +391,7 @@ def fsdp_worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
                                             chain=("blocks.0", "blocks.1", "blocks.2")),))
     result["joint"] = _train(*(2 * [fully_shard_units(apply_plan(joint, make_model()))]), x)
     result["offloading"] = _offloading(x)
-    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
-    dist.destroy_process_group()
+    finish_rank(out_dir, rank, result)
 
 
 def _offloading(x: torch.Tensor) -> dict:
@@ -414,8 +432,7 @@ def ddp_worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
         plan_on_rank0(make_model(), "1KB", inputs=(x,), loss_fn=loss_fn, parallel="ddp")
     except InfeasibleBudget as exc:  # raised on every rank, not only where it was planned
         result["infeasible"] = exc.min_peak_bytes
-    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
-    dist.destroy_process_group()
+    finish_rank(out_dir, rank, result)
 
 
 def _check_ranks(results: list[dict]) -> None:

@@ -5,12 +5,10 @@ each rank's measured peak within the budget and near its prediction."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
-from test_distributed import SLACK, _init, close_to, heap_bookkeeping, run_ranks
+from test_distributed import SLACK, _init, close_to, finish_rank, heap_bookkeeping, run_ranks
 from test_distributed import _train as train
 from transformers import GPT2Config, GPT2LMHeadModel, Qwen2Config, Qwen2ForCausalLM
 
@@ -76,8 +74,7 @@ def hf_worker(rank: int, world_size: int, port: int, out_dir: str, kind: str, pa
                   predicted=plan.predicted_peak_bytes, baseline=plan.baseline_peak_bytes,
                   same_plan=same_on_all_ranks([s.chain for s in plan.segments]),
                   planned=_train(plan.module, wrap(plan.module), batch, buckets))
-    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
-    dist.destroy_process_group()
+    finish_rank(out_dir, rank, result)
 
 
 CASES = [("qwen2", "fsdp", False), ("qwen2", "fsdp", True), ("gpt2", "fsdp", False), ("gpt2", "fsdp", True),
@@ -146,8 +143,7 @@ def follow_worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
     group = family.groups[family.grid.group({name: tuple(value.shape) for name, value in batch.items()})]
     result.update(budget=plan.budget_bytes, segments=len(group.segments), predicted=group.predicted_peak_bytes,
                   baseline=group.baseline_peak_bytes, groups=len(family.groups))
-    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
-    dist.destroy_process_group()
+    finish_rank(out_dir, rank, result)
 
 
 @pytest.mark.slow

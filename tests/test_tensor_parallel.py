@@ -4,14 +4,11 @@ rank runs that one plan. Memory counts each rank's local shards and what TP's co
 
 from __future__ import annotations
 
-import json
 import time
-from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
-from test_distributed import _init, run_ranks
+from test_distributed import _init, finish_rank, run_ranks
 from torch import nn
 
 pytestmark = pytest.mark.slow  # spawns gloo ranks
@@ -106,8 +103,7 @@ def tp_worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
         "unplanned_peak": measure_peak(reference, as_inputs(reference, (x,)), loss_fn),
         "same_loss": actual[0] == expected[0],
         "same_grads": all(torch.equal(a, b) for a, b in zip(actual[1], expected[1]))}
-    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
-    dist.destroy_process_group()
+    finish_rank(out_dir, rank, result)
 
 
 def test_a_tensor_parallel_model_runs_one_plan_on_every_rank_within_its_budget(tmp_path):
@@ -172,8 +168,7 @@ def fsdp_tp_worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
                   predicted=plan.predicted_peak_bytes, world_size=plan.peak_breakdown is not None,
                   same_plan=same_on_all_ranks([s.nodes for s in plan.segments]),
                   planned=_fsdp_tp_train(plan.module, x, mesh, book))
-    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
-    dist.destroy_process_group()
+    finish_rank(out_dir, rank, result)
 
 
 def test_fsdp_over_tensor_parallel_on_a_2_by_2_mesh(tmp_path):

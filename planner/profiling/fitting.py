@@ -67,7 +67,7 @@ def fitting_profile(captured: Captured, model: nn.Module, inputs: Inputs, *, roo
     memory = pieces_memory(captured, model, inputs, pieces=pieces, loss_fn=loss_fn, device=device)
     return assemble(replay.recorder, captured, model, replay.example, times=times, excess=replay.excess,
                     device=str(device), pieces=len(pieces), profile_peak_bytes=memory.peak_bytes,
-                    hidden=memory.hidden)
+                    hidden=replay.recorder.with_hidden(memory.hidden))
 
 
 class PieceSizes:

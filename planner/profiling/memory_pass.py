@@ -34,6 +34,7 @@ from planner.profiling.memtrack import GradBytes, LiveStorages, local_of, storag
 from planner.profiling.record import LOSS_NODE, NodeCost, Profile, StorageCost
 from planner.profiling.runner import StepRunner
 from planner.profiling.timing import QUIET, Steps, checkpoint_overhead_ms, measure_sac_op_us, time_step
+from planner.profiling.windows import AllocatorWindows
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -102,6 +103,10 @@ def profile(
             recorder.tracker.limit_bytes = recorder.tracker.live_bytes + limit_bytes
         recorder.step(inputs, loss_fn)
         recorder.tracker.limit_bytes = None
+        plain = AllocatorWindows(captured.graph_module, device, keep_output=keep_output)
+        with untouched(model):  # from no gradients again, as the recorded step ran
+            plain.step(inputs, loss_fn)
+        hidden = recorder.hidden(plain)
         excess = eager_excess_of(recorder, captured, model, inputs)
         timer, step_fwd, step_bwd = time_step(captured.graph_module, inputs, loss_fn, device, steps)
         ops = sum(rec["ops"][1] - rec["ops"][0] for rec in recorder.records if rec["kind"] != LOSS_NODE)
@@ -111,7 +116,7 @@ def profile(
                           checkpoint_overhead_ms=checkpoint_overhead_ms(device),
                           sac_op_us=measure_sac_op_us(captured.graph_module, inputs, loss_fn, device, ops))
     return assemble(recorder, captured, model, inputs, times=times, excess=excess, device=str(device),
-                    profile_peak_bytes=recorder.hidden().peak_bytes)
+                    profile_peak_bytes=hidden.peak_bytes, hidden=hidden)
 
 
 def check_trainable(model: nn.Module) -> None:
@@ -140,10 +145,11 @@ def assemble(recorder: MemoryRecorder, captured: Captured, model: nn.Module, inp
              hidden: Hidden | None = None) -> Profile:
     """The ``Profile`` of a recorded step with its times (measured or estimated); ``host_link``: the GB/s of copies
     to and from pinned host memory (default: measured on the device now, ``planner.profiling.link``; an estimate
-    passes its spec's)."""
+    passes its spec's); ``hidden``: what its nodes allocated where the dispatcher does not look, with the step's
+    peak at the allocator (``MemoryRecorder.hidden``, ``with_hidden``; default: read from the recorded step)."""
     if host_link is None and not estimated_for:
         host_link = measure_host_link(torch.device(device))
-    hidden = recorder.hidden() if hidden is None else recorder.with_hidden(hidden)
+    hidden = hidden or recorder.hidden()
     nodes = tuple(
         NodeCost(
             name=rec["name"], kind=rec["kind"], target=rec["target"], scope=rec["scope"],
@@ -175,7 +181,7 @@ def assemble(recorder: MemoryRecorder, captured: Captured, model: nn.Module, inp
         step_fwd_ms=times.step_fwd_ms,
         step_bwd_ms=times.step_bwd_ms,
         checkpoint_overhead_ms=times.checkpoint_overhead_ms, sac_op_us=times.sac_op_us,
-        baseline_peak_bytes=max(recorder.tracker.peak_bytes, hidden.peak_bytes),
+        baseline_peak_bytes=hidden.peak_bytes,
         rng_state_bytes=rng_state_bytes(load_device(estimated_for).kind if estimated_for
                                         else torch.device(device).type),
         end_bytes=recorder.end_bytes,
@@ -279,31 +285,44 @@ class MemoryRecorder(StepRunner):
         """Opens a window of the tracker and of the allocator: (live bytes now, the allocator's window)."""
         return self.tracker.mark(), self.allocator.mark()
 
-    def hidden(self) -> Hidden:
+    def hidden(self, plain: AllocatorWindows | None = None) -> Hidden:
         """What each node's ops allocated where the tracker does not look, at its allocator peak, beyond its
-        live-storage peak: inside the ops (workspaces), and what stays allocated outside storages. The allocator's
-        bytes are read in live bytes from the step's first mark on (what the CPU allocator freed before that is
-        not the step's)."""
-        windows = self.allocator.windows
+        live-storage peak: inside the ops (workspaces), and what stays allocated outside storages. Read from
+        ``plain``, the same step run with no dispatch mode (``planner.profiling.windows``), where given: there
+        the figures may be negative, where the tracker's mode made autograd allocate more than a plain step
+        does; else from this step's own allocator trace (never below the live storages). The allocator's bytes
+        are read in live bytes from the step's first mark on (what the CPU allocator freed before that is not
+        the step's)."""
         n = len(self.records)
         forward, backward, start = [0] * n, [0] * n, [0] * n
+        peak = None
+        if plain is not None:
+            windows, floor = plain.windows, None
+            fwd_window, bwd_windows = plain.forward_window, plain.backward_windows
+        else:
+            windows, floor = self.allocator.windows, 0
+            fwd_window = {i: rec["window"] for i, rec in enumerate(self.records)}
+            bwd_windows = self.bwd_windows
+        bounded = (lambda v: v) if floor is None else (lambda v: max(floor, v))
         if windows and self.records:
-            first = self.records[0]
-            offset = first["fwd_start"] - windows[first["window"]].start_bytes
+            offset = self.records[0]["fwd_start"] - windows[fwd_window[0]].start_bytes
 
             def level(window: int) -> int:
                 return offset + windows[window].peak_bytes
 
             for i, rec in enumerate(self.records):
-                forward[i] = max(0, level(rec["window"]) - rec["fwd_peak"])
-            for i, opened in self.bwd_windows.items():
-                backward[i] = max(0, max(level(k) for k in opened) - self.bwd_peak[i])
-                start[i] = max(0, offset + windows[opened[0]].start_bytes - self.bwd_start[i])
+                forward[i] = bounded(level(fwd_window[i]) - rec["fwd_peak"])
+            for i, opened in bwd_windows.items():
+                backward[i] = bounded(max(level(k) for k in opened) - self.bwd_peak[i])
+                start[i] = bounded(offset + windows[opened[0]].start_bytes - self.bwd_start[i])
+            if plain is not None:
+                peak = offset + plain.allocator.peak_bytes
         for i, nbytes in self.est_workspace[0].items():  # estimated where nothing was measured (meta tensors)
             forward[i] = max(forward[i], nbytes)
         for i, nbytes in self.est_workspace[1].items():
             backward[i] = max(backward[i], nbytes)
-        return self.with_hidden(Hidden(forward=forward, backward=backward, backward_start=start, peak_bytes=0))
+        hidden = self.with_hidden(Hidden(forward=forward, backward=backward, backward_start=start, peak_bytes=0))
+        return hidden if peak is None else replace(hidden, peak_bytes=peak)
 
     def with_hidden(self, hidden: Hidden) -> Hidden:
         """``hidden`` (per node, measured here or elsewhere) with the step's peak at the allocator it gives."""

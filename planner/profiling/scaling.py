@@ -74,7 +74,7 @@ def scaled_profile(captured: Captured, model: nn.Module, example: Inputs, scaled
                          step_bwd_ms=reference.step_bwd_ms * scale,
                          checkpoint_overhead_ms=reference.checkpoint_overhead_ms, sac_op_us=reference.sac_op_us)
     return assemble(recorder, captured, model, replay.example, times=times_ms, excess=replay.excess,
-                    device=reference.device, hidden=_hidden_scaled(recorder, reference),
+                    device=reference.device, hidden=recorder.with_hidden(_hidden_scaled(recorder, reference)),
                     host_link=_link_of(reference))
 
 
