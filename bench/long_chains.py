@@ -6,11 +6,15 @@
 Cases: ``chain-N``, an ``nn.Sequential`` of N residual MLP blocks (width 64, batch 256: 64 KiB across each block
 edge), against ``checkpoint_sequential`` with √N segments and every block checkpointed; ``rnn-512``,
 ``examples/rnn.py``'s LSTM unrolled over 512 steps (torch.fx), against groups of 23 steps and every step;
-``eager-rnn-512``, the same network that torch.fx cannot trace (module hooks), against every call of the cell.
+``eager-rnn-512``, the same network that torch.fx cannot trace (module hooks), against every call of the cell;
+``state-rnn-512``, ``examples/rnn.py``'s ``StateRNN`` (an ``nn.LSTMCell``, width 256, over 512 steps in a loop that
+hands on only its state, the head on the last ``h``, batch 64, 1,000 tokens; module hooks), against every call of
+the cell checkpointed by hand.
 
-For each hand placement: its peak measured (live tensor storages, ``measure_peak``: a plain loop, the output kept
+For each hand placement: its peak measured (at the allocator, ``measure_peak``: a plain loop, the output kept
 through backward); ckplan plans at exactly that peak with default options (the model captured and profiled once:
-"prepare", then the solve per budget); the planned module's peak measured. The un-checkpointed model, the
+"prepare", then the solve per budget; prepare split into capture and profile, by the ``progress`` stages); the
+planned module's peak measured. The un-checkpointed model, the
 placement and the plan are timed interleaved (``step_samples_ms``: ``--runs`` rounds of one step each after a
 warm-up round; one thread): overhead = median step time over the un-checkpointed median, minus 1. "Bound" is the
 relaxed chunk DP's lower bound on the recompute of any plan with a cut at every block edge, at that peak.
@@ -65,6 +69,21 @@ class Hand(nn.Module):
         return x
 
 
+class EveryCall(nn.Module):
+    """``StateRNN`` with every call of its cell checkpointed by hand (``hand``), a module of its own for timing."""
+
+    def __init__(self, rnn: nn.Module) -> None:
+        super().__init__()
+        self.rnn = rnn
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        self.rnn.hand = True
+        try:
+            return self.rnn(ids)
+        finally:
+            self.rnn.hand = False
+
+
 class Grouped(nn.Module):
     """The RNN with its ``hand_groups`` set: a module of its own for timing side by side."""
 
@@ -99,6 +118,12 @@ def case(name: str):
         torch.manual_seed(0)
         model = rnn.EagerRNN(rnn.VOCAB, 256, rnn.STEPS)
         return model, rnn.inputs, rnn.loss_fn, {"every call of the cell": Grouped(model, 1)}
+    if name == "state-rnn-512":
+        torch.manual_seed(0)
+        model = rnn.StateRNN(1000, 256, 512)
+        ids, targets = torch.randint(0, 1000, (64, 512)), torch.randint(0, 1000, (64,))
+        return model, (ids,), lambda out: nn.functional.cross_entropy(out, targets), {
+            "every call of the cell": EveryCall(model)}
     raise SystemExit(f"unknown case {name!r}")
 
 
@@ -118,11 +143,15 @@ def rows_for(name: str, runs: int) -> list[str]:
 
     model, inputs, loss_fn, hands = case(name)
     example = as_inputs(model, inputs)
+    stages: dict[str, float] = {}
     began = time.perf_counter()
-    prepared = prepare(model, inputs=inputs, loss_fn=loss_fn)
-    prepare_s = time.perf_counter() - began
+    prepared = prepare(model, inputs=inputs, loss_fn=loss_fn,
+                       progress=lambda stage: stages.setdefault(stage, time.perf_counter()))
+    ended = time.perf_counter()
+    capture_s, profile_s = stages["profile"] - stages["capture"], ended - stages["profile"]
     fine = chunked(prepared, prepared.regions.block_cuts + 1) if prepared.regions.block_count else None
-    out = [f"| {name} | (un-checkpointed) | | {mib(prepared.baseline.peak_bytes)} | | | prepare {prepare_s:.1f} s |"]
+    out = [f"| {name} | (un-checkpointed) | | {mib(prepared.baseline.peak_bytes)} | | | prepare "
+           f"{ended - began:.1f} s (capture {capture_s:.1f}, profile {profile_s:.1f}) |"]
     print(out[-1], flush=True)
     for hand_name, hand in hands.items():
         peak = measure_peak(hand, example, loss_fn)
@@ -153,7 +182,7 @@ def rows_for(name: str, runs: int) -> list[str]:
     return out
 
 
-CASES = ["chain-100", "chain-300", "chain-1000", "rnn-512", "eager-rnn-512"]
+CASES = ["chain-100", "chain-300", "chain-1000", "rnn-512", "eager-rnn-512", "state-rnn-512"]
 
 
 def main() -> None:
@@ -172,7 +201,7 @@ def main() -> None:
             "output kept through backward). Overhead = step time / un-checkpointed step - 1, median of "
             f"{args.runs} interleaved steps. Recompute: ckplan's predicted recompute per step / the relaxed DP's "
             "lower bound over plans cut at every block edge. Planning = prepare (capture and profile, once per "
-            "model) + solve.", "",
+            "model) + solve; measured peaks read at the allocator.", "",
             "| case | placement | segments | peak | overhead | recompute / bound | planning |",
             "|---|---|---|---|---|---|---|"]
     Path(args.out).write_text("\n".join(head + rows) + "\n")

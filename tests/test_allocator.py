@@ -86,3 +86,35 @@ def test_a_profiler_running_already_is_one_line():
     running = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
     with running, pytest.raises(ProfileError, match="outside torch.profiler"), AllocatorTrace("cpu"):
         pass
+
+
+class SlicedEveryStep(nn.Module):
+    """An input embedded once and sliced at each of ``steps`` steps: its gradient is summed from every slice."""
+
+    def __init__(self, width: int = 64, steps: int = 32) -> None:
+        super().__init__()
+        self.embed, self.cell, self.steps = nn.Embedding(100, width), nn.Linear(2 * width, width), steps
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        h = x[:, 0] * 0
+        for t in range(self.steps):
+            h = torch.tanh(self.cell(torch.cat([x[:, t], h], dim=1)))
+        return h
+
+
+def test_gradients_summed_from_many_readers_are_predicted_as_a_plain_step_sums_them(tmp_path):
+    """Autograd sums a gradient in place where it holds the last reference, which a Python dispatch mode takes from
+    it: the profile's storage counts read the sums out of place, above the plain step, and the plain step read at
+    the allocator corrects them (below zero: ``NodeCost.bwd_hidden_bytes``), exactly; the profile saves and loads."""
+    import planner
+
+    torch.manual_seed(0)
+    model, ids = SlicedEveryStep(), torch.randint(0, 100, (64, 32))
+    example = as_inputs(model, (ids,))
+    prepared = prepare(model, inputs=(ids,))
+    live, allocated = measure_live_peak(model, example), measure_peak(model, example)
+    assert allocated < live and prepared.baseline.peak_bytes == allocated
+    assert any(n.bwd_hidden_bytes < 0 for n in prepared.profile.nodes)
+    prepared.profile.save(tmp_path / "profile.json")
+    assert planner.load_profile(tmp_path / "profile.json") == prepared.profile

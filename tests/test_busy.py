@@ -59,7 +59,7 @@ def _time(monkeypatch, rounds: list[list[float]]) -> tuple[list[warnings.Warning
 
     given = iter(rounds)
     monkeypatch.setattr(timing, "plain_step_samples",
-                        lambda gm, inputs, loss_fn, device, runs, min_s=0.0: [(t / 2, t / 2) for t in next(given)])
+                        lambda gm, inputs, loss_fn, device, runs, **_: [(t / 2, t / 2) for t in next(given)])
     model = tower()
     gm = torch.fx.symbolic_trace(model)
     with warnings.catch_warnings(record=True) as caught:
@@ -86,12 +86,30 @@ def test_one_stall_is_measured_again_and_a_steady_second_round_says_nothing(monk
     assert node_runs == 3 * ATTEMPTS and said == [] and step_ms == 10.0
 
 
+def test_a_step_longer_than_the_timing_window_is_timed_once_by_its_instrumented_run(monkeypatch):
+    """A step of seconds (``Steps.max_s``, here 0 s) runs one instrumented step, whose own forward and backward
+    times stand for the plain step's: no plain step is run, no second round, and the allocator is read in it."""
+    from planner.profiling import timing
+    from planner.profiling.windows import AllocatorWindows
+
+    def plain(*args, **kwargs):
+        raise AssertionError("a plain step was timed")
+
+    monkeypatch.setattr(timing, "plain_step_samples", plain)
+    model = tower()
+    windows = AllocatorWindows(torch.device("cpu"))
+    timer, fwd, bwd = time_step(torch.fx.symbolic_trace(model), as_inputs(model, tower_inputs()), default_loss,
+                                torch.device("cpu"), Steps(runs=3, max_s=0.0), windows)
+    assert len(timer._fwd[0]) == 1 and (fwd, bwd) == timer.samples[0] and fwd > 0 and bwd > 0
+    assert windows.forward_window and windows.backward_windows and len(windows.windows) > len(timer._fwd)
+
+
 def test_lockstep_timing_takes_its_count_even_when_the_steps_vary(monkeypatch):
     """A tensor-parallel rank must not time a second round its peers skip (their collectives would never pair)."""
     from planner.profiling import timing
 
     monkeypatch.setattr(timing, "plain_step_samples",
-                        lambda gm, inputs, loss_fn, device, runs, min_s=0.0: [(5.0, 5.0), (50.0, 50.0), (5.0, 5.0)])
+                        lambda gm, inputs, loss_fn, device, runs, **_: [(5.0, 5.0), (50.0, 50.0), (5.0, 5.0)])
     model = tower()
     with warnings.catch_warnings(record=True):
         warnings.simplefilter("always")

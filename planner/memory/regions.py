@@ -18,7 +18,7 @@ from __future__ import annotations
 import bisect
 import itertools
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -57,6 +57,16 @@ class Regions:
     checkpointable chunks may be one (a rewritten graph)."""
     rules: SegmentRules = ANY_RUN
     """What the executor allows (``planner.rewrite.executor``)."""
+    reach: tuple[int, ...] = field(init=False, repr=False, compare=False)
+    """Per chunk: one past the last chunk of the run of checkpointable chunks it starts (itself when it is not
+    checkpointable), so that ``allows`` answers in constant time inside the solvers' loops over chunk pairs."""
+
+    def __post_init__(self) -> None:
+        reach, after = [0] * len(self.checkpointable), len(self.checkpointable)
+        for k in range(len(self.checkpointable) - 1, -1, -1):
+            after = after if self.checkpointable[k] else k
+            reach[k] = after
+        object.__setattr__(self, "reach", tuple(reach))
 
     @property
     def n_chunks(self) -> int:
@@ -69,7 +79,8 @@ class Regions:
 
     def allows(self, first: int, stop: int) -> bool:
         """Whether chunks ``first..stop-1`` may form one checkpointed segment."""
-        return all(self.checkpointable[first:stop]) and (self.chains is None or (first, stop) in self.chains)
+        return (stop <= (self.reach[first] if first < len(self.reach) else first)
+                and (self.chains is None or (first, stop) in self.chains))
 
     def chunk_of(self) -> list[int]:
         """Chunk index of every node (``-1`` for nodes after ``end``)."""

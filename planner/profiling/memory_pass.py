@@ -103,18 +103,19 @@ def profile(
             recorder.tracker.limit_bytes = recorder.tracker.live_bytes + limit_bytes
         recorder.step(inputs, loss_fn)
         recorder.tracker.limit_bytes = None
-        plain = AllocatorWindows(captured.graph_module, device, keep_output=keep_output)
-        with untouched(model):  # from no gradients again, as the recorded step ran
-            plain.step(inputs, loss_fn)
-        hidden = recorder.hidden(plain)
         excess = eager_excess_of(recorder, captured, model, inputs)
-        timer, step_fwd, step_bwd = time_step(captured.graph_module, inputs, loss_fn, device, steps)
+        plain = AllocatorWindows(device)  # read in the first timed step, which has no dispatch mode
+        with untouched(model):  # from no gradients again, as the recorded step ran
+            timer, step_fwd, step_bwd = time_step(captured.graph_module, inputs, loss_fn, device, steps, plain,
+                                                      keep_output=keep_output)
+        hidden = recorder.hidden(plain)
         ops = sum(rec["ops"][1] - rec["ops"][0] for rec in recorder.records if rec["kind"] != LOSS_NODE)
         times = StepTimes(fwd_ms=[timer.fwd_ms(i) for i in range(len(recorder.records))],
                           bwd_ms=[timer.bwd_ms(i) for i in range(len(recorder.records))],
                           step_fwd_ms=step_fwd, step_bwd_ms=step_bwd,
                           checkpoint_overhead_ms=checkpoint_overhead_ms(device),
-                          sac_op_us=measure_sac_op_us(captured.graph_module, inputs, loss_fn, device, ops))
+                          sac_op_us=measure_sac_op_us(captured.graph_module, inputs, loss_fn, device, ops,
+                                                      step_ms=step_fwd + step_bwd))
     return assemble(recorder, captured, model, inputs, times=times, excess=excess, device=str(device),
                     profile_peak_bytes=hidden.peak_bytes, hidden=hidden)
 

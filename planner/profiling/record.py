@@ -74,7 +74,9 @@ class NodeCost:
     fwd_hidden_bytes: int = 0
     """Bytes its forward's ops allocate inside themselves beyond ``fwd_peak_bytes`` at the allocator's peak (oneDNN's
     reorders in a CPU convolution, cuDNN and cuBLAS workspaces): the dispatcher never sees them, the allocator
-    does, so its forward peaks at ``fwd_peak_bytes + fwd_hidden_bytes`` there; 0 where none or unknown."""
+    does, so its forward peaks at ``fwd_peak_bytes + fwd_hidden_bytes`` there; 0 where none or unknown. Negative
+    where the live storages, counted under a dispatch mode, read more than a plain step allocates (autograd sums
+    gradients out of place under any Python dispatch mode: ``planner.profiling.windows``)."""
     bwd_hidden_bytes: int = 0
     """The same for its backward: its allocator peak is ``bwd_peak_bytes + bwd_hidden_bytes``."""
     bwd_start_hidden_bytes: int = 0
@@ -124,6 +126,11 @@ class NodeCost:
     def bwd_allocator_peak_bytes(self) -> int | None:
         """Its backward's peak at the allocator; None when it has no backward."""
         return None if self.bwd_peak_bytes is None else self.bwd_peak_bytes + self.bwd_hidden_bytes
+
+
+SIGNED = ("fwd_hidden_bytes", "bwd_hidden_bytes", "bwd_start_hidden_bytes")
+"""Amounts a profile may hold below zero: what the allocator held beyond the live storages is negative where the
+storage-counting dispatch mode made autograd allocate more than a plain step does (``planner.profiling.windows``)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -272,7 +279,7 @@ def profile_from_dict(data: Any, *, source: str = "profile") -> Profile:
         run = {k: v for k, v in data.items() if k not in ("nodes", "storages")}
         prof = record_from_json(Profile, {**run, "nodes": nodes, "storages": storages}, "profile",
                                 convert={"capture_method": CaptureMethod})
-        check_record(prof, where="profile")
+        check_record(prof, where="profile", signed=SIGNED)
     except KeyError as exc:
         raise ProfileFileError(f"{source} lacks the field {exc.args[0]!r}; the file is incomplete or was "
                                "edited: profile the model again") from None

@@ -3,6 +3,7 @@ cost of one checkpoint call on the device, and what selective checkpointing adds
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import statistics
@@ -21,25 +22,45 @@ from planner.capture.step import LossFn, backward, sync
 from planner.compat.sac_autocast import autocast_safe
 from planner.errors import OptionError
 from planner.profiling.runner import StepRunner
+from planner.profiling.windows import AllocatorWindows
 
 
 class Timer(StepRunner):
-    """Timed steps: per-node forward and backward wall time."""
+    """Timed steps: per-node forward and backward wall time, and each step's forward (the loss included) and
+    backward; ``windows``, when set, reads the allocator in the next step (``planner.profiling.windows``)."""
 
-    def __init__(self, gm: fx.GraphModule, device: torch.device) -> None:
-        super().__init__(gm, device)
+    def __init__(self, gm: fx.GraphModule, device: torch.device, *, keep_output: bool = True) -> None:
+        super().__init__(gm, device, keep_output=keep_output)
         self._fwd: dict[int, list[float]] = defaultdict(list)
         self._bwd: dict[int, list[float]] = defaultdict(list)
         self._bwd_step: dict[int, float] = defaultdict(float)
         self._bwd_start: dict[int, float] = {}
+        self.windows: AllocatorWindows | None = None
+        self.samples: list[tuple[float, float]] = []
+        """Per step: its forward and backward wall time (ms), the instrumentation included."""
+        self._began = self._mid = 0.0
 
     def step(self, inputs: Inputs, loss_fn: LossFn) -> None:
         self._bwd_step = defaultdict(float)
-        super().step(inputs, loss_fn)
+        windows = self.windows
+        with windows.allocator if windows is not None else contextlib.nullcontext():
+            sync(self.device)
+            self._began = time.perf_counter()
+            super().step(inputs, loss_fn)
+        self.windows = None  # one step read
         for index, total in self._bwd_step.items():
             self._bwd[index].append(total)
 
+    def before_backward(self) -> None:
+        sync(self.device)
+        self._mid = time.perf_counter()
+
+    def after_backward(self) -> None:  # the backward synced
+        self.samples.append(((self._mid - self._began) * 1e3, (time.perf_counter() - self._mid) * 1e3))
+
     def around_node(self, index, node, compute, values):
+        if self.windows is not None:
+            self.windows.forward(index)
         sync(self.device)
         start = time.perf_counter()
         result = compute()
@@ -49,6 +70,8 @@ class Timer(StepRunner):
         return result
 
     def on_backward(self, index, phase):
+        if phase == "pre" and self.windows is not None:
+            self.windows.backward(index)
         sync(self.device)
         now = time.perf_counter()
         if phase == "pre":
@@ -92,6 +115,10 @@ ATTEMPTS = 2
 """Rounds of timed steps at most (``time_step``)."""
 BUSY_TIMING_S = 0.5
 """On a busy machine, each kind of timed step of a profile runs for at least this long (``time_step``)."""
+TIMING_S = 5.0
+"""Each kind of timed step of a profile stops after this long once it has run once: a step of seconds (an LSTM
+over 512 steps, a 1,000-block chain) varies little against its length, and a profile of a few such steps keeps
+planning within a small multiple of the model's own step."""
 
 
 @dataclass(frozen=True)
@@ -101,11 +128,13 @@ class Steps:
     Attributes:
         runs: steps of each kind at least; each time is the fastest of them.
         min_s: each kind runs for at least this long (more steps of a short one, up to ``MAX_RUNS``).
+        max_s: each kind stops after this long once it has run once (fewer steps of a long one).
         attempts: rounds at most; another round is timed while the plain steps' times vary (``time_step``).
     """
 
     runs: int = TIMING_RUNS
     min_s: float = 0.0
+    max_s: float | None = TIMING_S
     attempts: int = ATTEMPTS
 
     @classmethod
@@ -120,7 +149,7 @@ class Steps:
     def lockstep(cls) -> Steps:
         """A count every rank of a tensor-parallel model takes alike, whatever its own clock and load says: its
         forward runs collectives, so a rank that timed one step more than another would wait for it forever."""
-        return cls(runs=TIMING_RUNS, min_s=0.0, attempts=1)
+        return cls(runs=TIMING_RUNS, min_s=0.0, max_s=None, attempts=1)
 
 
 QUIET = Steps()
@@ -128,21 +157,30 @@ QUIET = Steps()
 
 
 def time_step(gm: fx.GraphModule, inputs: Inputs, loss_fn: LossFn, device: torch.device,
-              steps: Steps = QUIET) -> tuple[Timer, float, float]:
-    """Per-node times (a ``Timer`` over ``steps.runs`` instrumented steps) and the fastest forward and backward
-    ms of ``steps.runs`` plain steps; each kind of step runs for at least ``steps.min_s`` seconds (more steps of
-    a short one, up to ``MAX_RUNS``: on a busy machine, the fastest of many short steps is one no other process
-    interrupted). Where the plain steps' times vary by more than ``STEADY`` (other processes took the cores for
-    part of them), as many again are timed, up to ``steps.attempts`` rounds, and each time is the fastest over
-    all rounds; a warning says so when the last round varies as much."""
-    timer = Timer(gm, device)
+              steps: Steps = QUIET, windows: AllocatorWindows | None = None,
+              keep_output: bool = True) -> tuple[Timer, float, float]:
+    """Per-node times (a ``Timer`` over ``steps.runs`` instrumented steps, the first reading the allocator in
+    ``windows`` where given: the caller starts it from no gradients; ``keep_output`` as the memory pass ran) and
+    the fastest forward and backward ms of ``steps.runs`` plain steps. Each kind of step runs for at least
+    ``steps.min_s`` seconds (more steps of a short one, up to ``MAX_RUNS``: on a busy machine, the fastest of
+    many short steps is one no other process interrupted) and stops after ``steps.max_s`` once it has run once.
+    Where the instrumented steps alone took that long, their own forward and backward times stand for the plain
+    steps' (what the instrumentation adds is lost in steps of seconds). Where the plain steps' times vary by
+    more than ``STEADY`` (other processes took the cores for part of them), as many again are timed, up to
+    ``steps.attempts`` rounds, and each time is the fastest over all rounds; a warning says so when the last
+    round varies as much."""
+    timer = Timer(gm, device, keep_output=keep_output)
+    timer.windows = windows
     samples: list[tuple[float, float]] = []
     for _ in range(steps.attempts):
-        repeated(lambda: timer.step(inputs, loss_fn), steps.runs, steps.min_s)
-        latest = plain_step_samples(gm, inputs, loss_fn, device, steps.runs, min_s=steps.min_s)
+        began = time.perf_counter()
+        repeated(lambda: timer.step(inputs, loss_fn), steps.runs, steps.min_s, steps.max_s)
+        long = steps.max_s is not None and time.perf_counter() - began >= steps.max_s
+        latest = timer.samples[-1:] if long else plain_step_samples(gm, inputs, loss_fn, device, steps.runs,
+                                                                    min_s=steps.min_s, max_s=steps.max_s)
         samples += latest
         totals = [f + b for f, b in latest]
-        if max(totals) <= STEADY * min(totals) or max(totals) - min(totals) <= NOISE_MS:
+        if long or max(totals) <= STEADY * min(totals) or max(totals) - min(totals) <= NOISE_MS:
             break
     else:
         warnings.warn(f"ckplan: the profiled step took from {min(totals):,.0f} to {max(totals):,.0f} ms from run to "
@@ -156,19 +194,22 @@ MAX_RUNS = 64
 """The most steps of one kind ``min_s`` can ask for."""
 
 
-def repeated(step: Callable[[], Any], runs: int, min_s: float) -> None:
-    """Runs ``step`` ``runs`` times, and on until ``min_s`` seconds have passed (at most ``MAX_RUNS`` times)."""
+def repeated(step: Callable[[], Any], runs: int, min_s: float, max_s: float | None = None) -> None:
+    """Runs ``step`` ``runs`` times, and on until ``min_s`` seconds have passed (at most ``MAX_RUNS`` times); once
+    it has run once, no more after ``max_s`` seconds."""
     started = time.perf_counter()
     done = 0
     while done < max(1, runs) or (time.perf_counter() - started < min_s and done < MAX_RUNS):
+        if done and max_s is not None and time.perf_counter() - started >= max_s:
+            break
         step()
         done += 1
 
 
 def plain_step_samples(gm: fx.GraphModule, inputs: Inputs, loss_fn: LossFn, device: torch.device,
-                       runs: int, *, min_s: float = 0.0) -> list[tuple[float, float]]:
+                       runs: int, *, min_s: float = 0.0, max_s: float | None = None) -> list[tuple[float, float]]:
     """Forward and backward time (ms) of each of ``runs`` un-instrumented steps of the graph (more, to fill
-    ``min_s`` seconds: ``repeated``)."""
+    ``min_s`` seconds, fewer past ``max_s``: ``repeated``)."""
     samples = []
 
     def step() -> None:
@@ -181,7 +222,7 @@ def plain_step_samples(gm: fx.GraphModule, inputs: Inputs, loss_fn: LossFn, devi
         sync(device)
         samples.append(((mid - start) * 1e3, (time.perf_counter() - mid) * 1e3))
 
-    repeated(step, runs, min_s)
+    repeated(step, runs, min_s, max_s)
     for p in gm.parameters():
         p.grad = None
     return samples
@@ -214,11 +255,13 @@ def checkpoint_overhead_ms(device: torch.device, runs: int = 41) -> float:
 
 
 def measure_sac_op_us(gm: fx.GraphModule, inputs: Inputs, loss_fn: LossFn, device: torch.device,
-                      ops: int) -> float | None:
-    """``Profile.sac_op_us``: the model's own measurement (``sac_op_overhead_us``), never below the tiny-op
-    floor on the same device (``dispatch_overhead_us``: a noisy machine can make the model's measurement
-    small); None when the model's cannot be measured."""
-    measured = sac_op_overhead_us(gm, inputs, loss_fn, device, ops, runs=SET_RUNS or SAC_RUNS)
+                      ops: int, *, step_ms: float = 0.0) -> float | None:
+    """``Profile.sac_op_us``: the model's own measurement (``sac_op_overhead_us``; its forwards alone where a plain
+    step takes ``step_ms`` past ``SAC_SECONDS``), never below the tiny-op floor on the same device
+    (``dispatch_overhead_us``: a noisy machine can make the model's measurement small); None when the model's
+    cannot be measured."""
+    measured = sac_op_overhead_us(gm, inputs, loss_fn, device, ops, runs=SET_RUNS or SAC_RUNS,
+                                  forward_only=step_ms > SAC_SECONDS * 1e3)
     return None if measured is None else max(measured, dispatch_overhead_us(str(device)))
 
 
@@ -226,19 +269,22 @@ SAC_RUNS = 4
 """Checkpointed steps with and without selective checkpointing's modes ``sac_op_overhead_us`` takes the fastest of."""
 SAC_SECONDS = 3.0
 """About the most time those steps take after the warm-up: a step of a 1,000-block chain takes over a second, and
-its per-op cost is as well measured by fewer steps (over thousands of ops)."""
+its per-op cost is as well measured by fewer steps (over thousands of ops). Where the warm-up pair alone takes
+longer, it is the measurement; where a plain step alone does, only forwards are timed."""
 
 
 def sac_op_overhead_us(gm: fx.GraphModule, inputs: Inputs, loss_fn: LossFn, device: torch.device, ops: int,
-                       runs: int = SAC_RUNS) -> float | None:
+                       runs: int = SAC_RUNS, *, forward_only: bool = False) -> float | None:
     """What selective checkpointing's dispatch modes (caching in forward, cached in the re-run) add per
     ATen op of this graph: the whole graph as one checkpointed segment with SAC (saving nothing) minus
     without, the fastest of ``runs`` steps of each (alternated) minus each other, over its ``ops``. The
     fastest, as ``dispatch_overhead_us`` takes: other processes only ever add time, and a difference of
     medians of a few steps swung from 20 to 190 us/op on a 2-core CPU shared with other work. Measured on the
-    model itself: on the GPT example about 3x what tiny Linear+GELU pairs give (more arguments per op). None (not
-    measured) when the graph fails as one checkpointed segment (checkpoint raises
-    ``CheckpointError`` on a re-run that differs from the forward); any other error propagates."""
+    model itself: on the GPT example about 3x what tiny Linear+GELU pairs give (more arguments per op).
+    ``forward_only`` (steps of seconds): the forwards alone, their difference counted twice (the re-run's mode
+    handles each op as the forward's did; a backward of seconds would be timed for nothing). None (not
+    measured) when the graph fails as one checkpointed segment (checkpoint raises ``CheckpointError`` on a
+    re-run that differs from the forward); any other error propagates."""
     from torch.utils.checkpoint import (
         CheckpointError,
         checkpoint,
@@ -249,8 +295,10 @@ def sac_op_overhead_us(gm: fx.GraphModule, inputs: Inputs, loss_fn: LossFn, devi
     def step(context_fn) -> float:
         sync(device)
         start = time.perf_counter()
-        backward(loss_fn(checkpoint(gm, *inputs.args, use_reentrant=False, context_fn=context_fn,
-                                    **inputs.kwargs)))
+        out = checkpoint(gm, *inputs.args, use_reentrant=False, context_fn=context_fn, **inputs.kwargs)
+        if not forward_only:
+            backward(loss_fn(out))
+        del out
         sync(device)
         return (time.perf_counter() - start) * 1e3
 
@@ -258,8 +306,12 @@ def sac_op_overhead_us(gm: fx.GraphModule, inputs: Inputs, loss_fn: LossFn, devi
     times: dict[Any, list[float]] = {noop_context_fn: [], selective: []}
     try:
         if SET_RUNS is None:  # CKPLAN_TIMING_RUNS asks for speed over precision: no warm-up
-            warm = step(noop_context_fn) + step(selective)
-            runs = max(1, min(runs, int(SAC_SECONDS * 1e3 / warm)))  # a long step: fewer runs
+            warm = {context_fn: step(context_fn) for context_fn in (noop_context_fn, selective)}
+            if sum(warm.values()) > SAC_SECONDS * 1e3:  # steps of seconds: what warming up adds is lost in them
+                times = {context_fn: [ms] for context_fn, ms in warm.items()}
+                runs = 0
+            else:
+                runs = max(1, min(runs, int(SAC_SECONDS * 1e3 / sum(warm.values()))))  # a long step: fewer runs
         for i in range(runs):  # alternate which of the pair goes first
             for context_fn in (noop_context_fn, selective) if i % 2 else (selective, noop_context_fn):
                 times[context_fn].append(step(context_fn))
@@ -268,7 +320,8 @@ def sac_op_overhead_us(gm: fx.GraphModule, inputs: Inputs, loss_fn: LossFn, devi
     finally:
         for p in gm.parameters():
             p.grad = None
-    return max(0.0, (min(times[selective]) - min(times[noop_context_fn])) * 1e3 / max(1, ops))
+    once = (min(times[selective]) - min(times[noop_context_fn])) * 1e3 / max(1, ops)
+    return max(0.0, 2 * once if forward_only else once)
 
 
 def _recompute_all(ctx, op, *args, **kwargs):

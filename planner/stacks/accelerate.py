@@ -5,8 +5,9 @@
     model = plan_with(accelerator, model, "22GB", inputs=next(iter(loader)), optimizer=optimizer).module
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
 
-The helper reads the ``Accelerator``'s ``gradient_accumulation_steps`` and ``mixed_precision`` (``bf16``/``fp16``:
-the step runs under ``torch.autocast``) and plans the model before ``prepare`` wraps it: on one process in place
+The helper reads the ``Accelerator``'s ``gradient_accumulation_steps``, ``mixed_precision`` (``bf16``/``fp16``:
+the step runs under ``torch.autocast``) and dynamo backend (``prepare`` compiles the model: a plan that compiles,
+``compilable``) and plans the model before ``prepare`` wraps it: on one process in place
 (``enable``: ``plan.module`` is ``model``, the optimizer's parameters are its own), on several with
 ``plan_on_rank0`` (one plan for every DDP rank, each with its own planned module sharing ``model``'s parameters).
 """
@@ -36,6 +37,8 @@ def plan_with(accelerator: Any, model: nn.Module, budget: int | str, *, inputs: 
     settings = {**overrides, "optimizer": optimizer,
                 "gradient_accumulation_steps": int(accelerator.gradient_accumulation_steps),
                 "autocast": _autocast(str(getattr(accelerator, "mixed_precision", "no")))}
+    if _compiles(accelerator):
+        settings["compilable"] = True
     if accelerator.num_processes > 1:
         from planner.distributed.rank import plan_on_rank0
 
@@ -43,6 +46,13 @@ def plan_with(accelerator: Any, model: nn.Module, budget: int | str, *, inputs: 
     from planner.inplace import enable
 
     return enable(model, budget, inputs=inputs, options=options, **settings)
+
+
+def _compiles(accelerator: Any) -> bool:
+    """Whether ``accelerator.prepare`` compiles the model (a dynamo backend other than ``no``)."""
+    plugin = getattr(getattr(accelerator, "state", None), "dynamo_plugin", None)
+    backend = getattr(plugin, "backend", None)
+    return backend is not None and str(getattr(backend, "value", backend)).upper() != "NO"
 
 
 def _autocast(mixed_precision: str) -> str | None:

@@ -10,7 +10,8 @@ zeroes gradients right before backward, so the last step's gradients are alive t
 It plans ``module`` (by default the LightningModule's ``model`` attribute where it has one, else the
 LightningModule itself) in place from the first batch of the training loader, mapped to the module's arguments by
 ``inputs`` (default: a dict batch as keyword arguments, a tuple as positional ones), with the module's own loss
-(``outputs.loss``) unless ``loss_fn=`` says otherwise.
+(``outputs.loss``) unless ``loss_fn=`` says otherwise. A LightningModule passed to ``fit`` compiled
+(``torch.compile(module)``, which Lightning unwraps and compiles again) gets a plan that compiles (``compilable``).
 """
 
 from __future__ import annotations
@@ -76,4 +77,5 @@ def lightning_step(trainer: Any, pl_module: Any) -> dict[str, Any]:
     return {"optimizer": optimizers[0] if len(optimizers) == 1 else None, "keep_output": False,
             "autocast": AUTOCAST.get(str(trainer.precision)),
             "gradient_accumulation_steps": int(trainer.accumulate_grad_batches),
-            "zero_grad": "before_backward" if pl_module.automatic_optimization else "before_forward"}
+            "zero_grad": "before_backward" if pl_module.automatic_optimization else "before_forward",
+            **({"compilable": True} if getattr(pl_module, "_compiler_ctx", None) else {})}

@@ -10,7 +10,8 @@ micro-batches Trainer takes from the loader together and holds through the optim
 (``outputs.loss``), and an output Trainer drops before backward. It takes the first batch of the training loader
 (the random generators put back: training sees the same batches) and plans the model object in place
 (``planner.enable``), so the Trainer, its optimizer and its accelerate wrappers keep the object they hold.
-``gradient_checkpointing=True`` (TRL's default) is left off with one warning: the plan replaces it.
+``gradient_checkpointing=True`` (TRL's default) is left off with one warning: the plan replaces it. With
+``torch_compile=True`` the plan is made to compile (``compilable``), and the model Trainer compiles runs it.
 """
 
 from __future__ import annotations
@@ -60,13 +61,15 @@ class PlanCallback(TrainerCallback):
 
 def trainer_step(args: Any, optimizer: Any) -> dict[str, Any]:
     """The options of the step a Trainer with these ``TrainingArguments`` runs: its optimizer, its autocast, its
-    micro-steps (whose batches it takes from the loader together and holds through the optimizer step), and no
-    output kept through backward (``compute_loss`` returns the loss alone)."""
+    micro-steps (whose batches it takes from the loader together and holds through the optimizer step), no
+    output kept through backward (``compute_loss`` returns the loss alone), and with ``torch_compile`` a plan
+    that compiles (``compilable``: every segment one module call)."""
     autocast = torch.bfloat16 if getattr(args, "bf16", False) else torch.float16 if getattr(args, "fp16", False) \
         else None
     steps = int(getattr(args, "gradient_accumulation_steps", 1) or 1)
-    return {"optimizer": _unwrapped(optimizer), "autocast": autocast, "keep_output": False,
+    step = {"optimizer": _unwrapped(optimizer), "autocast": autocast, "keep_output": False,
             "gradient_accumulation_steps": steps, "batches_held": steps}
+    return {**step, "compilable": True} if getattr(args, "torch_compile", False) else step
 
 
 def _unwrapped(optimizer: Any) -> Any:
