@@ -159,15 +159,16 @@ def test_each_call_of_a_looped_module_is_checkpointed_by_its_index(restore_buffe
 
 @pytest.mark.slow
 def test_a_loop_that_hands_on_only_its_state_fits_every_calls_peak(restore_buffers):
-    """An ``nn.LSTMCell`` over 128 steps whose loop keeps only ``(h, c)`` and classifies from the last ``h``, torch.fx
-    kept out: at the measured peak of every call checkpointed by hand, with default options. Each step slices the
-    embedded input, so its gradient is summed 128 times; autograd sums in place where it holds the last reference,
+    """An ``nn.LSTMCell`` over 512 steps (a step of about a second here) whose loop keeps only ``(h, c)`` and
+    classifies from the last ``h``, torch.fx kept out: at the measured peak of every call checkpointed by hand, with
+    default options. Each step slices the
+    embedded input, so its gradient is summed 512 times; autograd sums in place where it holds the last reference,
     which a Python dispatch mode takes from it, so the profile reads those sums at the allocator in a step with no
     mode (without it, no plan fits this budget)."""
     torch.manual_seed(0)
-    model = example_module("rnn").StateRNN(vocab=200, width=64, steps=128)
-    ids = torch.randint(0, 200, (32, 128))
-    targets = torch.randint(0, 200, (32,))
+    model = example_module("rnn").StateRNN(vocab=500, width=128, steps=512)
+    ids = torch.randint(0, 500, (64, 512))
+    targets = torch.randint(0, 500, (64,))
     loss_fn = lambda out: nn.functional.cross_entropy(out, targets)
     model.hand = True
     peak = _hand_peak(model, (ids,), loss_fn)
