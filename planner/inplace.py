@@ -30,8 +30,8 @@ def enable(model: nn.Module, budget: int | str, *, inputs: UserInputs = None, op
     call leaves the model as it was.
 
     Raises:
-        everything ``optimize`` raises; OptionError for ``world_size``/``device``, which plan for
-        another machine (use ``optimize`` for those).
+        PlannerError: everything ``optimize`` raises (``InfeasibleBudget``, ``OptionError``...).
+        OptionError: ``world_size`` or ``device``, which plan for another machine (use ``optimize`` for those).
     """
     opts = resolve(options, overrides, where="enable")
     check_budget(budget)

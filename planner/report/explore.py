@@ -170,8 +170,9 @@ def sweep(model: nn.Module, budgets: Sequence[int | str], *, inputs: UserInputs 
 
     Raises:
         InputError (a TypeError): ``profile`` is neither a ``Prepared`` nor a ``Profile``.
-        BudgetError, OptionError (ValueErrors): no budgets, a malformed budget, an unknown solver,
-        ``inputs`` or prepare-time options given with ``prepared``, or a ``prepared`` of another model.
+        BudgetError (a ValueError): no budgets, or a malformed budget.
+        OptionError (a ValueError): an unknown solver, ``inputs`` or prepare-time options given with ``prepared``,
+            or a ``prepared`` of another model.
 
     Example:
         >>> tradeoff = sweep(model, ["100%", "70%", "50%"], inputs=(x,))   # doctest: +SKIP
