@@ -33,6 +33,7 @@ from planner.follow.family import Family
 from planner.memory.breakdown import PeakBreakdown
 from planner.options import OptionArgs, PlanOptions, resolve
 from planner.profiling.devices import SacCostSource
+from planner.profiling.headroom import reserve_note
 from planner.rewrite.executor import executor_for
 from planner.rewrite.modules import PlannedShapes
 from planner.rewrite.offload import install_offloads
@@ -194,6 +195,9 @@ class Plan:
             lines.append(f"  {offload_text(self.offload)}")
         if self.counted:
             lines.append(f"  counted: {'; '.join(self.counted)}")
+        reserve = reserve_note(self.device)
+        if reserve:
+            lines.append(f"  {reserve}")
         lines += [f"  ({note.splitlines()[0][:160]})" for note in self.capture_notes]
         if self.segments:
             width = max(len(_describe(s)) for s in self.segments)

@@ -11,6 +11,7 @@ leaves, and the memory the kernel reports available. None when nothing limits it
 
 from __future__ import annotations
 
+import os
 import resource
 from pathlib import Path
 
@@ -60,6 +61,33 @@ def spec_capacity_bytes(memory_bytes: int, *, gpu: bool) -> int:
     """What a device spec of ``memory_bytes`` can hold for one training step: its memory less the CUDA context on
     a GPU, less ``RESERVE_SHARE``."""
     return int((memory_bytes - (CUDA_CONTEXT_BYTES if gpu else 0)) * (1 - RESERVE_SHARE))
+
+
+ALLOC_CONF = "PYTORCH_CUDA_ALLOC_CONF"
+"""The environment variable the CUDA caching allocator reads its settings from when the process starts."""
+
+
+def reserve_note(device: str) -> str | None:
+    """What a budget on a GPU bounds, and the allocator setting that bears on it, in one line: plans count what the
+    CUDA caching allocator allocates (``torch.cuda.max_memory_allocated``); it reserves more (whole blocks and
+    segments), and reserved memory is what runs out. With ``expandable_segments:True`` in ``ALLOC_CONF`` (read
+    from this process's environment) the reserve stays near what is allocated; without it, the note says to set
+    it. None for a device that is not a GPU (``device``: where a plan was made, ``cuda:0``, or a spec's name)."""
+    gpu = device.startswith("cuda")
+    if not gpu:
+        from planner.profiling.devices import is_device_spec, load_device
+
+        gpu = is_device_spec(device) and load_device(device).kind == "gpu"
+    if not gpu:
+        return None
+    conf = os.environ.get(ALLOC_CONF, "")
+    expandable = "expandable_segments:true" in conf.replace(" ", "").lower()
+    bounded = ("the budget bounds what the CUDA caching allocator allocates (max_memory_allocated); it reserves "
+               "more, and reserved memory is what runs out")
+    if expandable:
+        return f"{bounded}: {ALLOC_CONF} has expandable_segments:True, which keeps the reserve near it"
+    return (f"{bounded}: set {ALLOC_CONF}=expandable_segments:True where the step trains to keep the reserve near it, "
+            "or leave room (budget=\"90% of device\")")
 
 
 def hard_limit(device: torch.device) -> bool:

@@ -21,6 +21,7 @@ from rich.text import Text
 from planner.common.budget import format_bytes
 from planner.errors import InfeasibleBudget
 from planner.plan import GROUP_COLUMNS, Plan, Segment, group_cells, nothing_checkpointed, offload_text, shapes_text
+from planner.profiling.headroom import reserve_note
 from planner.solve.result import SolverStatus
 
 MAX_PATHS = 3
@@ -121,6 +122,9 @@ def header(plan: Plan, *, model_file: str, solver: str) -> Table:
     grid.add_row("budget", f"{format_bytes(plan.budget_bytes)} ({100 * share:.0f}% of the un-checkpointed peak)")
     if plan.counted:
         grid.add_row("counted", "; ".join(plan.counted))
+    reserve = reserve_note(plan.device)
+    if reserve:
+        grid.add_row("reserved", reserve)
     grid.add_row("overhead", Text.assemble(
         (f"+{100 * plan.predicted_overhead:.1f}%", "bold yellow"),
         f" predicted: {plan.recompute_ms:.2f} ms recomputed per {plan.step_ms:.2f} ms step"
