@@ -181,7 +181,7 @@ def test_an_interrupted_first_sight_planning_leaves_the_model_as_it_was(where, m
     group and trains exactly."""
     import planner.capture.api as capture_api
     import planner.follow.family as family_module
-    from planner.profiling.memory_pass import MemoryRecorder
+    from planner.profiling.recorder import MemoryRecorder
 
     model = make_model("qwen2")
     plan = enable(model, "60%", inputs=batch(4, 128), follow_batch=True, keep_output=False, time_limit_s=10,

@@ -26,11 +26,12 @@ from planner.common.units import format_bytes
 from planner.compat.torch_private import storage_id, tree_leaves
 from planner.errors import ProfileError
 from planner.profiling.allocator import AllocatorTrace
-from planner.profiling.memory_pass import Hidden, StepTimes, assemble, device_of
+from planner.profiling.memory_pass import StepTimes, assemble, device_of
 from planner.profiling.memtrack import LiveStorages
 from planner.profiling.meta import MetaReplay, memory_on_meta
 from planner.profiling.pieces import Piece, PieceTimer, time_in_pieces
 from planner.profiling.record import Profile
+from planner.profiling.recorder import Hidden
 from planner.profiling.timing import TIMING_RUNS
 
 FIT_SHARE = 0.7

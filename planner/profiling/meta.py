@@ -1,6 +1,6 @@
 """Estimates a training step's profile for a device that is not here, without allocating it.
 
-The same memory pass as a measured profile (``profile.MemoryRecorder``: live storages, what
+The same memory pass as a measured profile (``recorder.MemoryRecorder``: live storages, what
 autograd saves, per-node peaks) runs on meta tensors, which have sizes but no data; the
 per-node times come from the device spec's roofline (``estimate.Roofline``) instead of a
 clock. A model on the meta device is used as it is; a real model has its parameters and
@@ -31,7 +31,6 @@ from planner.compat.torch_private import TorchDispatchMode, disable_current_mode
 from planner.profiling.devices import DeviceSpec
 from planner.profiling.estimate import Roofline
 from planner.profiling.memory_pass import (
-    MemoryRecorder,
     StepTimes,
     assemble,
     check_trainable,
@@ -39,6 +38,7 @@ from planner.profiling.memory_pass import (
     eager_excess_of,
 )
 from planner.profiling.record import Profile
+from planner.profiling.recorder import MemoryRecorder
 from planner.profiling.workspace import cpu_workspace_bytes
 
 META = torch.device("meta")

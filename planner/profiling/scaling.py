@@ -16,9 +16,10 @@ from planner.capture.inputs import Inputs
 from planner.capture.step import LossFn
 from planner.profiling.devices import load_device
 from planner.profiling.estimate import Roofline
-from planner.profiling.memory_pass import Hidden, MemoryRecorder, StepTimes, assemble
+from planner.profiling.memory_pass import StepTimes, assemble
 from planner.profiling.meta import memory_on_meta
 from planner.profiling.record import Profile
+from planner.profiling.recorder import Hidden, MemoryRecorder
 
 NodeRoofline = Mapping[str, tuple[float, float]]
 """Per node name: its roofline forward and backward ms at one shape."""
