@@ -68,17 +68,13 @@ class EagerRNN(UnrolledRNN):
         return self.head(torch.stack(outs, dim=1))
 
 
-class StateRNN(nn.Module):
-    """An ``nn.LSTMCell`` called over ``steps`` time steps in a Python loop that hands on only its state, the head
-    on the last step's ``h`` (a classifier over the sequence); not traceable by torch.fx (``torch.zeros`` shaped by
+class StateRNN(UnrolledRNN):
+    """The same layers, called over ``steps`` time steps in a Python loop that hands on only its state, the head on
+    the last step's ``h`` (a classifier over the sequence); not traceable by torch.fx (``torch.zeros`` shaped by
     the batch in forward). ``hand = True`` checkpoints every call of the cell, as one would by hand."""
 
     def __init__(self, vocab: int = 1000, width: int = 256, steps: int = 512) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(vocab, width)
-        self.cell = nn.LSTMCell(width, width)
-        self.head = nn.Linear(width, vocab)
-        self.steps = steps
+        super().__init__(vocab, width, steps)
         self.hand = False
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
