@@ -5,7 +5,8 @@ Per model (Qwen2 and Llama, width 768, 6 layers, batch 4 x 256, random weights, 
 output kept through backward): the un-checkpointed model compiled; ``gradient_checkpointing_enable()`` compiled,
 whose measured peak is the budget; ckplan planned with ``compilable=True`` and ``follow_batch=False`` at that budget scaled by
 its eager and compiled un-checkpointed peaks (the eager model counts what inductor fuses away), compiled, measured,
-and planned again at the budget scaled by budget / measured peak while its compiled peak is over (4 plans at most); each ``activation_memory_budget`` fraction of ``--fractions`` compiled (``CompiledModule``) and
+and planned again until its compiled step fits within 2% under the budget (``planner.compiled.fit``, 5 plans
+compiled at most); each ``activation_memory_budget`` fraction of ``--fractions`` compiled (``CompiledModule``) and
 measured, the highest that fits kept. Peaks at the allocator (``measure_peak``); step times interleaved
 (``step_samples_ms``, median of ``--runs``), overhead against the un-checkpointed model compiled::
 
@@ -44,9 +45,10 @@ def decoder(family: str, width: int, layers: int):
 def rows_for(family: str, args: argparse.Namespace) -> list[str]:
     import torch._dynamo
 
-    from planner import InfeasibleBudget, plan_for, prepare
+    from planner import prepare
     from planner.capture.inputs import as_inputs
     from planner.compiled.backend import CompiledModule
+    from planner.compiled.fit import fit_compiled
     from planner.profiling.measure import measure_peak, step_samples_ms
 
     model = decoder(family, args.width, args.layers)
@@ -65,23 +67,12 @@ def rows_for(family: str, args: argparse.Namespace) -> list[str]:
     peaks["hf"] = measure_peak(hf, example, loss)
     budget = peaks["hf"]
     prepared = prepare(copy.deepcopy(model), inputs=batch, compilable=True, follow_batch=False)
-    # the eager model counts what inductor fuses away (the loss's log-softmax over the logits): the first budget
-    # is the compiled one scaled by the eager and compiled un-checkpointed peaks, then by what each plan measured
-    target = int(budget * prepared.baseline.peak_bytes / peaks["none"])
-    plan, ours, tries = None, None, 0
-    while tries < 4:
-        tries += 1
-        try:
-            plan = plan_for(prepared, min(target, prepared.baseline.peak_bytes - 1))
-        except InfeasibleBudget as exc:
-            assert exc.min_peak_bytes is not None
-            plan = plan_for(prepared, exc.min_peak_bytes)
-        torch._dynamo.reset()
-        ours = torch.compile(plan.module)
-        peaks["ckplan"] = measure_peak(ours, example, loss)
-        if peaks["ckplan"] <= budget:
-            break
-        target = int(min(target, plan.predicted_peak_bytes) * budget / peaks["ckplan"])
+    torch._dynamo.reset()
+    planned = fit_compiled(prepared, budget, example, loss, keep_output=True, compiled_plain_bytes=peaks["none"],
+                           progress=lambda line: print(f"{family}: {line}", flush=True))
+    if planned is None:
+        raise SystemExit(f"{family}: no plan compiled fits {budget / MiB:.1f} MiB")
+    plan, ours, peaks["ckplan"] = planned.plan, planned.module, planned.probe.peak_bytes
     fraction, fitted = None, None
     for f in args.fractions:
         torch._dynamo.reset()
@@ -96,9 +87,9 @@ def rows_for(family: str, args: argparse.Namespace) -> list[str]:
     samples = step_samples_ms(modules, example, loss, runs=args.runs)
     medians = [statistics.median(s) for s in samples]
     base = medians[0]
-    assert plan is not None
     names = ["un-checkpointed", "Hugging Face checkpointing",
-             f"ckplan ({len(plan.segments)} segments, planned {tries}x, eager budget {target / MiB:.0f} MiB)"]
+             f"ckplan ({len(plan.segments)} segments, {planned.compiles} plans compiled, eager budget "
+             f"{planned.target_bytes / MiB:.0f} MiB)"]
     keys = ["none", "hf", "ckplan"]
     if fitted is not None:
         names.append(f"activation_memory_budget {fraction}")
@@ -133,8 +124,8 @@ def main() -> None:
         "allocator, MiB, one training step of a plain loop (the output kept through backward); step: median ms of "
         f"{args.runs} interleaved steps (fastest..slowest); overhead against the un-checkpointed model compiled. "
         "ckplan is planned with `compilable=True` at Hugging Face checkpointing's compiled peak scaled by its eager "
-        "and compiled un-checkpointed peaks, then at the budget scaled by what each plan's compiled step measured "
-        "while it is over; `activation_memory_budget` is the highest fraction whose compiled peak fits. A peak over "
+        "and compiled un-checkpointed peaks, compiled and measured, and planned again until its compiled step fits "
+        "within 2% under the budget (`planner.compiled.fit`); `activation_memory_budget` is the highest fraction whose compiled peak fits. A peak over "
         "the budget is marked (over).", "",
         "| model | compiled | peak MiB | step ms | overhead |", "|---|---|---|---|---|",
     ]

@@ -8,14 +8,15 @@ from dataclasses import dataclass, replace
 from torch import nn
 from typing_extensions import Unpack
 
-from planner.capture.inputs import Inputs, as_inputs
+from planner.capture.inputs import as_inputs
 from planner.common.budget import check_budget, is_device_budget, parse_budget
 from planner.common.units import format_bytes
 from planner.compiled.backend import CompiledModule
-from planner.compiled.search import FRACTIONS, Probe, Source, probe, probe_all, timed
-from planner.errors import InfeasibleBudget, OptionError, OutOfTime
+from planner.compiled.fit import fit_compiled
+from planner.compiled.search import FRACTIONS, Probe, Source, probe_all, timed
+from planner.errors import InfeasibleBudget, OptionError
 from planner.options import OptionArgs, PlanOptions, resolve
-from planner.pipeline import UserInputs, plan_for, prepare
+from planner.pipeline import UserInputs, prepare
 from planner.plan import Plan
 from planner.profiling.fitting import resident_bytes
 from planner.profiling.headroom import capacity_bytes
@@ -92,8 +93,9 @@ def optimize_compiled(model: nn.Module, budget: int | str, *, inputs: UserInputs
     The knapsack re-runs op by op and fuses what it re-runs, but its low fractions re-run so much at
     once that their peak can exceed the un-checkpointed one. With ``eager_plan`` ckplan's own plan for
     the budget (``optimize``: segments re-run one at a time) is compiled and measured too; it reaches
-    budgets no fraction does. When its compiled peak is over, it is planned once more at the budget
-    scaled by budget / measured peak.
+    budgets no fraction does. The eager memory model does not describe the compiled step, so the plan is
+    compiled and measured, and planned again at another eager budget until its compiled step fits within
+    ``SLACK`` (2%) under the budget, at most ``COMPILES`` (5) compilations (``planner.compiled.fit``).
 
     Args:
         budget: bytes, ``"4GB"``-style, or ``"60%"`` of the peak compiled at fraction 1.0.
@@ -124,10 +126,14 @@ def optimize_compiled(model: nn.Module, budget: int | str, *, inputs: UserInputs
                                 if is_device_budget(budget) else None)
     plans: dict[int, Plan] = {}
     if eager_plan:
-        planned = _plan_probe(model, budget_bytes, inputs, example, opts)
-        if planned is not None:
-            plans[len(probed)] = planned[0]
-            probed.append(planned[1])
+        if progress is not None:
+            progress("capture and profile the eager step")
+        prepared = prepare(model, inputs=inputs, options=replace(opts, progress=None, compilable=True))
+        fitted = fit_compiled(prepared, budget_bytes, example, loss_fn, keep_output=keep_output,
+                              compiled_plain_bytes=probed[0][1].peak_bytes, progress=progress)
+        if fitted is not None:
+            plans[len(probed)] = fitted.plan
+            probed.append((fitted.module, fitted.probe))
     fitting = [i for i, (_, p) in enumerate(probed) if p.peak_bytes <= budget_bytes]
     if not fitting:
         smallest = min(p.peak_bytes for _, p in probed)
@@ -172,28 +178,3 @@ def _ms(measured: Probe) -> float:
     if measured.step_ms is None:
         raise ValueError(f"the probe at activation_memory_budget {measured.fraction:g} was not timed")
     return measured.step_ms
-
-
-def _plan_probe(model: nn.Module, budget_bytes: int, inputs: UserInputs, example: Inputs,
-                opts: PlanOptions) -> tuple[Plan, tuple[CompiledModule, Probe]] | None:
-    """ckplan's eager plan for the budget (``compilable``: a plan run by module hooks gets segments of one module
-    call each, which compiled code runs), compiled and measured; planned once more at a budget scaled by
-    budget / measured peak when the compiled peak is over. None when no eager plan fits."""
-    progress = opts.progress
-    if progress is not None:
-        progress("capture and profile the eager step")
-    prepared = prepare(model, inputs=inputs, options=replace(opts, progress=None, compilable=True))
-    target = budget_bytes
-    for _ in range(2):
-        if progress is not None:
-            progress(f"plan for {format_bytes(target)} and compile the plan")
-        try:
-            plan = plan_for(prepared, target)
-        except (InfeasibleBudget, OutOfTime):
-            return None
-        assert plan.module is not None  # plan_for's plans carry their planned module
-        probed = probe(plan.module, 1.0, example, opts.loss_fn, keep_output=opts.keep_output, source=Source.PLAN)
-        if probed[1].peak_bytes <= budget_bytes:
-            break
-        target = target * budget_bytes // probed[1].peak_bytes
-    return plan, probed

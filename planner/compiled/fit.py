@@ -1,0 +1,124 @@
+"""ckplan's plan made to fit a byte budget as ``torch.compile`` runs it: planned, compiled and measured, and planned
+again until the compiled step fits.
+
+The eager memory model does not describe the compiled step, in either direction: inductor fuses away what the
+eager step allocates between ops (the loss's log-softmax, the norms' intermediates), so the compiled forward holds
+less, while the compiled backward of checkpointed regions holds more at once than eager autograd does (measured on
+a Qwen2, width 256, 4 layers, 4 x 256 tokens, planned at half its eager peak: eager 64.6 MiB predicted and measured,
+compiled 67.9 MiB; its forward ended 7.9 MiB lower and its backward rose 9.0 MiB higher). Neither difference is a
+property of one node that a profile could record, so the compiled step is measured, as every probe of
+``optimize_compiled`` is: a plan's compiled peak is deterministic (the same plan compiled in three processes
+measured the same bytes), so the measurement is the plan's prediction for it.
+
+The search is over the eager budget the plan is solved for (``target``): the compiled peak grows with it, so
+each measured plan moves the target by budget / measured peak (twice as far each time the move gives a plan
+measured before), inside the interval that the plans measured so far leave (the largest target that fitted, the
+smallest that did not), halving it where the move would leave it. It stops at the first plan within ``SLACK``
+under the budget, or after ``COMPILES`` compilations, and returns the fitting plan that measured the most (the
+one that re-runs least).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from planner.capture.inputs import Inputs
+from planner.common.units import format_bytes
+from planner.compiled.backend import CompiledModule
+from planner.compiled.search import Probe, Source, probe
+from planner.errors import InfeasibleBudget, OutOfTime
+from planner.pipeline import plan_for
+from planner.plan import Plan
+from planner.planning.prepared import Prepared
+
+SLACK = 0.02
+"""A plan whose compiled peak is within this share under the budget ends the search."""
+COMPILES = 5
+"""The most plans the search compiles and measures."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Fitted:
+    """A plan compiled, with what its compiled step measured."""
+
+    plan: Plan
+    module: CompiledModule
+    probe: Probe
+    target_bytes: int
+    """The eager budget it was solved for."""
+    compiles: int
+    """Plans the search compiled and measured."""
+
+
+def fit_compiled(prepared: Prepared, budget_bytes: int, example: Inputs,
+                 loss_fn: Callable[[Any], torch.Tensor] | None, *, keep_output: bool, compiled_plain_bytes: int,
+                 progress: Callable[[str], None] | None = None, compiles: int = COMPILES) -> Fitted | None:
+    """The plan of ``prepared`` whose step compiled (inductor, the whole module) measures the most within
+    ``budget_bytes``; None when none of the plans tried fits.
+
+    ``compiled_plain_bytes``: the un-checkpointed model's compiled peak, which sets the first target (the budget
+    scaled by the eager and compiled un-checkpointed peaks: what inductor fuses away, the plan does not need to
+    free)."""
+    eager_plain = prepared.baseline.peak_bytes
+    target = min(budget_bytes * eager_plain // max(compiled_plain_bytes, 1), eager_plain - 1)
+    fitted: Fitted | None = None
+    low, high = 0, eager_plain  # targets known to fit / to be over once compiled
+    measured: dict[Any, tuple[CompiledModule, Probe]] = {}
+    stride = 1  # doubles while the targets give a plan measured before: the move was too small to change it
+    for _ in range(4 * compiles):  # plans seen before cost a solve, not a compilation
+        plan = _plan(prepared, target)
+        if plan is None:
+            return fitted
+        key = tuple((segment.nodes, segment.saved_nodes) for segment in plan.segments)
+        stride = 2 * stride if key in measured else 1
+        if key not in measured:
+            if len(measured) == compiles:
+                break
+            if progress is not None:
+                progress(f"plan for {format_bytes(target)} eager, compile it and measure a step")
+            assert plan.module is not None  # plan_for's plans carry their planned module
+            measured[key] = probe(plan.module, 1.0, example, loss_fn, keep_output=keep_output,
+                                            source=Source.PLAN)
+        module, probed = measured[key]
+        peak = probed.peak_bytes
+        if progress is not None:
+            progress(f"{len(plan.segments)} segments: compiled step {format_bytes(peak)} "
+                     f"({'fits' if peak <= budget_bytes else 'over'} {format_bytes(budget_bytes)})")
+        if peak <= budget_bytes:
+            if fitted is None or peak > fitted.probe.peak_bytes:
+                fitted = Fitted(plan=plan, module=module, probe=probed, target_bytes=target, compiles=len(measured))
+            if peak >= budget_bytes * (1 - SLACK):
+                break
+            low = max(low, target)
+        else:
+            high = min(high, target)
+        following = target + (target * budget_bytes // peak - target) * stride
+        if not low < following < high:
+            following = (low + high) // 2
+        if following in (target, low, high) or high - low <= max(budget_bytes // 1000, 1):
+            break
+        target = following
+    if fitted is not None:
+        return Fitted(plan=fitted.plan, module=fitted.module, probe=fitted.probe, target_bytes=fitted.target_bytes,
+                      compiles=len(measured))
+    return None
+
+
+def _plan(prepared: Prepared, target: int) -> Plan | None:
+    """The plan for ``target`` eager bytes; below the smallest eager peak, the plan at that peak; None when there
+    is none."""
+    try:
+        return plan_for(prepared, target)
+    except InfeasibleBudget as exc:
+        if exc.min_peak_bytes is None or exc.min_peak_bytes <= target:
+            return None
+        try:
+            return plan_for(prepared, exc.min_peak_bytes)
+        except (InfeasibleBudget, OutOfTime):
+            return None
+    except OutOfTime:
+        return None
