@@ -112,6 +112,38 @@ class _Worker:
         hf_worker(rank, world_size, port, out_dir, *self.case)
 
 
+def compiled_worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
+    """torchtitan's way: each decoder layer compiled in place, then the layers and the root sharded with FSDP2; the
+    plan made on rank 0 with ``compilable=True`` for one rank of the job."""
+    _init(rank, world_size, port)
+    batch = rank_batch(rank)
+
+    def wrap(module: torch.nn.Module) -> torch.nn.Module:
+        for layer in module.model.layers:
+            layer.compile(backend="aot_eager")
+        return fully_shard_units(module)
+
+    base = make_model("qwen2", 128)
+    result = {"unplanned": _train(base, wrap(base), batch)}
+    plan = plan_on_rank0(make_model("qwen2", 128), "60%", inputs=batch, parallel="fsdp", optimizer="adamw",
+                         time_limit_s=20, keep_output=False, compilable=True)
+    result.update(chains=[list(s.chain) for s in plan.segments],
+                  planned=_train(plan.module, wrap(plan.module), batch))
+    finish_rank(out_dir, rank, result)
+
+
+@pytest.mark.slow
+def test_fsdp2_ranks_compiling_each_layer_train_the_plan_like_the_unplanned_job(tmp_path):
+    """A plan made with ``compilable=True`` for an FSDP2 rank, each decoder layer compiled in place (torchtitan's
+    style) and sharded: losses and gradient norms within compile's tolerance of the unplanned job compiled the same
+    way, the same all-gathers (the re-run in the compiled backward gathers nothing more)."""
+    for r in run_ranks(compiled_worker, tmp_path, timeout_s=400):
+        assert r["chains"] and all(len(chain) == 1 for chain in r["chains"]), r["chains"]
+        assert r["planned"]["losses"] == pytest.approx(r["unplanned"]["losses"], rel=1e-5)
+        assert r["planned"]["grads"] == pytest.approx(r["unplanned"]["grads"], rel=1e-4, abs=1e-7)
+        assert r["planned"]["all_gathers"] == r["unplanned"]["all_gathers"]
+
+
 LOSS_CALLS: list[tuple[int, ...]] = []
 """Shapes of the logits ``counted_loss`` was called with in this process."""
 
