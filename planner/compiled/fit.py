@@ -11,11 +11,12 @@ property of one node that a profile could record, so the compiled step is measur
 measured the same bytes), so the measurement is the plan's prediction for it.
 
 The search is over the eager budget the plan is solved for (``target``): the compiled peak grows with it, so
-each measured plan moves the target by budget / measured peak (twice as far each time the move gives a plan
-measured before), inside the interval that the plans measured so far leave (the largest target that fitted, the
-smallest that did not), halving it where the move would leave it. It stops at the first plan within ``SLACK``
-under the budget, or after ``COMPILES`` compilations, and returns the fitting plan that measured the most (the
-one that re-runs least).
+each measured plan moves the target by budget / measured peak, twice as far each time a plan measures on the same
+side of the budget as the one before (the compiled peak can stay put over several plans: 806.2 MiB for each of 4
+plans of a Qwen2 of width 768), inside the interval that the plans measured so far leave (the largest target that
+fitted, the smallest that did not), halving it where the move would leave it. It stops at the first plan within
+``SLACK`` under the budget, after ``COMPILES`` compilations, or at an over plan with the smallest eager peak, and
+returns the fitting plan that measured the most (the one that re-runs least).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from planner.planning.prepared import Prepared
 
 SLACK = 0.02
 """A plan whose compiled peak is within this share under the budget ends the search."""
-COMPILES = 5
+COMPILES = 6
 """The most plans the search compiles and measures."""
 
 
@@ -68,23 +69,23 @@ def fit_compiled(prepared: Prepared, budget_bytes: int, example: Inputs,
     fitted: Fitted | None = None
     low, high = 0, eager_plain  # targets known to fit / to be over once compiled
     measured: dict[Any, tuple[CompiledModule, Probe]] = {}
-    stride = 1  # doubles while the targets give a plan measured before: the move was too small to change it
+    stride, over = 1, None  # the move doubles while measured plans stay on one side of the budget
     for _ in range(4 * compiles):  # plans seen before cost a solve, not a compilation
-        plan = _plan(prepared, target)
+        plan, lowest = _plan(prepared, target)
         if plan is None:
-            return fitted
+            break
         key = tuple((segment.nodes, segment.saved_nodes) for segment in plan.segments)
-        stride = 2 * stride if key in measured else 1
         if key not in measured:
             if len(measured) == compiles:
                 break
             if progress is not None:
                 progress(f"plan for {format_bytes(target)} eager, compile it and measure a step")
             assert plan.module is not None  # plan_for's plans carry their planned module
-            measured[key] = probe(plan.module, 1.0, example, loss_fn, keep_output=keep_output,
-                                            source=Source.PLAN)
+            measured[key] = probe(plan.module, 1.0, example, loss_fn, keep_output=keep_output, source=Source.PLAN)
         module, probed = measured[key]
         peak = probed.peak_bytes
+        stride = 2 * stride if over is (peak > budget_bytes) else 1
+        over = peak > budget_bytes
         if progress is not None:
             progress(f"{len(plan.segments)} segments: compiled step {format_bytes(peak)} "
                      f"({'fits' if peak <= budget_bytes else 'over'} {format_bytes(budget_bytes)})")
@@ -94,6 +95,8 @@ def fit_compiled(prepared: Prepared, budget_bytes: int, example: Inputs,
             if peak >= budget_bytes * (1 - SLACK):
                 break
             low = max(low, target)
+        elif lowest:  # no eager plan peaks lower
+            break
         else:
             high = min(high, target)
         following = target + (target * budget_bytes // peak - target) * stride
@@ -108,17 +111,17 @@ def fit_compiled(prepared: Prepared, budget_bytes: int, example: Inputs,
     return None
 
 
-def _plan(prepared: Prepared, target: int) -> Plan | None:
-    """The plan for ``target`` eager bytes; below the smallest eager peak, the plan at that peak; None when there
-    is none."""
+def _plan(prepared: Prepared, target: int) -> tuple[Plan | None, bool]:
+    """The plan for ``target`` eager bytes, and whether it is the plan at the smallest eager peak (``target`` is
+    below it, or at it); (None, True) when there is none."""
     try:
-        return plan_for(prepared, target)
+        return plan_for(prepared, target), False
     except InfeasibleBudget as exc:
         if exc.min_peak_bytes is None or exc.min_peak_bytes <= target:
-            return None
+            return None, True
         try:
-            return plan_for(prepared, exc.min_peak_bytes)
+            return plan_for(prepared, exc.min_peak_bytes), True
         except (InfeasibleBudget, OutOfTime):
-            return None
+            return None, True
     except OutOfTime:
-        return None
+        return None, True
