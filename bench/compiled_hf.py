@@ -71,7 +71,7 @@ def rows_for(family: str, args: argparse.Namespace) -> list[str]:
     planned = fit_compiled(prepared, budget, example, loss, keep_output=True, compiled_plain_bytes=peaks["none"],
                            progress=lambda line: print(f"{family}: {line}", flush=True))
     if planned is None:
-        raise SystemExit(f"{family}: no plan compiled fits {budget / MiB:.1f} MiB")
+        raise SystemExit(f"{family}: no eager plan to compile")
     plan, ours, peaks["ckplan"] = planned.plan, planned.module, planned.probe.peak_bytes
     fraction, fitted = None, None
     for f in args.fractions:
@@ -89,7 +89,7 @@ def rows_for(family: str, args: argparse.Namespace) -> list[str]:
     base = medians[0]
     names = ["un-checkpointed", "Hugging Face checkpointing",
              f"ckplan ({len(plan.segments)} segments, {planned.compiles} plans compiled, eager budget "
-             f"{planned.target_bytes / MiB:.0f} MiB)"]
+             f"{planned.target_bytes / MiB:.0f} MiB{'' if planned.fits else ': none fits, the smallest'})"]
     keys = ["none", "hf", "ckplan"]
     if fitted is not None:
         names.append(f"activation_memory_budget {fraction}")

@@ -131,7 +131,7 @@ def optimize_compiled(model: nn.Module, budget: int | str, *, inputs: UserInputs
         prepared = prepare(model, inputs=inputs, options=replace(opts, progress=None, compilable=True))
         fitted = fit_compiled(prepared, budget_bytes, example, loss_fn, keep_output=keep_output,
                               compiled_plain_bytes=probed[0][1].peak_bytes, progress=progress)
-        if fitted is not None:
+        if fitted is not None:  # measured, fitting or not: an over plan is the smallest peak only when none fits
             plans[len(probed)] = fitted.plan
             probed.append((fitted.module, fitted.probe))
     fitting = [i for i, (_, p) in enumerate(probed) if p.peak_bytes <= budget_bytes]

@@ -22,7 +22,7 @@ returns the fitting plan that measured the most (the one that re-runs least).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -53,13 +53,19 @@ class Fitted:
     """The eager budget it was solved for."""
     compiles: int
     """Plans the search compiled and measured."""
+    budget_bytes: int
+
+    @property
+    def fits(self) -> bool:
+        return self.probe.peak_bytes <= self.budget_bytes
 
 
 def fit_compiled(prepared: Prepared, budget_bytes: int, example: Inputs,
                  loss_fn: Callable[[Any], torch.Tensor] | None, *, keep_output: bool, compiled_plain_bytes: int,
                  progress: Callable[[str], None] | None = None, compiles: int = COMPILES) -> Fitted | None:
     """The plan of ``prepared`` whose step compiled (inductor, the whole module) measures the most within
-    ``budget_bytes``; None when none of the plans tried fits.
+    ``budget_bytes``; when none of the plans tried fits, the one that measured the least (``fits`` False); None
+    when there is no eager plan to try.
 
     ``compiled_plain_bytes``: the un-checkpointed model's compiled peak, which sets the first target (the budget
     scaled by the eager and compiled un-checkpointed peaks: what inductor fuses away, the plan does not need to
@@ -67,6 +73,7 @@ def fit_compiled(prepared: Prepared, budget_bytes: int, example: Inputs,
     eager_plain = prepared.baseline.peak_bytes
     target = min(budget_bytes * eager_plain // max(compiled_plain_bytes, 1), eager_plain - 1)
     fitted: Fitted | None = None
+    least: Fitted | None = None
     low, high = 0, eager_plain  # targets known to fit / to be over once compiled
     measured: dict[Any, tuple[CompiledModule, Probe]] = {}
     stride, over = 1, None  # the move doubles while measured plans stay on one side of the budget
@@ -89,9 +96,13 @@ def fit_compiled(prepared: Prepared, budget_bytes: int, example: Inputs,
         if progress is not None:
             progress(f"{len(plan.segments)} segments: compiled step {format_bytes(peak)} "
                      f"({'fits' if peak <= budget_bytes else 'over'} {format_bytes(budget_bytes)})")
+        tried = Fitted(plan=plan, module=module, probe=probed, target_bytes=target, compiles=len(measured),
+                       budget_bytes=budget_bytes)
+        if least is None or peak < least.probe.peak_bytes:
+            least = tried
         if peak <= budget_bytes:
             if fitted is None or peak > fitted.probe.peak_bytes:
-                fitted = Fitted(plan=plan, module=module, probe=probed, target_bytes=target, compiles=len(measured))
+                fitted = tried
             if peak >= budget_bytes * (1 - SLACK):
                 break
             low = max(low, target)
@@ -105,10 +116,8 @@ def fit_compiled(prepared: Prepared, budget_bytes: int, example: Inputs,
         if following in (target, low, high) or high - low <= max(budget_bytes // 1000, 1):
             break
         target = following
-    if fitted is not None:
-        return Fitted(plan=fitted.plan, module=fitted.module, probe=fitted.probe, target_bytes=fitted.target_bytes,
-                      compiles=len(measured))
-    return None
+    chosen = fitted or least
+    return None if chosen is None else replace(chosen, compiles=len(measured))
 
 
 def _plan(prepared: Prepared, target: int) -> tuple[Plan | None, bool]:
