@@ -14,7 +14,8 @@ policy's measured peak, timed interleaved; and the does-not-fit case: the proces
 (``--offload``, 8 x 2048 at 8192 tokens): the host link measured when profiling, plans with and without offload at
 full checkpointing's peak, a plan offloading its kept layer inputs, one offloading the op outputs its layers cache
 (selective checkpointing), and torch's ``save_on_cpu`` around full checkpointing (layer-input offload as Unsloth and
-transformers' flag do it). Writes
+transformers' flag do it). Then reserved memory (``--reserved``): each plan's step from an emptied cache against the
+caching allocator's simulation over its allocations (``planner.memory.caching``). Writes
 ``gpu_check.md`` (and the profiles) under ``--out``::
 
     python bench/gpu_check.py --out "$OUT"                # on a CUDA machine (the small examples and gpt_large)
@@ -142,6 +143,46 @@ def allocator_peaks(module, example, device: torch.device) -> tuple[int, int]:
     allocated = measure_peak(module, example, keep_output=False)
     reserved = torch.cuda.max_memory_reserved(device) if device.type == "cuda" else allocated
     return allocated, reserved
+
+
+def reserved_rows(device: torch.device, layers: int, hidden: int) -> list[str]:
+    """What the caching allocator reserves for a step, against its simulation (``planner.memory.caching``) over the
+    step's allocations recorded at the dispatcher (``allocation_events``), with the expandable segments this
+    process's ``PYTORCH_CUDA_ALLOC_CONF`` sets: per plan, allocated and reserved measured from an emptied cache
+    (``empty_cache``, then one step: ``max_memory_allocated``, ``max_memory_reserved``), and simulated (allocated,
+    reserved with room to spare, reserved at the device's limit). On a CPU only the simulation."""
+    import gc
+
+    from planner.capture.inputs import as_inputs
+    from planner.memory.caching import simulate_reserved
+    from planner.pipeline import plan_for, prepare
+    from planner.profiling.headroom import expandable_segments
+    from planner.profiling.measure import allocation_events, measure_peak
+
+    model, batch = llama(layers, hidden, device)
+    example = as_inputs(model, batch)
+    prepared = prepare(model, inputs=batch, keep_output=False)
+    every = plan_for(prepared, prepared.baseline.peak_bytes - 1, solver="every_block")
+    halfway = (prepared.baseline.peak_bytes + every.predicted_peak_bytes) // 2
+    plans = {"none": model, "every layer": every.module,
+             "op_sac": plan_for(prepared, prepared.baseline.peak_bytes - 1, solver="op_sac").module,
+             "ckplan halfway to every layer's peak": plan_for(prepared, halfway).module}
+    expandable = expandable_segments()
+    rows = []
+    for name, module in plans.items():
+        simulated = simulate_reserved(allocation_events(module, example, keep_output=False), expandable=expandable)
+        measured = "n/a (not a GPU)"
+        if device.type == "cuda":
+            gc.collect()
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(device)
+            allocated = measure_peak(module, example, keep_output=False)
+            reserved = torch.cuda.max_memory_reserved(device)
+            measured = (f"{mib(allocated)} / {mib(reserved)} ({100 * (simulated.peak_bytes / reserved - 1):+.2f}% "
+                        "reserved)")
+        rows.append(f"| llama {layers} x {hidden} | {name} | {'on' if expandable else 'off'} | {measured} | "
+                    f"{mib(simulated.allocated_bytes)} / {mib(simulated.peak_bytes)} / {mib(simulated.needed_bytes)} |")
+    return rows
 
 
 def llama_rows(device: torch.device, runs: int, layers: int, hidden: int) -> list[str]:
@@ -302,6 +343,9 @@ def main() -> None:
                              "0 0 to skip")
     parser.add_argument("--offload", nargs=3, type=int, default=[8, 2048, 8192], metavar=("LAYERS", "HIDDEN", "TOKENS"),
                         help="the decoder the offload rows plan (default 8 x 2048, 1 x 8192 tokens); 0 0 0 to skip")
+    parser.add_argument("--reserved", nargs=2, type=int, default=[16, 2048], metavar=("LAYERS", "HIDDEN"),
+                        help="the decoder whose reserved memory is measured against the caching allocator's "
+                             "simulation (default 16 x 2048); 0 0 to skip")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     device = torch.device(args.device)
@@ -335,6 +379,14 @@ def main() -> None:
                   "| model | plan | segments / ops kept | peak pred / meas | overhead pred | overhead meas | solver |",
                   "|---|---|---|---|---|---|---|"]
         lines += llama_rows(device, args.runs, *args.llama)
+        print("\n".join(lines[-4:]), flush=True)
+    if args.reserved[0]:
+        lines += ["", "Reserved memory: measured from an emptied cache, allocated / reserved MiB (the simulation's "
+                  "error on reserved), against the caching allocator simulated over the step's allocations as the "
+                  "dispatcher records them: allocated / reserved with room to spare / reserved at the device's "
+                  "limit. Run once as is and once with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True.", "",
+                  "| model | plan | expandable segments | measured | simulated |", "|---|---|---|---|---|"]
+        lines += reserved_rows(device, *args.reserved)
         print("\n".join(lines[-4:]), flush=True)
     if args.offload[0]:
         lines += ["", f"Offload, a Llama-shaped decoder {args.offload[0]} x {args.offload[1]}, bf16, 1 x {args.offload[2]} "

@@ -66,3 +66,26 @@ def test_expandable_segments_at_the_limit_unmap_free_pages():
     events = [(0, 20 * MiB), (1, 20 * MiB), (0, 0), (2, 30 * MiB)]
     roomy = simulate_reserved(events, expandable=True)
     assert roomy.peak_bytes == 80 * MiB and roomy.needed_bytes == 60 * MiB
+
+
+def test_a_recorded_step_replays_at_its_live_peak_rounded():
+    """The GPT example's step recorded at the dispatcher (``allocation_events``): the allocator's count of it is the
+    live peak with each storage rounded up (measured +0.37%), and what it reserves holds it; at the limit it needs no
+    more than with room to spare."""
+    from conftest import load_example
+
+    from planner.capture.inputs import as_inputs
+    from planner.profiling.measure import allocation_events, measure_live_peak
+
+    gpt = load_example("gpt")
+    model, loss_fn = gpt["model"], gpt.get("loss_fn")
+    example = as_inputs(model, gpt["inputs"])
+    events = allocation_events(model, example, loss_fn)
+    live = measure_live_peak(model, example, loss_fn)
+    sizes = dict(events)
+    assert sum(n for _, n in events) > live and len(sizes) < len(events)  # frees recorded, keys reused
+    reserved = simulate_reserved(events)
+    assert live <= reserved.allocated_bytes <= 1.01 * live  # rounded, and large blocks left whole under 1 MiB spare
+    assert reserved.allocated_bytes <= reserved.needed_bytes <= reserved.peak_bytes
+    expandable = simulate_reserved(events, expandable=True)
+    assert expandable.allocated_bytes <= expandable.needed_bytes <= expandable.peak_bytes

@@ -113,6 +113,7 @@ class CachingAllocator:
         self._blocks: dict[tuple[int, int], _Block] = {}  # (segment, start) -> block, free blocks only
         self._heads: dict[int, _Block] = {}  # segment -> its first block
         self._live: dict[int, _Block] = {}
+        self._made = 1  # segments made so far (expandable ranges are 0 and 1)
 
     def malloc(self, key: int, nbytes: int) -> None:
         size = round_size(nbytes)
@@ -156,32 +157,58 @@ class CachingAllocator:
 
     def _segment(self, pool: Pool, size: int) -> _Block:
         nbytes = segment_size(size)
-        block = _Block(pool=pool, segment=len(self._heads), start=0, size=nbytes)
+        self._made += 1
+        block = _Block(pool=pool, segment=self._made, start=0, size=nbytes)
         self._heads[block.segment] = block
         self._reserve(nbytes)
         return block
 
     def _map(self, pool: Pool, size: int) -> _Block:
-        """Expandable: the lowest unmapped address space of the pool's range that holds ``size``, its pages mapped
-        (the allocator does not join it to a mapped free block before it)."""
+        """Expandable: the lowest free address space of the pool's range that holds ``size`` and takes in unmapped
+        space (a free mapped block right before it included, as ``find_expandable_block`` does), its unmapped pages
+        mapped as far as the request needs and joined into one free block."""
         segment = 0 if pool is Pool.SMALL else 1
         if segment not in self._heads:
             self._heads[segment] = _Block(pool=pool, segment=segment, start=0, size=1 << 62, mapped=False)
-        page = _page(pool)
-        block = self._heads[segment]
-        while block.free is False or block.mapped or block.size < size:
-            assert block.next is not None  # the range ends in unmapped space
+        block: _Block | None = self._heads[segment]
+        span: list[_Block] = []
+        while block is not None:
+            if block.free and not block.mapped:
+                first = block.prev if block.prev is not None and block.prev.free else block
+                span, total = [], 0
+                cursor: _Block | None = first
+                while cursor is not None and cursor.free and total < size:
+                    span.append(cursor)
+                    total += cursor.size
+                    cursor = cursor.next
+                if total >= size:
+                    break
             block = block.next
-        mapped = min(-(-size // page) * page, block.size)
-        if mapped < block.size:
-            rest = _Block(pool=pool, segment=segment, start=block.start + mapped, size=block.size - mapped,
-                          mapped=False, prev=block, next=block.next)
-            if block.next is not None:
-                block.next.prev = rest
-            block.next, block.size = rest, mapped
-        block.mapped = True
+        assert span  # the range ends in unmapped space
+        page, covered, mapped = _page(pool), 0, 0
+        used: list[_Block] = []
+        for piece in span:
+            used.append(piece)
+            if not piece.mapped:
+                take = min(-(-(size - covered) // page) * page, piece.size)
+                if take < piece.size:
+                    rest = _Block(pool=pool, segment=segment, start=piece.start + take, size=piece.size - take,
+                                  mapped=False, prev=piece, next=piece.next)
+                    if piece.next is not None:
+                        piece.next.prev = rest
+                    piece.next, piece.size = rest, take
+                piece.mapped = True
+                mapped += piece.size
+            else:
+                self._uncache(piece)
+            covered += piece.size
+            if covered >= size:
+                break
+        joined = span[0]
+        while joined.next is not None and joined.next in used:
+            self._merge(joined, joined.next)
         self._reserve(mapped)
-        return block
+        return joined
 
     def _release(self) -> None:
         """A device at its limit: every wholly free segment is given back (expandable: every page wholly inside a

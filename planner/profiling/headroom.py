@@ -67,6 +67,11 @@ ALLOC_CONF = "PYTORCH_CUDA_ALLOC_CONF"
 """The environment variable the CUDA caching allocator reads its settings from when the process starts."""
 
 
+def expandable_segments() -> bool:
+    """Whether this process's ``ALLOC_CONF`` turns on the caching allocator's expandable segments."""
+    return "expandable_segments:true" in os.environ.get(ALLOC_CONF, "").replace(" ", "").lower()
+
+
 def reserve_note(device: str) -> str | None:
     """What a budget on a GPU bounds, and the allocator setting that bears on it, in one line: plans count what the
     CUDA caching allocator allocates (``torch.cuda.max_memory_allocated``); it reserves more (whole blocks and
@@ -80,8 +85,7 @@ def reserve_note(device: str) -> str | None:
         gpu = is_device_spec(device) and load_device(device).kind == "gpu"
     if not gpu:
         return None
-    conf = os.environ.get(ALLOC_CONF, "")
-    expandable = "expandable_segments:true" in conf.replace(" ", "").lower()
+    expandable = expandable_segments()
     bounded = ("the budget bounds what the CUDA caching allocator allocates (max_memory_allocated); it reserves "
                "more, and reserved memory is what runs out")
     if expandable:

@@ -66,6 +66,23 @@ def measure_live_peak(module: nn.Module, inputs: Inputs, loss_fn: Callable[[Any]
     return tracker.peak_bytes
 
 
+def allocation_events(module: nn.Module, inputs: Inputs, loss_fn: Callable[[Any], torch.Tensor] | None = None, *,
+                      keep_output: bool = True) -> list[tuple[int, int]]:
+    """The allocations and frees of the step ``measure_peak`` runs, as the dispatcher sees them (``LiveStorages``:
+    what ops allocate inside themselves is not in it), the parameters, buffers and inputs first: ``(key, bytes)``
+    for an allocation, ``(key, 0)`` for its free, in order (what ``planner.memory.caching.simulate_reserved``
+    replays)."""
+    device = next(module.parameters()).device
+    tracker = LiveStorages(device)
+    tracker.events = []
+    resident = _resident(module, inputs)
+    for t in resident:
+        tracker.track(t)
+    with untouched(module), tracker:
+        _step(module, inputs, loss_fn, keep_output=keep_output)
+    return tracker.events
+
+
 def _before(trace: AllocatorTrace, tensors: Sequence[torch.Tensor]) -> int:
     """What the device held when ``trace`` began: the allocator's own count where it keeps one (CUDA), else the
     distinct storages of ``tensors`` on the device (the CPU allocator serves the whole process)."""

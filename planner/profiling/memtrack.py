@@ -88,6 +88,9 @@ class LiveStorages(TorchDispatchMode):
         """When a list, ``(op name, live bytes after it)`` is appended for every op."""
         self.on_op: Callable[[Any, tuple, dict, Any], None] | None = None
         """Optional callback ``(func, args, kwargs, out)`` run after every op."""
+        self.events: list[tuple[int, int]] | None = None
+        """When a list, ``(key, bytes)`` is appended for each storage counted and ``(key, 0)`` when it is freed: the
+        step's allocation sequence as the dispatcher sees it (``planner.memory.caching`` replays it)."""
         self.limit_bytes: int | None = None
         """When set, an op that leaves more than this many bytes live raises ``OverLimit`` (before the next
         op can allocate more): the profiler's guard on a device too small for the whole step."""
@@ -111,6 +114,8 @@ class LiveStorages(TorchDispatchMode):
         self.peak_bytes = max(self.peak_bytes, self.live_bytes)
         self.window_peak_bytes = max(self.window_peak_bytes, self.live_bytes)
         weakref.finalize(storage, self._release, key)
+        if self.events is not None:
+            self.events.append((key, nbytes))
         if self.on_new_storage is not None:
             self.on_new_storage(key, tensor, output)
         return True
@@ -139,7 +144,11 @@ class LiveStorages(TorchDispatchMode):
         return self.live_bytes
 
     def _release(self, key: int) -> None:
-        self.live_bytes -= self._sizes.pop(key, 0)
+        nbytes = self._sizes.pop(key, None)
+        if nbytes is not None:
+            self.live_bytes -= nbytes
+            if self.events is not None:
+                self.events.append((key, 0))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         distributed = dtensor_class()
