@@ -16,11 +16,15 @@ side of the budget as the one before (the compiled peak can stay put over severa
 plans of a Qwen2 of width 768), inside the interval that the plans measured so far leave (the largest target that
 fitted, the smallest that did not), halving it where the move would leave it. It stops at the first plan within
 ``SLACK`` under the budget, after ``COMPILES`` compilations, or at an over plan with the smallest eager peak, and
-returns the fitting plan that measured the most (the one that re-runs least).
+returns the fitting plan that measured the most (the one that re-runs least). When none fits, the placement by
+hand is tried last (each repeated block checkpointed, as Hugging Face's and diffusers' own checkpointing do): where
+the eager step peaks at the loss, which inductor fuses away, the eager model cannot tell its plans apart below
+that peak and may keep the blocks' re-runs larger than the compiled step has room for.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -31,7 +35,7 @@ from planner.capture.inputs import Inputs
 from planner.common.units import format_bytes
 from planner.compiled.backend import CompiledModule
 from planner.compiled.search import Probe, Source, probe
-from planner.errors import InfeasibleBudget, OutOfTime
+from planner.errors import InfeasibleBudget, OutOfTime, PlannerError
 from planner.pipeline import plan_for
 from planner.plan import Plan
 from planner.planning.prepared import Prepared
@@ -72,37 +76,17 @@ def fit_compiled(prepared: Prepared, budget_bytes: int, example: Inputs,
     free)."""
     eager_plain = prepared.baseline.peak_bytes
     target = min(budget_bytes * eager_plain // max(compiled_plain_bytes, 1), eager_plain - 1)
-    fitted: Fitted | None = None
-    least: Fitted | None = None
+    tried = _Tried(example, loss_fn, keep_output=keep_output, budget_bytes=budget_bytes, progress=progress)
     low, high = 0, eager_plain  # targets known to fit / to be over once compiled
-    measured: dict[Any, tuple[CompiledModule, Probe]] = {}
     stride, over = 1, None  # the move doubles while measured plans stay on one side of the budget
     for _ in range(4 * compiles):  # plans seen before cost a solve, not a compilation
         plan, lowest = _plan(prepared, target)
-        if plan is None:
+        if plan is None or (tried.new(plan) and tried.compiles == compiles):
             break
-        key = tuple((segment.nodes, segment.saved_nodes) for segment in plan.segments)
-        if key not in measured:
-            if len(measured) == compiles:
-                break
-            if progress is not None:
-                progress(f"plan for {format_bytes(target)} eager, compile it and measure a step")
-            assert plan.module is not None  # plan_for's plans carry their planned module
-            measured[key] = probe(plan.module, 1.0, example, loss_fn, keep_output=keep_output, source=Source.PLAN)
-        module, probed = measured[key]
-        peak = probed.peak_bytes
+        peak = tried.measure(plan, target)
         stride = 2 * stride if over is (peak > budget_bytes) else 1
         over = peak > budget_bytes
-        if progress is not None:
-            progress(f"{len(plan.segments)} segments: compiled step {format_bytes(peak)} "
-                     f"({'fits' if peak <= budget_bytes else 'over'} {format_bytes(budget_bytes)})")
-        tried = Fitted(plan=plan, module=module, probe=probed, target_bytes=target, compiles=len(measured),
-                       budget_bytes=budget_bytes)
-        if least is None or peak < least.probe.peak_bytes:
-            least = tried
         if peak <= budget_bytes:
-            if fitted is None or peak > fitted.probe.peak_bytes:
-                fitted = tried
             if peak >= budget_bytes * (1 - SLACK):
                 break
             low = max(low, target)
@@ -116,8 +100,57 @@ def fit_compiled(prepared: Prepared, budget_bytes: int, example: Inputs,
         if following in (target, low, high) or high - low <= max(budget_bytes // 1000, 1):
             break
         target = following
-    chosen = fitted or least
-    return None if chosen is None else replace(chosen, compiles=len(measured))
+    if tried.fitted is None:  # the placement by hand: each repeated block, as frameworks' own checkpointing does
+        with contextlib.suppress(PlannerError):  # a model without repeated blocks
+            tried.measure(plan_for(prepared, eager_plain - 1, solver="every_block"), eager_plain - 1)
+    chosen = tried.fitted or tried.least
+    return None if chosen is None else replace(chosen, compiles=tried.compiles)
+
+
+class _Tried:
+    """The plans a search compiled, each measured once: the fitting one that measured the most, the one that
+    measured the least."""
+
+    def __init__(self, example: Inputs, loss_fn: Callable[[Any], torch.Tensor] | None, *, keep_output: bool,
+                 budget_bytes: int, progress: Callable[[str], None] | None) -> None:
+        self.example, self.loss_fn, self.keep_output = example, loss_fn, keep_output
+        self.budget_bytes, self.progress = budget_bytes, progress
+        self.measured: dict[Any, tuple[CompiledModule, Probe]] = {}
+        self.fitted: Fitted | None = None
+        self.least: Fitted | None = None
+
+    @property
+    def compiles(self) -> int:
+        return len(self.measured)
+
+    def new(self, plan: Plan) -> bool:
+        return _key(plan) not in self.measured
+
+    def measure(self, plan: Plan, target: int) -> int:
+        """``plan``'s compiled peak (compiled and measured unless measured before)."""
+        key = _key(plan)
+        if key not in self.measured:
+            if self.progress is not None:
+                self.progress(f"plan for {format_bytes(target)} eager, compile it and measure a step")
+            assert plan.module is not None  # plan_for's plans carry their planned module
+            self.measured[key] = probe(plan.module, 1.0, self.example, self.loss_fn, keep_output=self.keep_output,
+                                       source=Source.PLAN)
+        module, probed = self.measured[key]
+        peak = probed.peak_bytes
+        if self.progress is not None:
+            self.progress(f"{len(plan.segments)} segments: compiled step {format_bytes(peak)} "
+                          f"({'fits' if peak <= self.budget_bytes else 'over'} {format_bytes(self.budget_bytes)})")
+        tried = Fitted(plan=plan, module=module, probe=probed, target_bytes=target, compiles=self.compiles,
+                       budget_bytes=self.budget_bytes)
+        if self.least is None or peak < self.least.probe.peak_bytes:
+            self.least = tried
+        if peak <= self.budget_bytes and (self.fitted is None or peak > self.fitted.probe.peak_bytes):
+            self.fitted = tried
+        return peak
+
+
+def _key(plan: Plan) -> tuple:
+    return tuple((segment.nodes, segment.saved_nodes) for segment in plan.segments)
 
 
 def _plan(prepared: Prepared, target: int) -> tuple[Plan | None, bool]:
