@@ -328,6 +328,15 @@ def skip_checkpoint_side_effects_in_backward() -> None:
         config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
 
 
+def checkpoint_side_effects_break_graph() -> contextlib.AbstractContextManager:
+    """While open, dynamo breaks the graph at a checkpointed region whose forward mutates state outside it, as
+    torch.compile does by default (``skip_checkpoint_side_effects_in_backward`` undone)."""
+    config = _module("torch._dynamo.config")
+    if hasattr(config, "skip_fwd_side_effects_in_bwd_under_checkpoint"):
+        return config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=False)
+    return contextlib.nullcontext()
+
+
 def compile_fx(gm: fx.GraphModule, example_inputs: list) -> Any:
     """Inductor's compiler (``torch.compile``'s default backend) on one dynamo graph."""
     return _need("torch._inductor.compile_fx", "compile_fx")(gm, example_inputs)

@@ -71,6 +71,8 @@ class CompiledPlan:
     def summary(self) -> str:
         what = ("ckplan's plan compiled" if self.source is Source.PLAN
                 else f"torch.compile at activation_memory_budget={self.fraction:g}")
+        if not self.probes[self.chosen].one_graph:
+            what += " (the graph broken at its checkpointed layers, as torch.compile does by default)"
         return (f"{what}: peak {format_bytes(self.peak_bytes)} "
                 f"measured (budget {format_bytes(self.budget_bytes)}, "
                 f"{format_bytes(self.baseline_peak_bytes)} at 1.0), "

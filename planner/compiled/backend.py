@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from planner.capture.cache import cache_owner, training_with_grad
-from planner.compat.torch_private import activation_memory_budget, compile_fx
+from planner.compat.torch_private import activation_memory_budget, checkpoint_side_effects_break_graph, compile_fx
 
 
 class BudgetBackend:
@@ -32,14 +32,20 @@ class CompiledModule(nn.Module):
     ``forward`` enters through a code object made for this instance: dynamo keeps its compiled graphs
     per code object, so compiling the same model at another fraction neither reuses nor evicts these."""
 
-    def __init__(self, model: nn.Module, fraction: float) -> None:
+    def __init__(self, model: nn.Module, fraction: float, *, one_graph: bool = True) -> None:
         super().__init__()
         self.model = model
         self.fraction = fraction
+        self.one_graph = one_graph
+        """False: a checkpointed region whose forward mutates state outside it (a Hugging Face decoder layer) breaks
+        the graph, as torch.compile does by default, where ckplan has dynamo trace it into one graph."""
         self._compiled = torch.compile(_entry(model), backend=BudgetBackend(fraction))
 
     def forward(self, *args, **kwargs):
-        return self._compiled(*args, **kwargs)
+        if self.one_graph:
+            return self._compiled(*args, **kwargs)
+        with checkpoint_side_effects_break_graph():
+            return self._compiled(*args, **kwargs)
 
 
 def _entry(model: nn.Module):

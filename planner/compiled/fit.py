@@ -19,7 +19,11 @@ fitted, the smallest that did not), halving it where the move would leave it. It
 returns the fitting plan that measured the most (the one that re-runs least). When none fits, the placement by
 hand is tried last (each repeated block checkpointed, as Hugging Face's and diffusers' own checkpointing do): where
 the eager step peaks at the loss, which inductor fuses away, the eager model cannot tell its plans apart below
-that peak and may keep the blocks' re-runs larger than the compiled step has room for.
+that peak and may keep the blocks' re-runs larger than the compiled step has room for. Then the same search runs
+once more with dynamo breaking the graph at each checkpointed region that mutates state outside it
+(``CompiledModule.one_graph`` False, as torch.compile does by default for a Hugging Face decoder layer): one graph's
+backward can hold more at once (Hugging Face's own checkpointing on a Qwen2 of width 768: 791.1 MiB compiled with a
+graph per layer, 806.2 in one graph).
 """
 
 from __future__ import annotations
@@ -43,7 +47,10 @@ from planner.planning.prepared import Prepared
 SLACK = 0.02
 """A plan whose compiled peak is within this share under the budget ends the search."""
 COMPILES = 6
-"""The most plans the search compiles and measures."""
+"""The most plans one search compiles and measures."""
+STEP = 0.01
+"""The least a measured plan moves the eager target, as a share of it: compiled peaks change in steps of whole
+tensors, so a plan a few bytes over moves far enough to change the plan."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -75,36 +82,48 @@ def fit_compiled(prepared: Prepared, budget_bytes: int, example: Inputs,
     scaled by the eager and compiled un-checkpointed peaks: what inductor fuses away, the plan does not need to
     free)."""
     eager_plain = prepared.baseline.peak_bytes
-    target = min(budget_bytes * eager_plain // max(compiled_plain_bytes, 1), eager_plain - 1)
+    start = min(budget_bytes * eager_plain // max(compiled_plain_bytes, 1), eager_plain - 1)
     tried = _Tried(example, loss_fn, keep_output=keep_output, budget_bytes=budget_bytes, progress=progress)
-    low, high = 0, eager_plain  # targets known to fit / to be over once compiled
-    stride, over = 1, None  # the move doubles while measured plans stay on one side of the budget
-    for _ in range(4 * compiles):  # plans seen before cost a solve, not a compilation
-        plan, lowest = _plan(prepared, target)
-        if plan is None or (tried.new(plan) and tried.compiles == compiles):
+    for one_graph in (True, False):
+        _search(prepared, start, tried, compiles=tried.compiles + compiles, one_graph=one_graph)
+        if tried.fitted is None:  # the placement by hand: each repeated block, as frameworks' own checkpointing
+            with contextlib.suppress(PlannerError):  # a model without repeated blocks
+                tried.measure(plan_for(prepared, eager_plain - 1, solver="every_block"), eager_plain - 1,
+                              one_graph=one_graph)
+        if tried.fitted is not None:
             break
-        peak = tried.measure(plan, target)
+    chosen = tried.fitted or tried.least
+    return None if chosen is None else replace(chosen, compiles=tried.compiles)
+
+
+def _search(prepared: Prepared, target: int, tried: _Tried, *, compiles: int, one_graph: bool) -> None:
+    """Moves the eager budget from ``target`` until a plan compiles within ``SLACK`` under the budget, ``tried``
+    has ``compiles`` compilations, or an over plan has the smallest eager peak."""
+    budget_bytes = tried.budget_bytes
+    low, high = 0, prepared.baseline.peak_bytes  # targets known to fit / to be over once compiled
+    stride, over = 1, None  # the move doubles while measured plans stay on one side of the budget
+    for _ in range(4 * COMPILES):  # plans seen before cost a solve, not a compilation
+        plan, lowest = _plan(prepared, target)
+        if plan is None or (tried.new(plan, one_graph) and tried.compiles >= compiles):
+            return
+        peak = tried.measure(plan, target, one_graph=one_graph)
         stride = 2 * stride if over is (peak > budget_bytes) else 1
         over = peak > budget_bytes
         if peak <= budget_bytes:
             if peak >= budget_bytes * (1 - SLACK):
-                break
+                return
             low = max(low, target)
         elif lowest:  # no eager plan peaks lower
-            break
+            return
         else:
             high = min(high, target)
-        following = target + (target * budget_bytes // peak - target) * stride
+        move = max(abs(target * budget_bytes // peak - target), int(target * STEP))  # a plan's peak moves in steps
+        following = target + (move if peak <= budget_bytes else -move) * stride
         if not low < following < high:
             following = (low + high) // 2
         if following in (target, low, high) or high - low <= max(budget_bytes // 1000, 1):
-            break
+            return
         target = following
-    if tried.fitted is None:  # the placement by hand: each repeated block, as frameworks' own checkpointing does
-        with contextlib.suppress(PlannerError):  # a model without repeated blocks
-            tried.measure(plan_for(prepared, eager_plain - 1, solver="every_block"), eager_plain - 1)
-    chosen = tried.fitted or tried.least
-    return None if chosen is None else replace(chosen, compiles=tried.compiles)
 
 
 class _Tried:
@@ -123,22 +142,23 @@ class _Tried:
     def compiles(self) -> int:
         return len(self.measured)
 
-    def new(self, plan: Plan) -> bool:
-        return _key(plan) not in self.measured
+    def new(self, plan: Plan, one_graph: bool) -> bool:
+        return (_key(plan), one_graph) not in self.measured
 
-    def measure(self, plan: Plan, target: int) -> int:
+    def measure(self, plan: Plan, target: int, *, one_graph: bool) -> int:
         """``plan``'s compiled peak (compiled and measured unless measured before)."""
-        key = _key(plan)
+        key = (_key(plan), one_graph)
         if key not in self.measured:
             if self.progress is not None:
                 self.progress(f"plan for {format_bytes(target)} eager, compile it and measure a step")
             assert plan.module is not None  # plan_for's plans carry their planned module
             self.measured[key] = probe(plan.module, 1.0, self.example, self.loss_fn, keep_output=self.keep_output,
-                                       source=Source.PLAN)
+                                       source=Source.PLAN, one_graph=one_graph)
         module, probed = self.measured[key]
         peak = probed.peak_bytes
         if self.progress is not None:
-            self.progress(f"{len(plan.segments)} segments: compiled step {format_bytes(peak)} "
+            self.progress(f"{len(plan.segments)} segments{'' if one_graph else ', graph broken'}: compiled step "
+                          f"{format_bytes(peak)} "
                           f"({'fits' if peak <= self.budget_bytes else 'over'} {format_bytes(self.budget_bytes)})")
         tried = Fitted(plan=plan, module=module, probe=probed, target_bytes=target, compiles=self.compiles,
                        budget_bytes=self.budget_bytes)

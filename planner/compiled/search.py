@@ -51,18 +51,22 @@ class Probe:
     """Seconds of the first step, which compiles forward and backward."""
     step_ms: float | None = None
     """Median step time, ms; None when not timed (over the budget)."""
+    one_graph: bool = True
+    """False: compiled with a graph break at each checkpointed region that mutates state outside it
+    (``CompiledModule.one_graph``)."""
 
 
 def probe(model: nn.Module, fraction: float, inputs: Inputs, loss_fn: Callable[[Any], torch.Tensor] | None,
-          *, keep_output: bool, source: Source = Source.KNAPSACK) -> tuple[CompiledModule, Probe]:
+          *, keep_output: bool, source: Source = Source.KNAPSACK, one_graph: bool = True
+          ) -> tuple[CompiledModule, Probe]:
     """Compiles ``model`` at ``fraction`` (one warm step) and measures the peak of the next step."""
-    module = CompiledModule(model, fraction)
+    module = CompiledModule(model, fraction, one_graph=one_graph)
     start = time.perf_counter()
     with untouched(module), _recompile_room(1):
         backward((loss_fn or default_loss)(module(*inputs.args, **inputs.kwargs)))
     compile_s = time.perf_counter() - start
     peak = measure_peak(module, inputs, loss_fn, keep_output=keep_output)
-    return module, Probe(source=source, fraction=fraction, peak_bytes=peak, compile_s=compile_s)
+    return module, Probe(source=source, fraction=fraction, peak_bytes=peak, compile_s=compile_s, one_graph=one_graph)
 
 
 def probe_all(model: nn.Module, fractions: Sequence[float], inputs: Inputs,
