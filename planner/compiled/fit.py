@@ -107,6 +107,8 @@ def _search(prepared: Prepared, target: int, tried: _Tried, *, compiles: int, on
         if plan is None or (tried.new(plan, one_graph) and tried.compiles >= compiles):
             return
         peak = tried.measure(plan, target, one_graph=one_graph)
+        if peak is None:
+            return
         stride = 2 * stride if over is (peak > budget_bytes) else 1
         over = peak > budget_bytes
         if peak <= budget_bytes:
@@ -145,15 +147,24 @@ class _Tried:
     def new(self, plan: Plan, one_graph: bool) -> bool:
         return (_key(plan), one_graph) not in self.measured
 
-    def measure(self, plan: Plan, target: int, *, one_graph: bool) -> int:
-        """``plan``'s compiled peak (compiled and measured unless measured before)."""
+    def measure(self, plan: Plan, target: int, *, one_graph: bool) -> int | None:
+        """``plan``'s compiled peak (compiled and measured unless measured before); None when dynamo fails to
+        compile it with the graph broken (torch 2.13 asserts in the code it resumes after a break in a region
+        that keeps ops: ``frozenset not in co_names``)."""
         key = (_key(plan), one_graph)
         if key not in self.measured:
             if self.progress is not None:
                 self.progress(f"plan for {format_bytes(target)} eager, compile it and measure a step")
             assert plan.module is not None  # plan_for's plans carry their planned module
-            self.measured[key] = probe(plan.module, 1.0, self.example, self.loss_fn, keep_output=self.keep_output,
-                                       source=Source.PLAN, one_graph=one_graph)
+            try:
+                self.measured[key] = probe(plan.module, 1.0, self.example, self.loss_fn,
+                                           keep_output=self.keep_output, source=Source.PLAN, one_graph=one_graph)
+            except Exception as exc:  # dynamo's own failures, only where ckplan breaks the graph
+                if one_graph:
+                    raise
+                if self.progress is not None:
+                    self.progress(f"dynamo failed to compile it with the graph broken: {type(exc).__name__}")
+                return None
         module, probed = self.measured[key]
         peak = probed.peak_bytes
         if self.progress is not None:
