@@ -14,7 +14,9 @@ from planner.report.render import _section, _table
 
 
 def _label(p: Probe) -> str:
-    return "ckplan's plan, compiled" if p.source is Source.PLAN else f"activation_memory_budget={p.fraction:g}"
+    if p.source is Source.PLAN:
+        return "ckplan's plan, compiled" + ("" if p.one_graph else " with the graph broken at its layers")
+    return f"activation_memory_budget={p.fraction:g}"
 
 
 def print_compiled(console: Console, plan: CompiledPlan, *, model_file: str, quiet: bool) -> None:
@@ -39,4 +41,5 @@ def compiled_json(plan: CompiledPlan, *, model_file: str) -> dict[str, Any]:
             "baseline_step_ms": plan.baseline_step_ms,
             "segments": len(plan.plan.segments) if plan.plan is not None else None,
             "probes": [{"source": p.source.value, "fraction": p.fraction, "peak_bytes": p.peak_bytes,
-                        "step_ms": p.step_ms, "compile_s": round(p.compile_s, 2)} for p in plan.probes]}
+                        "step_ms": p.step_ms, "compile_s": round(p.compile_s, 2), "one_graph": p.one_graph}
+                       for p in plan.probes]}
