@@ -224,7 +224,8 @@ def test_a_planned_unet_leaves_diffusers_checkpointing_off():
 def test_a_compilable_unet_plan_compiles_in_the_unplanned_models_graphs_and_trains_like_it():
     """``compilable=True``: every segment one module call (resnets, feed-forwards), run through
     ``torch.utils.checkpoint`` in compiled code; ``torch.compile`` of the plan makes the graphs the unplanned UNet
-    makes, and a step of it gives the unplanned UNet compiled's loss and gradients (inductor, within 1e-6)."""
+    makes, and a step of it gives the unplanned UNet compiled's loss and gradients (AOTAutograd without inductor,
+    which a full suite's second worker slows past 3 minutes; within 1e-6)."""
     family = FAMILIES["unet"]
     model = family.model()
     reference = family.model()
@@ -235,8 +236,10 @@ def test_a_compilable_unet_plan_compiles_in_the_unplanned_models_graphs_and_trai
     graphs = torch._dynamo.explain(reference)(**family.batch).graph_count
     assert torch._dynamo.explain(plan.module)(**family.batch).graph_count == graphs
     torch._dynamo.reset()
-    expected = training_step(torch.compile(reference), reference, family.batch, family.loss_fn, seed=7)
-    actual = training_step(torch.compile(plan.module), plan.module, family.batch, family.loss_fn, seed=7)
+    expected = training_step(torch.compile(reference, backend="aot_eager"), reference, family.batch, family.loss_fn,
+                             seed=7)
+    actual = training_step(torch.compile(plan.module, backend="aot_eager"), plan.module, family.batch, family.loss_fn,
+                           seed=7)
     torch.testing.assert_close(family.loss_fn(actual[0]), family.loss_fn(expected[0]), rtol=1e-6, atol=1e-7)
     for name in expected[1]:
         torch.testing.assert_close(actual[1][name], expected[1][name], rtol=1e-5, atol=1e-6, msg=name)
