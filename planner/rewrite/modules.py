@@ -26,7 +26,8 @@ from planner.capture.frameworks import guard, unguard
 from planner.capture.inputs import bind
 from planner.common.budget import format_bytes
 from planner.compat.torch_private import forward_hooks
-from planner.rewrite.chains import Chain, Installed, install
+from planner.rewrite.chain_hooks import Installed, install
+from planner.rewrite.chains import Chain
 from planner.rewrite.segment import Segment
 from planner.rewrite.switching import Chooser, Switching
 

@@ -17,7 +17,8 @@ from torch import nn
 
 from planner.capture.cache import install_no_cache, training_with_grad
 from planner.capture.inputs import bind
-from planner.rewrite.chains import Chain, Installed, install
+from planner.rewrite.chain_hooks import Installed, install
+from planner.rewrite.chains import Chain
 from planner.rewrite.segment import Segment
 
 
