@@ -97,7 +97,8 @@ def optimize_compiled(model: nn.Module, budget: int | str, *, inputs: UserInputs
     the budget (``optimize``: segments re-run one at a time) is compiled and measured too; it reaches
     budgets no fraction does. The eager memory model does not describe the compiled step, so the plan is
     compiled and measured, and planned again at another eager budget until its compiled step fits within
-    ``SLACK`` (2%) under the budget, at most ``COMPILES`` (5) compilations (``planner.compiled.fit``).
+    ``SLACK`` (2%) under the budget, at most ``COMPILES`` (6) compilations, then every repeated block
+    checkpointed, then the same with the graph broken at each checkpointed layer (``planner.compiled.fit``).
 
     Args:
         budget: bytes, ``"4GB"``-style, or ``"60%"`` of the peak compiled at fraction 1.0.

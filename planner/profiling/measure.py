@@ -57,13 +57,7 @@ def measure_live_peak(module: nn.Module, inputs: Inputs, loss_fn: Callable[[Any]
                       keep_output: bool = True) -> int:
     """Peak bytes of the step ``measure_peak`` runs as the dispatcher sees it: the live storages ops return
     (``LiveStorages``), without what ops allocate inside themselves. For comparing the two rulers."""
-    device = next(module.parameters()).device
-    tracker = LiveStorages(device)
-    for t in _resident(module, inputs):
-        tracker.track(t)
-    with untouched(module), tracker:
-        _step(module, inputs, loss_fn, keep_output=keep_output)
-    return tracker.peak_bytes
+    return _live_step(module, inputs, loss_fn, keep_output=keep_output).peak_bytes
 
 
 def allocation_events(module: nn.Module, inputs: Inputs, loss_fn: Callable[[Any], torch.Tensor] | None = None, *,
@@ -72,15 +66,23 @@ def allocation_events(module: nn.Module, inputs: Inputs, loss_fn: Callable[[Any]
     what ops allocate inside themselves is not in it), the parameters, buffers and inputs first: ``(key, bytes)``
     for an allocation, ``(key, 0)`` for its free, in order (what ``planner.memory.caching.simulate_reserved``
     replays)."""
-    device = next(module.parameters()).device
-    tracker = LiveStorages(device)
-    tracker.events = []
-    resident = _resident(module, inputs)
-    for t in resident:
+    events = _live_step(module, inputs, loss_fn, keep_output=keep_output, events=True).events
+    assert events is not None  # asked for
+    return events
+
+
+def _live_step(module: nn.Module, inputs: Inputs, loss_fn: Callable[[Any], torch.Tensor] | None, *,
+               keep_output: bool, events: bool = False) -> LiveStorages:
+    """The step ``measure_peak`` runs under ``LiveStorages`` (recording its events when asked), the parameters,
+    buffers and inputs counted first."""
+    tracker = LiveStorages(next(module.parameters()).device)
+    if events:
+        tracker.events = []
+    for t in _resident(module, inputs):
         tracker.track(t)
     with untouched(module), tracker:
         _step(module, inputs, loss_fn, keep_output=keep_output)
-    return tracker.events
+    return tracker
 
 
 def _before(trace: AllocatorTrace, tensors: Sequence[torch.Tensor]) -> int:
