@@ -282,6 +282,7 @@ def plan_from_solution(prepared: Prepared, solution: Solution, budget_bytes: int
         solve_time_s=solution.solve_time_s,
         recompute_bound_ms=(None if solution.bound_us is None  # nothing proven
                             else min(solution.bound_us, solution.recompute_us) / 1000),
+        chunks=prepared.regions.n_chunks if prepared.regions.capped else None,
         fingerprint=prepared.captured.fingerprint,
         capture_method=prepared.captured.method,
         capture_notes=prepared.captured.notes,

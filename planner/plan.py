@@ -95,12 +95,17 @@ class Plan:
     """Measured time of one un-checkpointed step, ms."""
     segments: tuple[Segment, ...]
     solver_status: SolverStatus
-    """``OPTIMAL`` (proven under the cost model), ``FEASIBLE`` (time limit or Ctrl-C hit) or ``FIXED`` (a baseline)."""
+    """``OPTIMAL`` (proven under the cost model, among the cut positions of ``chunks``), ``FEASIBLE`` (time limit or
+    Ctrl-C hit) or ``FIXED`` (a baseline)."""
     solve_time_s: float
     """Seconds the solve stage took: every strategy and finer chunking tried (what ``time_limit_s`` bounds)."""
     recompute_bound_ms: float | None = None
-    """Proven lower bound on the recompute time of any plan that fits the budget (``recompute_ms``
-    itself when OPTIMAL); None when nothing is proven, e.g. a fixed baseline's plan."""
+    """Proven lower bound on the recompute time of any plan that fits the budget and cuts where ``chunks`` allows
+    (``recompute_ms`` itself when OPTIMAL); None when nothing is proven, e.g. a fixed baseline's plan."""
+    chunks: int | None = None
+    """How many chunks the plan was solved over when the graph has more cut positions than that (the time limit
+    or ``max_chunks`` stopped finer chunkings: ``docs/solver.md``); None when the solve chose among every cut
+    position. A finer chunking may hold plans that re-run less than ``recompute_bound_ms``."""
     fingerprint: str
     """Structure hash of the traced graph the plan refers to."""
     capture_method: CaptureMethod
@@ -216,9 +221,10 @@ class Plan:
         """JSON-ready description (everything but the module)."""
         data = {"format": FORMAT, "version": VERSION}
         for name in ("budget_bytes", "predicted_peak_bytes", "baseline_peak_bytes", "predicted_overhead",
-                     "recompute_ms", "step_ms", "solver_status", "solve_time_s", "recompute_bound_ms", "fingerprint",
-                     "capture_method", "capture_notes", "device", "source", "sac_op_us", "sac_cost_source",
-                     "planned_inputs", "keep_output", "counted", "profile_pieces", "profile_peak_bytes"):
+                     "recompute_ms", "step_ms", "solver_status", "solve_time_s", "recompute_bound_ms", "chunks",
+                     "fingerprint", "capture_method", "capture_notes", "device", "source", "sac_op_us",
+                     "sac_cost_source", "planned_inputs", "keep_output", "counted", "profile_pieces",
+                     "profile_peak_bytes"):
             value = getattr(self, name)
             data[name] = value.value if isinstance(value, enum.Enum) else value  # enums as their short value
         data["peak_breakdown"] = None if self.peak_breakdown is None else self.peak_breakdown.to_dict()

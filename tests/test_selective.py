@@ -151,9 +151,10 @@ def test_gpt_selective_plans_are_exact_with_dropout(gpt, restore_buffers):
     whole = plan_for(prepared, "30%", selective=False)
     assert whole.solver_status == "OPTIMAL" and whole.recompute_bound_ms == whole.recompute_ms
     assert 0 <= plan.recompute_bound_ms <= plan.recompute_ms  # the gap the CLI reports
-    assert plan.recompute_bound_ms <= whole.recompute_ms + 1e-9  # whole's plan is one of the selective plans
-    if plan.solver_status == "OPTIMAL":  # on a loaded machine the whole-segment search may run out of its share
-        assert plan.recompute_ms <= whole.recompute_ms + 1e-9
+    if plan.chunks == whole.chunks:  # on a loaded machine the time limit may stop either at a coarser chunking
+        assert plan.recompute_bound_ms <= whole.recompute_ms + 1e-9  # whole's plan is one of the selective plans
+        if plan.solver_status == "OPTIMAL":  # the whole-segment search may run out of its share
+            assert plan.recompute_ms <= whole.recompute_ms + 1e-9
     forced, _ = _forced_saves(prepared, "30%")
     assert "_ckplan_sac_contexts" in forced.source and sum(len(s.saved_nodes) for s in forced.segments) >= 8
     for candidate in (plan, forced):

@@ -6,6 +6,7 @@ when finer chunks re-run less, it solves them while the time limit allows (refin
 import pytest
 import torch
 from conftest import assert_plan_is_exact
+from rich.console import Console
 from torch import nn
 
 import planner.planning.chunkings as solving
@@ -13,7 +14,7 @@ from planner import InfeasibleBudget, optimize
 from planner.capture.step import default_loss
 from planner.options import PlanOptions
 from planner.pipeline import plan_for, plan_from_solution, prepare
-from planner.report.render import infeasible_json
+from planner.report.render import header, infeasible_json
 from planner.solve.deadline import Deadline
 
 pytestmark = pytest.mark.slow  # several profiles and solves: ~30 s
@@ -91,5 +92,15 @@ def test_no_refinement_without_the_time_for_it(peaks, monkeypatch):
     monkeypatch.setattr(solving, "REFINE_TIME", 1e9)
     plan = plan_for(prepared, budget, selective=False)
     assert [s.nodes for s in plan.segments] == [s.nodes for s in plan_from_solution(prepared, coarse, budget).segments]
+    assert plan.chunks == 4 and "among 4 chunks" in _plan_line(plan)  # what OPTIMAL and the bound hold over
     monkeypatch.setattr(solving, "REFINE_TIME", default)
-    assert round(plan_for(prepared, budget, selective=False).recompute_ms * 1000) < coarse.recompute_us
+    finer = plan_for(prepared, budget, selective=False)
+    assert round(finer.recompute_ms * 1000) < coarse.recompute_us  # below the coarse plan's bound
+    assert finer.chunks is None or finer.chunks > 4
+
+
+def _plan_line(plan):
+    """The report's "plan" line."""
+    console = Console(width=200, record=True)
+    console.print(header(plan, model_file="m.py", solver="cpsat"))
+    return next(line for line in console.export_text().splitlines() if line.strip().startswith("plan"))

@@ -137,6 +137,7 @@ def header(plan: Plan, *, model_file: str, solver: str) -> Table:
     grid.add_row("plan", Text.assemble(
         f"{count} checkpointed segment{'' if count == 1 else 's'}{keeps}, solver {solver} ",
         (str(plan.solver_status), "green" if plan.solver_status == SolverStatus.OPTIMAL else "yellow"),
+        "" if plan.chunks is None else f" among {plan.chunks} chunks",
         _gap(plan), f" in {plan.solve_time_s:.2f} s, on {plan.device}"))
     grid.add_row("capture", plan.capture_method.label)
     if plan.profile_pieces > 1 and plan.profile_peak_bytes is not None:
