@@ -104,3 +104,23 @@ def _plan_line(plan):
     console = Console(width=200, record=True)
     console.print(header(plan, model_file="m.py", solver="cpsat"))
     return next(line for line in console.export_text().splitlines() if line.strip().startswith("plan"))
+
+
+def test_a_budget_at_the_smallest_peak_gets_that_plan_when_the_search_finds_none(peaks, monkeypatch, restore_buffers):
+    """Where the strategy finds no plan in time at the chunkings tried, but the smallest peak's plan (what the
+    error would name) fits the budget, that plan is returned, FEASIBLE, not an InfeasibleBudget naming the
+    budget itself as the smallest peak."""
+    model, inputs, _ = peaks
+    prepared = prepare(model, inputs=inputs, max_chunks=4)
+    lowest = _smallest(model, inputs, 4).min_peak_bytes
+    monkeypatch.setattr(solving, "WIDEST_CHUNKS", 4)  # no finer chunking to go to
+
+    def finds_nothing(*args, **kwargs):
+        raise solving._NoPlan()
+
+    monkeypatch.setattr(solving, "solve_budget", finds_nothing)
+    monkeypatch.setattr(solving, "_every_block", lambda *args: None)  # nor do the placements by hand
+    plan = plan_for(prepared, lowest, selective=False)
+    assert plan.segments and plan.solver_status == "FEASIBLE" and plan.recompute_bound_ms is None
+    assert plan.predicted_peak_bytes <= lowest
+    assert_plan_is_exact(model, plan, inputs, default_loss, restore_buffers)

@@ -135,11 +135,25 @@ def widen(prepared: Prepared, budget_bytes: int, options: PlanOptions,
     if found is not None:
         return found
     if out_of_time:  # the smallest peak at the prepared chunking
-        raise _unproven(first or _smallest(first_prepared.memory, budget_bytes, deadline)[0], searched,
-                       out_of_time=True)
+        return _smallest_fitting(first_prepared, first, budget_bytes, deadline, searched=searched, out_of_time=True)
     # the smallest peak at the finest chunking searched
-    raise _unproven((first if prepared is first_prepared else None)
-                    or _smallest(prepared.memory, budget_bytes, deadline)[0], prepared)
+    return _smallest_fitting(prepared, first if prepared is first_prepared else None, budget_bytes, deadline,
+                             searched=prepared)
+
+
+def _smallest_fitting(prepared: Prepared, known: InfeasibleBudget | None, budget_bytes: int, deadline: Deadline, *,
+                      searched: Prepared, out_of_time: bool = False) -> tuple[Prepared, Solution]:
+    """The plan of the smallest peak at ``prepared``'s chunking when it fits the budget (a budget at that peak,
+    where the strategy's search ran out of time or found nothing at the chunkings tried: FEASIBLE, nothing
+    proven); else ``InfeasibleBudget`` (``known`` when the first chunking's solve already explained itself),
+    not proven past ``searched``'s chunks."""
+    if known is None:
+        known, smallest = _smallest(prepared.memory, budget_bytes, deadline)
+        if smallest.peak_bytes <= budget_bytes:
+            return prepared, Solution(plan=smallest.plan, status=SolverStatus.FEASIBLE,
+                                      recompute_us=smallest.recompute_us, bound_us=None, solve_time_s=0.0,
+                                      saves=smallest.saves)
+    raise _unproven(known, searched, out_of_time=out_of_time)
 
 
 BLOCK_DP_SHARE = 0.5
