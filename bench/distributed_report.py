@@ -40,7 +40,7 @@ def main() -> None:
     lines = ["# Distributed plans on 2 ranks (gloo, CPU)", "",
              "`python bench/distributed_report.py`. Model and protocol: `tests/test_distributed.py`. Peaks are",
              "per rank during step 2 (optimizer state allocated): resident tensors (local shards, optimizer",
-             "state, inputs, DDP's buckets) plus the highest rise of glibc's heap during the step. `joint` is",
+             "state, inputs, DDP's buckets) plus the highest rise of the allocator during the step. `joint` is",
              "a forced segment of blocks 0-2 (three FSDP units re-run together).", "",
              "| engine | rank | module | losses (3 AdamW steps) | all-gathers per step | predicted peak | "
              "measured peak | budget |",

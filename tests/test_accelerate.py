@@ -17,7 +17,7 @@ pytest.importorskip("transformers")
 
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState
-from test_distributed import SLACK, close_to, heap_bookkeeping, run_ranks
+from test_distributed import close_to, run_ranks
 from test_distributed_hf import BUDGET, make_model, rank_batch
 from test_stacks import batch, model
 
@@ -103,8 +103,9 @@ def ddp_worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
     data = [{name: value[row] for name, value in b.items()} for b in data for row in range(len(b["input_ids"]))]
 
     def run(module: torch.nn.Module) -> dict:
-        """3 steps: the losses, the gradient norms of step 0 (all-reduced by DDP), the heap peak of step 1 with
-        DDP's gradient buckets (allocated at wrapping) and AdamW's state resident."""
+        """3 steps: the losses, the gradient norms of step 0 (all-reduced by DDP), the allocator's peak of step 2 with
+        DDP's gradient buckets and AdamW's state resident (not step 1: DDP rebuilds its buckets in the second
+        forward, in the order the first backward made the gradients, and holds both sets a moment)."""
         buckets = sum(p.numel() * p.element_size() for p in module.parameters())
         optimizer = torch.optim.AdamW(module.parameters(), lr=1e-3)
         loader = torch.utils.data.DataLoader(data, batch_size=4)
@@ -118,7 +119,7 @@ def ddp_worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
                 out.append(wrapped(**step_batch).loss)
                 accelerator.backward(out[-1])
 
-            if step == 1:
+            if step == 2:
                 peak = rank_peak_bytes(one_step, resident_bytes(module, optimizer.optimizer, step_batch) + buckets)
             else:
                 one_step()
@@ -130,7 +131,7 @@ def ddp_worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
         return {"losses": losses, "grads": grads, "peak": peak}
 
     example = rank_batch(0)  # the first batch of the dataset
-    result = {"bookkeeping": heap_bookkeeping(make_model("qwen2"), example), "unplanned": run(make_model("qwen2"))}
+    result = {"unplanned": run(make_model("qwen2"))}
     plan = plan_on_rank0(make_model("qwen2"), BUDGET, inputs=example, parallel="ddp", optimizer="adamw",
                          time_limit_s=20, keep_output=False)
     result.update(segments=[list(s.chain) for s in plan.segments], budget=plan.budget_bytes,
@@ -144,15 +145,11 @@ def ddp_worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
 
 def test_a_plan_made_on_rank0_trains_in_accelerates_ddp_job(tmp_path):
     """2 gloo ranks: the planned job's losses and all-reduced gradients equal the unplanned job's, and each rank's
-    measured peak (less the heap's bookkeeping and gloo's all-reduce scratch, as ``test_distributed_hf`` allows)
-    is within the budget and within 2% of the prediction."""
+    peak, measured at the allocator, is within the budget and within 1% of the prediction, never over it."""
     results = run_ranks(ddp_worker, tmp_path, timeout_s=240)
     for r in results:
         assert r["same_plan"] and r["segments"], r
         assert r["planned"]["losses"] == r["unplanned"]["losses"] and r["planned"]["grads"] == r["unplanned"]["grads"]
-        scratch = max(0, r["unplanned"]["peak"] - r["bookkeeping"] - r["baseline"])
-        slack = 1024 * 1024
-        assert r["planned"]["peak"] - r["bookkeeping"] - scratch <= r["budget"] + slack - SLACK, r
-        assert close_to(r["predicted"], r["planned"]["peak"] - scratch, r["bookkeeping"], tolerance=0.02,
-                        slack=slack), r
+        assert r["planned"]["peak"] <= r["budget"], r
+        assert close_to(r["predicted"], r["planned"]["peak"]) and close_to(r["baseline"], r["unplanned"]["peak"]), r
     assert results[0]["unplanned"]["losses"] != results[1]["unplanned"]["losses"]  # accelerate sharded the data

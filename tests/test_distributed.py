@@ -308,12 +308,12 @@ def finish_rank(out_dir: str, rank: int, result: dict) -> None:
 
 
 def _train(module: nn.Module, wrapped: nn.Module, x: Any, extra_resident: int = 0, *,
-           loss_of: Callable[[nn.Module, Any], torch.Tensor] = lambda m, x: loss_fn(m(x)), lr: float = 1e-2,
-           host: Callable[[], int] | None = None) -> dict:
+           loss_of: Callable[[nn.Module, Any], torch.Tensor] = lambda m, x: loss_fn(m(x)),
+           lr: float = 1e-2) -> dict:
     """4 AdamW steps of ``loss_of(wrapped, x)``: losses, all-gathers per step, the gradient norms of step 1 and
     the median peak of steps 2-4, when optimizer state exists (``extra_resident``: bytes alive before the step
-    that ``resident_bytes`` does not see). The median: one step's heap rise read up to 130 KiB (2.8% of a 5.5 MB
-    peak) low or high in a loaded run, from heap the previous step left for this one to free or the reverse."""
+    that ``resident_bytes`` does not see), at the allocator. The median: on a loaded machine one step can read
+    higher, where gloo's thread completes an FSDP2 reduce-scatter late (``in_flight_bytes``)."""
     opt = torch.optim.AdamW(wrapped.parameters(), lr=lr)
     losses, gathers, peaks, grads = [], [], [], []
     for step in range(4):
@@ -325,7 +325,7 @@ def _train(module: nn.Module, wrapped: nn.Module, x: Any, extra_resident: int = 
 
         with count_collectives() as counts:
             if step >= 1:
-                peaks.append(rank_peak_bytes(one_step, resident_bytes(module, opt, x) + extra_resident, host=host))
+                peaks.append(rank_peak_bytes(one_step, resident_bytes(module, opt, x) + extra_resident))
             else:
                 one_step()
         if step == 0:
@@ -338,35 +338,23 @@ def _train(module: nn.Module, wrapped: nn.Module, x: Any, extra_resident: int = 
     return {"losses": losses, "all_gathers": gathers, "peak": int(statistics.median(peaks)), "grads": grads}
 
 
-SLACK = 64 * 1024
-"""Bytes of an FSDP2 or DDP rank's own small allocations (gloo's, FSDP2's Python state) beyond one device's
-heap bookkeeping (``heap_bookkeeping``); about 20 KiB measured on an FSDP2 rank of ``Net``."""
+SMALL = 8 * 1024
+"""Bytes a rank's step may allocate beyond its prediction that are not the step's tensors (4 KiB measured under
+accelerate's DDP)."""
 
 
-def heap_bookkeeping(model: nn.Module, inputs: Any, loss: Callable[[Any], torch.Tensor] | None = None) -> int:
-    """Bytes the heap holds at the peak of one plain step of ``model`` beyond the tensors' storages (autograd's
-    graph, Python and C++ objects, the allocator's own): what a rank's heap peak (``rank_peak_bytes``) adds to
-    the storage peak the memory model predicts, measured against the exact storage tracker on one device (24 KiB
-    for ``Net``, about 256 KiB for the tiny Hugging Face decoders)."""
-    from planner.capture.inputs import as_inputs
-    from planner.capture.step import default_loss
-    from planner.profiling.measure import measure_peak
-
-    example = as_inputs(model, inputs)
-    tracked = measure_peak(model, example, loss_fn=loss, keep_output=False)
-    run = lambda: (loss or default_loss)(model(*example.args, **example.kwargs)).backward()
-    heaps = []
-    for _ in range(4):  # the median of steps 2-4, as the ranks measure it
-        heaps.append(rank_peak_bytes(run, resident_bytes(model, inputs)))
-        model.zero_grad(set_to_none=True)
-    return max(0, int(statistics.median(heaps[1:])) - tracked)
+def close_to(predicted: int, measured: int, *, tolerance: float = 0.01, slack: int = SMALL) -> bool:
+    """A rank's predicted peak against its peak measured at the allocator (``rank_peak_bytes``): within
+    ``tolerance`` of it, and never under it by more than ``slack``."""
+    return abs(predicted - measured) <= tolerance * measured and predicted >= measured - slack
 
 
-def close_to(predicted: int, measured: int, bookkeeping: int, *, tolerance: float = 0.01, slack: int = SLACK) -> bool:
-    """A rank's predicted peak against its measured heap peak less the heap's bookkeeping: within ``tolerance``,
-    and never under but for the rank's own small allocations (``slack``)."""
-    storages = measured - bookkeeping
-    return abs(predicted - storages) <= tolerance * storages and predicted >= storages - slack
+def in_flight_bytes(model: nn.Module) -> int:
+    """What an FSDP2 rank may hold beyond its prediction on a loaded machine: the largest unit's unsharded
+    gradients, the reduce-scatter's input, which gloo's thread frees when the collective completes (measured: up
+    to 86 KiB over on ``Net``, whose block's gradients are 129 KiB)."""
+    units = [model.get_submodule(path) for path in resolve_units(model, None)]
+    return max(sum(p.numel() * p.element_size() for p in unit.parameters()) for unit in units)
 
 
 def _plan_record(plan) -> dict:
@@ -378,7 +366,7 @@ def _plan_record(plan) -> dict:
 def fsdp_worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
     _init(rank, world_size, port)
     x = rank_inputs(rank)
-    result = {"bookkeeping": heap_bookkeeping(make_model(), (x,), loss_fn),
+    result = {"in_flight": in_flight_bytes(make_model()),
               "unplanned": _train(*(2 * [fully_shard_units(make_model())]), x)}
     plan = plan_on_rank0(make_model(), "60%", inputs=(x,), loss_fn=loss_fn, optimizer="adamw", keep_output=False)
     result.update(_plan_record(plan), planned=_train(plan.module, fully_shard_units(plan.module), x))
@@ -406,7 +394,7 @@ def _offloading(x: torch.Tensor) -> dict:
     plan = payload[0]
     module = plan.apply(make_model(), inputs=(x,), loss_fn=loss_fn)
     offloader = offloader_of(module)
-    trained = _train(module, fully_shard_units(module), x, host=lambda: offloader.host_bytes)
+    trained = _train(module, fully_shard_units(module), x)
     return {"budget": plan.budget_bytes, "predicted": plan.predicted_peak_bytes, "missed": offloader.missed,
             "offloaded": plan.offload.offloaded_bytes, "host_peak": offloader.host_peak_bytes,
             "same_plan": same_on_all_ranks([s.nodes for s in plan.segments]), **trained}
@@ -418,8 +406,7 @@ def ddp_worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
     _init(rank, world_size, port)
     x = rank_inputs(rank)
     buckets = sum(p.numel() * p.element_size() for p in make_model().parameters())  # allocated at DDP(...)
-    result = {"bookkeeping": heap_bookkeeping(make_model(), (x,), loss_fn),
-              "unplanned": _train((model := make_model()), DDP(model), x, buckets)}
+    result = {"in_flight": 0, "unplanned": _train((model := make_model()), DDP(model), x, buckets)}
     plan = plan_on_rank0(make_model(), "60%", inputs=(x,), loss_fn=loss_fn, parallel="ddp", optimizer="adamw",
                          keep_output=False)
     result.update(_plan_record(plan), planned=_train(plan.module, DDP(plan.module), x, buckets))
@@ -439,13 +426,13 @@ def _check_ranks(results: list[dict]) -> None:
     for r in results:
         assert r["same_plan"] and r["segments"] == results[0]["segments"] and r["segments"]
         torch.testing.assert_close(r["planned"]["losses"], r["unplanned"]["losses"], rtol=1e-5, atol=1e-7)
-        book = r["bookkeeping"]  # measured on this rank, steps 2-4; the loop drops the output (keep_output=False)
-        assert r["planned"]["peak"] - book <= r["budget"], r
-        assert close_to(r["predicted"], r["planned"]["peak"], book, tolerance=0.02), r  # over by up to 1.6%, as the
-        assert close_to(r["baseline"], r["unplanned"]["peak"], book), r                  # plan varies with timings
+        late = SMALL + r["in_flight"]  # measured on this rank, steps 2-4; the loop drops the output (keep_output=False)
+        assert r["planned"]["peak"] <= r["budget"] + late, r
+        assert close_to(r["predicted"], r["planned"]["peak"], slack=late), r
+        assert close_to(r["baseline"], r["unplanned"]["peak"], slack=late), r
         saving = r["saving"]  # a plan with op-level saves: the same training, within its budget and prediction
-        assert saving["saves"] > 0 and saving["peak"] - book <= saving["budget"], saving
-        assert close_to(saving["predicted"], saving["peak"], book, tolerance=0.02), saving
+        assert saving["saves"] > 0 and saving["peak"] <= saving["budget"] + late, saving
+        assert close_to(saving["predicted"], saving["peak"], slack=late), saving
         assert saving["grads"] == r["unplanned"]["grads"]
         torch.testing.assert_close(saving["losses"], r["unplanned"]["losses"], rtol=1e-5, atol=1e-7)
     assert results[0]["unplanned"]["losses"] != results[1]["unplanned"]["losses"]  # ranks saw different data
@@ -461,14 +448,15 @@ def test_fsdp2_planned_module_trains_like_the_unplanned_one(tmp_path):
         assert r["unplanned"]["all_gathers"] == r["planned"]["all_gathers"] == [2 * DEPTH + 1] * 4
         assert r["joint"]["all_gathers"] == [2 * DEPTH + 1] * 4
         torch.testing.assert_close(r["joint"]["losses"], r["unplanned"]["losses"], rtol=1e-5, atol=1e-7)
-        offloading, book = r["offloading"], r["bookkeeping"]  # copies out in forward, back in backward, per rank
+        offloading = r["offloading"]  # copies out in forward, back in backward, per rank
         assert offloading["same_plan"] and offloading["missed"] == 0
         assert offloading["host_peak"] == offloading["offloaded"] > 0
         assert offloading["all_gathers"] == [2 * DEPTH + 1] * 4  # offloads add no collective
         assert offloading["grads"] == r["unplanned"]["grads"]
         torch.testing.assert_close(offloading["losses"], r["unplanned"]["losses"], rtol=1e-5, atol=1e-7)
-        assert offloading["peak"] - book <= offloading["budget"], offloading  # the device's bytes: heap less host
-        assert close_to(offloading["predicted"], offloading["peak"], book, tolerance=0.02), offloading
+        late = SMALL + r["in_flight"]  # the host store is not the device's memory: uncounted
+        assert offloading["peak"] <= offloading["budget"] + late, offloading
+        assert close_to(offloading["predicted"], offloading["peak"], slack=late), offloading
 
 
 @pytest.mark.slow

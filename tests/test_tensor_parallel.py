@@ -123,9 +123,9 @@ def test_a_tensor_parallel_model_runs_one_plan_on_every_rank_within_its_budget(t
         assert r["unplanned_peak"] - held <= r["baseline"] <= 1.01 * r["unplanned_peak"], r
 
 
-def _fsdp_tp_train(module: nn.Module, x: torch.Tensor, mesh, book: int) -> dict:
+def _fsdp_tp_train(module: nn.Module, x: torch.Tensor, mesh) -> dict:
     """``module`` sharded over the mesh's ``dp`` ranks (each block, then the root), 3 AdamW steps: losses, the
-    local gradients of step 1, the heap peak of step 2 less the heap's bookkeeping."""
+    local gradients of step 1, the peak of step 2 at the allocator."""
     from planner.distributed.rank import fully_shard_units, rank_peak_bytes, resident_bytes
     from planner.profiling.memtrack import local_of
 
@@ -140,7 +140,7 @@ def _fsdp_tp_train(module: nn.Module, x: torch.Tensor, mesh, book: int) -> dict:
             out[-1].backward()
 
         if i == 1:
-            peak = rank_peak_bytes(one, resident_bytes(module, opt, x)) - book
+            peak = rank_peak_bytes(one, resident_bytes(module, opt, x))
         else:
             one()
         if i == 0:
@@ -152,7 +152,6 @@ def _fsdp_tp_train(module: nn.Module, x: torch.Tensor, mesh, book: int) -> dict:
 
 
 def fsdp_tp_worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
-    from test_distributed import heap_bookkeeping
     from torch.distributed.device_mesh import init_device_mesh
 
     from planner.distributed.rank import plan_on_rank0, same_on_all_ranks
@@ -160,28 +159,28 @@ def fsdp_tp_worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
     _init(rank, world_size, port)
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     x = torch.randn(8, 128, WIDTH, generator=torch.Generator().manual_seed(mesh["dp"].get_local_rank()))
-    book = heap_bookkeeping(Net(), (x,), loss_fn)
-    result = {"unplanned": _fsdp_tp_train(tensor_parallel(mesh["tp"]), x, mesh, book)}
+    result = {"unplanned": _fsdp_tp_train(tensor_parallel(mesh["tp"]), x, mesh)}
     plan = plan_on_rank0(tensor_parallel(mesh["tp"]), "80%", inputs=(x,), loss_fn=loss_fn, optimizer="adamw",
                          keep_output=False, time_limit_s=20)
     result.update(segments=[list(s.nodes) for s in plan.segments], budget=plan.budget_bytes,
                   predicted=plan.predicted_peak_bytes, world_size=plan.peak_breakdown is not None,
                   same_plan=same_on_all_ranks([s.nodes for s in plan.segments]),
-                  planned=_fsdp_tp_train(plan.module, x, mesh, book))
+                  planned=_fsdp_tp_train(plan.module, x, mesh))
     finish_rank(out_dir, rank, result)
 
 
 def test_fsdp_over_tensor_parallel_on_a_2_by_2_mesh(tmp_path):
     """FSDP2 over the data-parallel ranks of a tensor-parallel model (4 ranks, 2 x 2): one plan everywhere, the
     unplanned job's losses and gradients, each rank's peak (its FSDP shards of its TP shards) within the budget
-    and its prediction: never under, at most 3% over (measured -0.4%..+2.7% over runs, as the plan varies
-    with the timings)."""
-    from test_distributed import close_to
+    and within 1% of its prediction at the allocator, never over it but for a reduce-scatter gloo completes late
+    (``in_flight_bytes``)."""
+    from test_distributed import SMALL, close_to, in_flight_bytes
 
     results = run_ranks(fsdp_tp_worker, tmp_path, world_size=4, timeout_s=600)
     for r in results:
         assert r["segments"] and r["same_plan"] and r["segments"] == results[0]["segments"], r
         assert r["planned"]["losses"] == r["unplanned"]["losses"] and r["planned"]["grads"] == r["unplanned"]["grads"]
-        assert r["planned"]["peak"] <= r["budget"], r
-        assert close_to(r["predicted"], r["planned"]["peak"], 0, tolerance=0.03), r
+        late = SMALL + in_flight_bytes(Net())
+        assert r["planned"]["peak"] <= r["budget"] + late, r
+        assert close_to(r["predicted"], r["planned"]["peak"], slack=late), r
     assert results[0]["unplanned"]["losses"] != results[2]["unplanned"]["losses"]  # dp ranks saw different data

@@ -9,8 +9,6 @@ once, on one rank, broadcasts the plan (its segments' node names; never the modu
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import functools
 import pickle
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
@@ -23,12 +21,12 @@ from torch import nn
 from typing_extensions import Unpack
 
 from planner.capture.fsdp_units import resolve_units
-from planner.compat.torch_private import TorchDispatchMode
 from planner.distributed.tensor import tensor_parallel_degree
 from planner.errors import InfeasibleBudget, PlannerError
 from planner.options import OptionArgs, PlanOptions, resolve
 from planner.pipeline import optimize, plan_for, prepare
 from planner.plan import Plan
+from planner.profiling.allocator import AllocatorTrace
 
 COLLECTIVES = ("all_gather_single", "all_gather_into_tensor", "reduce_scatter_single", "reduce_scatter_tensor",
                "all_reduce")
@@ -157,42 +155,6 @@ def count_collectives() -> Iterator[Counter]:
             setattr(dist, name, fn)
 
 
-class _MallInfo2(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in
-                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
-                 "keepcost")]
-
-
-@functools.cache
-def _mallinfo2() -> Callable[[], _MallInfo2]:
-    fn = ctypes.CDLL("libc.so.6").mallinfo2
-    fn.restype = _MallInfo2
-    return fn
-
-
-def heap_in_use() -> int:
-    """Bytes glibc's allocator has handed out (all arenas, mmapped chunks included); glibc >= 2.33."""
-    info = _mallinfo2()()
-    return int(info.uordblks + info.hblkhd)
-
-
-class HeapPeak(TorchDispatchMode):
-    """Highest ``heap_in_use()`` after any op while active: one CPU rank's peak, whatever allocates
-    (FSDP2 resizes storages in place, DDP's reducer allocates in C++: a storage counter misses both).
-    Includes small allocator and Python overhead, so it reads a little high. ``host``: bytes of the heap that
-    stand for host memory apart from the device's (an offloader's host store), left out of each reading."""
-
-    def __init__(self, host: Callable[[], int] | None = None) -> None:
-        super().__init__()
-        self.host = host or (lambda: 0)
-        self.peak_bytes = heap_in_use() - self.host()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        self.peak_bytes = max(self.peak_bytes, heap_in_use() - self.host())
-        return out
-
-
 def resident_bytes(*holders: Any) -> int:
     """Bytes of the distinct storages behind the tensors in ``holders`` (modules: parameters,
     gradients and buffers; optimizers: their state; tensors, tuples, lists and dicts of them),
@@ -223,16 +185,16 @@ def resident_bytes(*holders: Any) -> int:
     return sum(seen.values())
 
 
-def rank_peak_bytes(step: Callable[[], Any], resident: int, *, host: Callable[[], int] | None = None) -> int:
-    """One rank's peak bytes during ``step()`` (a training step on CPU): ``resident`` (the bytes
-    alive before it, from ``resident_bytes``) plus the highest rise of glibc's heap while it runs.
-    The heap's rise also holds autograd's and the process group's own small allocations. ``host``: what of the
-    heap is host memory apart from the device's, left out (a plan with offloads:
-    ``planner.rewrite.offload.offloader_of(module).host_bytes``, its host store on a CPU)."""
-    start = heap_in_use()
-    with HeapPeak(host) as tracker:
+def rank_peak_bytes(step: Callable[[], Any], resident: int, *, device: torch.device | str = "cpu") -> int:
+    """One rank's peak bytes during ``step()`` (a training step), read at the allocator as ``measure_peak`` reads
+    it (``planner.profiling.allocator.AllocatorTrace``: on a CPU torch.profiler's memory events, on CUDA the
+    caching allocator's counters): ``resident`` (the bytes alive before it, from ``resident_bytes``) plus the
+    highest rise of what the allocator holds while it runs. That counts what a storage counter misses (FSDP2
+    resizes storages in place, DDP's reducer and gloo's collectives allocate in C++) and leaves out what is not
+    the device's memory (an offloader's host store, made under ``uncounted``)."""
+    with AllocatorTrace(device) as trace:
         step()
-    return resident + tracker.peak_bytes - start
+    return resident + trace.peak_bytes
 
 
 def same_on_all_ranks(value: Any, group: dist.ProcessGroup | None = None) -> bool:
