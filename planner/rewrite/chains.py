@@ -5,7 +5,8 @@ Each checkpointed segment is a *chain*: consecutive calls of sibling modules (``
 before. The first member's forward pre-hook enters torch's non-reentrant checkpoint region (the
 generator ``torch.distributed._composable.checkpoint`` uses) with the member's tensor inputs; the
 last member's forward hook leaves it. Later members record their inputs, each tensor that *is* an
-output of an earlier member replaced by a reference, so nothing inside the chain is kept alive. In
+output of an earlier member (or a whole view of one, as FSDP2's pre-hook hands a unit) replaced by a reference,
+so nothing inside the chain is kept alive. In
 backward the checkpoint re-runs the chain: every member called again with its recorded inputs.
 
 So the planned module runs the model's own Python code: every method, every shape and every keyword
@@ -167,6 +168,29 @@ class _Open:
     watch: _Watch | None = None
 
 
+def _output_ref(outputs: dict, tensor: torch.Tensor) -> _OutRef | None:
+    """The earlier member's output ``tensor`` is, or is a whole alias of: a pre-hook that runs before ckplan's
+    hands the member a view of that output in its place (FSDP2's, which passes a unit's inputs through an
+    autograd function to hook their gradients). Recorded as a reference, so the chain keeps none of them."""
+    hit = outputs.get(id(tensor))
+    if hit is not None and hit[0]() is tensor:
+        return _OutRef(hit[1], hit[2])
+    base = tensor._base
+    if base is None:
+        return None
+    for ref, member, leaf in outputs.values():  # a chain's members hand on a few tensors
+        made = ref()
+        if made is not None and (made is base or made._base is base) and _same_view(made, tensor):
+            return _OutRef(member, leaf)
+    return None
+
+
+def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """``b`` looks at exactly what ``a`` holds: the same elements, in the same layout and dtype."""
+    return (a.shape == b.shape and a.stride() == b.stride() and a.storage_offset() == b.storage_offset()
+            and a.dtype == b.dtype)
+
+
 def _split_tensors(args: tuple, kwargs: dict) -> tuple[list[torch.Tensor], Callable]:
     """The tensor leaves of a call's arguments, and a function rebuilding the call from new tensors."""
     leaves, spec = tree_flatten((args, kwargs))
@@ -268,9 +292,9 @@ class ChainRunner:
                     "differs from its captured graph)")
         leaves, spec = tree_flatten((args, kwargs))
         for k, leaf in enumerate(leaves):
-            hit = state.outputs.get(id(leaf)) if isinstance(leaf, torch.Tensor) else None
-            if hit is not None and hit[0]() is leaf:
-                leaves[k] = _OutRef(hit[1], hit[2])
+            ref = _output_ref(state.outputs, leaf) if isinstance(leaf, torch.Tensor) else None
+            if ref is not None:
+                leaves[k] = ref
         state.records.append((spec, leaves))
         state.expect = j + 1
 
