@@ -10,7 +10,10 @@ property of one node that a profile could record, so the compiled step is measur
 ``optimize_compiled`` is: a plan's compiled peak is deterministic (the same plan compiled in three processes
 measured the same bytes), so the measurement is the plan's prediction for it.
 
-The search is over the eager budget the plan is solved for (``target``): the compiled peak grows with it, so
+Plans are solved with the loss counted as inductor runs it (``planner.memory.offset.fused_loss``: no log-softmax
+kept for the loss's backward, the logits' size less from its node on), the one difference that is a property of
+nodes: where a language model's step peaks at the loss, the eager model saw no room that the compiled step has.
+The search is over the budget the plan is solved for (``target``): the compiled peak grows with it, so
 each measured plan moves the target by budget / measured peak, twice as far each time a plan measures on the same
 side of the budget as the one before (the compiled peak can stay put over several plans: 806.2 MiB for each of 4
 plans of a Qwen2 of width 768), inside the interval that the plans measured so far leave (the largest target that
@@ -42,7 +45,7 @@ from planner.compiled.search import Probe, Source, probe
 from planner.errors import InfeasibleBudget, OutOfTime, PlannerError
 from planner.pipeline import plan_for
 from planner.plan import Plan
-from planner.planning.prepared import Prepared
+from planner.planning.prepared import Prepared, for_compiled_loss
 
 SLACK = 0.02
 """A plan whose compiled peak is within this share under the budget ends the search."""
@@ -81,6 +84,7 @@ def fit_compiled(prepared: Prepared, budget_bytes: int, example: Inputs,
     ``compiled_plain_bytes``: the un-checkpointed model's compiled peak, which sets the first target (the budget
     scaled by the eager and compiled un-checkpointed peaks: what inductor fuses away, the plan does not need to
     free)."""
+    prepared = for_compiled_loss(prepared)  # the loss as inductor runs it: the eager model's largest difference
     eager_plain = prepared.baseline.peak_bytes
     start = min(budget_bytes * eager_plain // max(compiled_plain_bytes, 1), eager_plain - 1)
     tried = _Tried(example, loss_fn, keep_output=keep_output, budget_bytes=budget_bytes, progress=progress)

@@ -10,12 +10,15 @@ and the moment the optimizer steps, after backward: what is alive then plus what
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from planner.common.loop import Gradients, TrainingLoop
 from planner.profiling.record import Profile
+
+LOG_SOFTMAX = "aten._log_softmax.default"
+NLL_LOSS = "aten.nll_loss_forward.default"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -57,3 +60,22 @@ def combined(loop: MemoryOffset, rank: MemoryOffset | None, has_bwd: np.ndarray)
     return MemoryOffset(fwd_bytes=loop.fwd_bytes + rank.fwd_bytes, bwd_bytes=loop.bwd_bytes + rank.bwd_bytes,
                         param_bytes=rank.param_bytes,
                         step_bytes=loop.step_bytes + int(rank.bwd_bytes[last]) if loop.step_bytes else 0)
+
+
+def fused_loss(profile: Profile, offset: MemoryOffset) -> MemoryOffset:
+    """``offset`` with the step's cross-entropy counted as a compiler runs it. Eager keeps ``log_softmax``'s output
+    (the logits' size) from its node to its backward for ``nll_loss``; inductor does not make it: it keeps the
+    logits, which the step keeps anyway, and computes their gradient in one fused kernel. So each such output is
+    taken off every node's forward from its producer on and every node's backward down to it. For planning a
+    compiled step, whose peak is then measured (``planner.compiled.fit``)."""
+    fwd, bwd = offset.fwd_bytes.copy(), offset.bwd_bytes.copy()
+    for index, storage in enumerate(profile.storages):
+        node = profile.nodes[storage.producer] if storage.producer >= 0 else None
+        if node is None or storage.op is None or node.kernels[storage.op:storage.op + 1] != (LOG_SOFTMAX,):
+            continue
+        if not any(index in saver.saves and NLL_LOSS in saver.kernels for saver in profile.nodes):
+            continue
+        first = storage.producer
+        fwd[first:] -= storage.nbytes
+        bwd[first:] -= storage.nbytes
+    return replace(offset, fwd_bytes=fwd, bwd_bytes=bwd)

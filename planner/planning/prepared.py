@@ -15,7 +15,7 @@ from planner.distributed.memory import Distributed, memory_offset
 from planner.errors import BudgetError
 from planner.memory.build import build_model
 from planner.memory.model import MemoryModel
-from planner.memory.offset import combined, loop_offset
+from planner.memory.offset import combined, fused_loss, loop_offset
 from planner.memory.regions import Regions, find_regions
 from planner.memory.rules import SegmentRules
 from planner.memory.simulate import Timeline, simulate
@@ -60,6 +60,8 @@ class Prepared:
     """The training loop around the step: what it keeps alive besides the step's own tensors."""
     chunks: Chunked
     """The cost model at the chunking searched first (``chunked`` gives others)."""
+    compiled_loss: bool = False
+    """Whether the cost model counts the loss as inductor runs it (``for_compiled_loss``)."""
 
     @property
     def regions(self) -> Regions:
@@ -75,12 +77,15 @@ class Prepared:
 
 
 def cost_model(profile: Profile, rules: SegmentRules, *, max_chunks: int | None, sac: SacCost,
-               distributed: Distributed | None, loop: TrainingLoop) -> Chunked:
-    """The regions (at most ``max_chunks`` chunks) of ``profile`` and the cost model over them."""
+               distributed: Distributed | None, loop: TrainingLoop, compiled_loss: bool = False) -> Chunked:
+    """The regions (at most ``max_chunks`` chunks) of ``profile`` and the cost model over them; ``compiled_loss``:
+    the loss counted as inductor runs it (``planner.memory.offset.fused_loss``)."""
     regions = find_regions(profile, max_chunks=max_chunks, rules=rules)  # where segments may start and end
     has_bwd = np.array([node.bwd_peak_bytes is not None for node in profile.nodes], dtype=bool)
     rank = memory_offset(profile, distributed) if distributed is not None else None  # one rank's share of a job
     offset = combined(loop_offset(profile, loop), rank, has_bwd)        # and what the loop keeps alive
+    if compiled_loss:
+        offset = fused_loss(profile, offset)
     memory = build_model(profile, regions, offset=offset,                # the cost model the solver optimises
                          sac_op_us=sac.op_us, sac_host_us=sac.host_us)
     return Chunked(regions=regions, memory=memory, baseline=simulate(memory, ()))
@@ -90,7 +95,13 @@ def chunked(prepared: Prepared, max_chunks: int | None) -> Prepared:
     """``prepared`` with its cost model at ``max_chunks`` chunks."""
     return replace(prepared, chunks=cost_model(prepared.profile, prepared.rules, max_chunks=max_chunks,
                                                sac=prepared.sac_cost, distributed=prepared.distributed,
-                                               loop=prepared.loop))
+                                               loop=prepared.loop, compiled_loss=prepared.compiled_loss))
+
+
+def for_compiled_loss(prepared: Prepared) -> Prepared:
+    """``prepared`` with its loss counted as inductor runs it (``planner.memory.offset.fused_loss``), at the same
+    chunking: the cost model a compiled step's plans are searched with."""
+    return chunked(replace(prepared, compiled_loss=True), prepared.options.max_chunks)
 
 
 def prepared_from(model: nn.Module, example: Inputs, captured: Captured, profile: Profile, *, options: PlanOptions,
