@@ -6,8 +6,8 @@ output kept through backward): the un-checkpointed model compiled; ``gradient_ch
 torch.compile does by default (a graph per layer: Hugging Face's layers mutate state outside the checkpointed region),
 whose measured peak is the budget, and in one graph (``skip_fwd_side_effects_in_bwd_under_checkpoint``, which ckplan
 sets when it plans so that a planned model compiles in one graph as the unplanned one does); ckplan planned with
-``compilable=True`` and ``follow_batch=False`` at that budget scaled by its eager and compiled un-checkpointed peaks
-(the eager model counts what inductor fuses away), compiled, measured, and planned again until its compiled step fits
+``compilable=True`` and ``follow_batch=False``, its loss counted as inductor runs it, at that budget scaled by that
+model's and the compiled un-checkpointed peaks, compiled, measured, and planned again until its compiled step fits
 within 2% under the budget (``planner.compiled.fit``, 6 plans compiled at most, then every layer; then the same
 with the graph broken at each layer); each
 ``activation_memory_budget`` fraction of ``--fractions`` compiled (``CompiledModule``) and measured, the highest that
@@ -158,8 +158,9 @@ def main() -> None:
         f"{args.runs} interleaved steps (fastest..slowest); overhead against the un-checkpointed model compiled. "
         "The budget is Hugging Face checkpointing's compiled peak as torch.compile runs it by default (a graph per "
         "layer); its row in one graph is the same checkpointing traced as ckplan has dynamo trace a planned model. "
-        "ckplan is planned with `compilable=True` at the budget scaled by its eager and compiled un-checkpointed "
-        "peaks, compiled and measured, and planned again until its compiled step fits within 2% under the budget "
+        "ckplan is planned with `compilable=True`, its loss counted as inductor runs it (no log-softmax kept), at "
+        "the budget scaled by that model's and the compiled un-checkpointed peaks, compiled and measured, and "
+        "planned again until its compiled step fits within 2% under the budget "
         "(`planner.compiled.fit`, then every layer, then the same with the graph broken at each layer); "
         "`activation_memory_budget` is the highest fraction whose "
         "compiled peak fits. A peak over the budget is marked (over).", "",

@@ -111,6 +111,11 @@ def _search(prepared: Prepared, target: int, tried: _Tried, *, compiles: int, on
         if plan is None or (tried.new(plan, one_graph) and tried.compiles >= compiles):
             return
         peak = tried.measure(plan, target, one_graph=one_graph)
+        if peak is None:  # dynamo failed to resume in a region that keeps ops: the same budget without kept ops
+            plan, lowest = _plan(prepared, target, selective=False)
+            if plan is None or (tried.new(plan, one_graph) and tried.compiles >= compiles):
+                return
+            peak = tried.measure(plan, target, one_graph=one_graph)
         if peak is None:
             return
         stride = 2 * stride if over is (peak > budget_bytes) else 1
@@ -160,6 +165,9 @@ class _Tried:
             if self.progress is not None:
                 self.progress(f"plan for {format_bytes(target)} eager, compile it and measure a step")
             assert plan.module is not None  # plan_for's plans carry their planned module
+            # every plan's hooks are the same functions: past dynamo's recompile limit (16 plans) it would leave
+            # them eager inside compiled code; the plans compiled before compile again when next called
+            torch._dynamo.reset()
             try:
                 self.measured[key] = probe(plan.module, 1.0, self.example, self.loss_fn,
                                            keep_output=self.keep_output, source=Source.PLAN, one_graph=one_graph)
@@ -188,16 +196,16 @@ def _key(plan: Plan) -> tuple:
     return tuple((segment.nodes, segment.saved_nodes) for segment in plan.segments)
 
 
-def _plan(prepared: Prepared, target: int) -> tuple[Plan | None, bool]:
-    """The plan for ``target`` eager bytes, and whether it is the plan at the smallest eager peak (``target`` is
-    below it, or at it); (None, True) when there is none."""
+def _plan(prepared: Prepared, target: int, *, selective: bool = True) -> tuple[Plan | None, bool]:
+    """The plan for ``target`` eager bytes (``selective`` False: whole segments, no kept ops), and whether it is
+    the plan at the smallest eager peak (``target`` is below it, or at it); (None, True) when there is none."""
     try:
-        return plan_for(prepared, target), False
+        return plan_for(prepared, target, selective=selective), False
     except InfeasibleBudget as exc:
         if exc.min_peak_bytes is None or exc.min_peak_bytes <= target:
             return None, True
         try:
-            return plan_for(prepared, exc.min_peak_bytes), True
+            return plan_for(prepared, exc.min_peak_bytes, selective=selective), True
         except (InfeasibleBudget, OutOfTime):
             return None, True
     except OutOfTime:
