@@ -167,7 +167,7 @@ class _Tried:
             assert plan.module is not None  # plan_for's plans carry their planned module
             # every plan's hooks are the same functions: past dynamo's recompile limit (16 plans) it would leave
             # them eager inside compiled code; the plans compiled before compile again when next called
-            torch._dynamo.reset()
+            torch.compiler.reset()
             try:
                 self.measured[key] = probe(plan.module, 1.0, self.example, self.loss_fn,
                                            keep_output=self.keep_output, source=Source.PLAN, one_graph=one_graph)
