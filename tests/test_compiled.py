@@ -121,6 +121,17 @@ def test_a_hugging_face_lm_compiles_to_a_byte_budget_without_its_cache_in_traini
         assert plan.module(input_ids=ids[:1, :8]).past_key_values is not None
 
 
+def _qwen2(*, vocab: int, width: int, intermediate: int, layers: int, heads: int, kv_heads: int, rows: int):
+    """A Qwen2 with random weights, no key/value cache, and a batch of ``rows`` x 128 tokens that are its labels."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.Qwen2Config(vocab_size=vocab, hidden_size=width, intermediate_size=intermediate,
+                                      num_hidden_layers=layers, num_attention_heads=heads,
+                                      num_key_value_heads=kv_heads, use_cache=False)
+    ids = torch.randint(0, vocab, (rows, 128), generator=torch.Generator().manual_seed(1))
+    return transformers.Qwen2ForCausalLM(config), {"input_ids": ids, "labels": ids}
+
+
 @pytest.mark.slow
 def test_a_plan_compiled_is_planned_again_until_its_compiled_step_fits():
     """The eager memory model does not describe the compiled step (a Qwen2 compiled measures above or below the
@@ -128,13 +139,7 @@ def test_a_plan_compiled_is_planned_again_until_its_compiled_step_fits():
     under the budget where the compilations allow: 19.80-20.03 MiB for this 20.04 MiB budget in most runs; which
     plans the eager model offers varies with the profile's timings). The measured peak is the plan's: the same plan
     compiled afresh measures the same bytes, and its loss is the unplanned model's."""
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    config = transformers.Qwen2Config(vocab_size=1000, hidden_size=128, intermediate_size=352, num_hidden_layers=4,
-                                      num_attention_heads=4, num_key_value_heads=2, use_cache=False)
-    model = transformers.Qwen2ForCausalLM(config)
-    ids = torch.randint(0, 1000, (4, 128), generator=torch.Generator().manual_seed(1))
-    batch = {"input_ids": ids, "labels": ids}
+    model, batch = _qwen2(vocab=1000, width=128, intermediate=352, layers=4, heads=4, kv_heads=2, rows=4)
     loss = lambda out: out.loss
     torch._dynamo.reset()
     compiled = optimize_compiled(model, "75%", inputs=batch, loss_fn=loss, fractions=[1.0], runs=1)
@@ -168,17 +173,11 @@ def test_plans_for_a_compiled_step_count_the_loss_as_inductor_runs_it():
     """Eager keeps log_softmax's output (the logits' size) for the loss's backward; inductor does not make it. The
     cost model ``fit_compiled`` plans with takes it off (``for_compiled_loss``): a Qwen2 with a vocabulary of 8,000,
     whose eager step peaks 25% above its compiled one, is predicted within 5% of its compiled peak."""
-    transformers = pytest.importorskip("transformers")
     from planner import prepare
     from planner.capture.step import backward
     from planner.planning.prepared import for_compiled_loss
 
-    torch.manual_seed(0)
-    config = transformers.Qwen2Config(vocab_size=8000, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                                      num_attention_heads=2, num_key_value_heads=1, use_cache=False)
-    model = transformers.Qwen2ForCausalLM(config)
-    ids = torch.randint(0, 8000, (2, 128), generator=torch.Generator().manual_seed(1))
-    batch = {"input_ids": ids, "labels": ids}
+    model, batch = _qwen2(vocab=8000, width=128, intermediate=256, layers=2, heads=2, kv_heads=1, rows=2)
     prepared = prepare(model, inputs=batch, compilable=True, follow_batch=False)
     fused = for_compiled_loss(prepared)
     assert prepared.baseline.peak_bytes - fused.baseline.peak_bytes == 2 * 128 * 8000 * 4  # the log-softmax

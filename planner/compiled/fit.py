@@ -107,15 +107,13 @@ def _search(prepared: Prepared, target: int, tried: _Tried, *, compiles: int, on
     low, high = 0, prepared.baseline.peak_bytes  # targets known to fit / to be over once compiled
     stride, over = 1, None  # the move doubles while measured plans stay on one side of the budget
     for _ in range(4 * COMPILES):  # plans seen before cost a solve, not a compilation
-        plan, lowest = _plan(prepared, target)
-        if plan is None or (tried.new(plan, one_graph) and tried.compiles >= compiles):
-            return
-        peak = tried.measure(plan, target, one_graph=one_graph)
-        if peak is None:  # dynamo failed to resume in a region that keeps ops: the same budget without kept ops
-            plan, lowest = _plan(prepared, target, selective=False)
+        for selective in (True, False):  # None: dynamo failed to resume in a region that keeps ops (graph
+            plan, lowest = _plan(prepared, target, selective=selective)  # broken): the same budget without them
             if plan is None or (tried.new(plan, one_graph) and tried.compiles >= compiles):
                 return
             peak = tried.measure(plan, target, one_graph=one_graph)
+            if peak is not None:
+                break
         if peak is None:
             return
         stride = 2 * stride if over is (peak > budget_bytes) else 1
