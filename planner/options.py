@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any, TypedDict
 
 from planner.capture.step import LossFn
+from planner.common.budget import BudgetBounds
 from planner.common.loop import OptimizerState, TrainingLoop, ZeroGrad
 from planner.errors import OptionError
 from planner.follow.shapes import ShapeRange, check_spec
@@ -125,6 +126,10 @@ class PlanOptions:
     host_budget: int | str | None = _option(None, prepared=False, refused={**_PLANNING, **_COMPILED})
     """Most pinned host memory the plan's offloaded activations may hold, per rank (``"64GB"``, bytes); pinned memory
     cannot be swapped out. None: no limit."""
+    budget_bounds: BudgetBounds = _option(BudgetBounds.RESERVED, prepared=False, refused={**_PLANNING, **_COMPILED})
+    """On a GPU (``cuda`` or a GPU's spec): ``"reserved"`` (default), the plan's step fits the budget as the CUDA
+    caching allocator reserves it (its rounding and segments, ``docs/memory-model.md``), which is what runs out;
+    ``"allocated"``, the budget bounds what it allocates (``max_memory_allocated``). On a CPU, what is allocated."""
     compilable: bool = _option(False, prepared=True, refused=_PROFILE, neutral=(False,))
     """Plan for ``torch.compile``: a plan run by module hooks (Hugging Face models, ``enable``, plans that follow the
     batch) gets segments of one module call each (a layer, its MLP, its attention), which compiled code runs through
@@ -169,6 +174,12 @@ class PlanOptions:
             except ValueError:
                 raise OptionError(f"zero_grad must be one of {choices} (where the loop clears the gradients), got "
                                   f"{self.zero_grad!r}") from None
+        if not isinstance(self.budget_bounds, BudgetBounds):
+            try:
+                object.__setattr__(self, "budget_bounds", BudgetBounds(self.budget_bounds))
+            except ValueError:
+                raise OptionError(f"budget_bounds must be 'reserved' or 'allocated' (what a budget on a GPU bounds), "
+                                  f"got {self.budget_bounds!r}") from None
         if not isinstance(self.set_to_none, bool):
             raise OptionError(f"set_to_none must be True or False (the loop's zero_grad(set_to_none=...)), got "
                               f"{self.set_to_none!r}")
@@ -245,6 +256,7 @@ class OptionArgs(TypedDict, total=False):
     shapes: Sequence[Any] | None
     offload: bool | str | None
     host_budget: int | str | None
+    budget_bounds: BudgetBounds | str
     compilable: bool
     progress: Callable[[str], None] | None
 

@@ -15,7 +15,7 @@ from typing_extensions import Unpack
 from planner.capture.inputs import as_inputs, bind, tensor_shapes
 from planner.capture.method import ExecutorKind
 from planner.capture.setting import ambient_autocast
-from planner.common.budget import check_budget, is_device_budget, parse_budget
+from planner.common.budget import BudgetBounds, check_budget, is_device_budget, parse_budget
 from planner.distributed.memory import setup, split_at_units
 from planner.distributed.tensor import local_model, tensor_parallel_degree, with_collectives
 from planner.errors import InfeasibleBudget, OptionError
@@ -30,6 +30,7 @@ from planner.plan import MemoryTimeline, Plan
 from planner.planning.chunkings import save_options_for, solve_budget, solve_prepared
 from planner.planning.offloading import host_link, offload_limits, solve_offloaded
 from planner.planning.prepared import Prepared, chunked, device_bytes, prepared_from
+from planner.planning.reserve import reserve_skipped, reserved_for, within_reserve
 from planner.planning.step import captured_and_profiled
 from planner.profiling.api import step_device_type
 from planner.profiling.devices import load_device
@@ -201,20 +202,33 @@ def plan_for(prepared: Prepared, budget: int | str, *, options: PlanOptions | No
                                                save_options_for(solved, options)))
         return solved, solution
 
-    try:
-        if limits is None:
-            prepared, solution = solve_at(budget_bytes, deadline)
-        else:
-            prepared, solution = solve_offloaded(prepared, budget_bytes, limits, deadline, solve_at)
-    except InfeasibleBudget as exc:
-        setting = _setting(prepared)
-        if not setting:
-            raise
-        raise exc.planned_for(setting) from None
-    solution = replace(solution, solve_time_s=time.perf_counter() - started)  # the whole stage, widening included
+    def solved(target_bytes: int) -> tuple[Prepared, Solution]:
+        try:
+            if limits is None:
+                return solve_at(target_bytes, deadline)
+            return solve_offloaded(prepared, target_bytes, limits, deadline, solve_at)
+        except InfeasibleBudget as exc:
+            setting = _setting(prepared)
+            if not setting:
+                raise
+            raise exc.planned_for(setting) from None
+
+    def built(pair: tuple[Prepared, Solution], on: nn.Module | None) -> Plan:
+        solution = replace(pair[1], solve_time_s=time.perf_counter() - started)  # the whole stage, widening included
+        return plan_from_solution(pair[0], solution, budget_bytes, target=on, follow=opts if following else None)
+
+    pair = solved(budget_bytes)
     stage("rewrite")
-    return plan_from_solution(prepared, solution, budget_bytes, target=target,
-                              follow=opts if following else None)
+    if opts.budget_bounds is not BudgetBounds.RESERVED or reserve_skipped(prepared) is not None:
+        return built(pair, target)
+
+    def replan(target_bytes: int) -> Plan:  # probes are built on clones, the plan that fits on ``target`` after
+        nonlocal pair
+        pair = solved(target_bytes)
+        return built(pair, None)
+
+    plan = within_reserve(built(pair, None), budget_bytes, replan)
+    return plan if target is None else built(pair, target)
 
 
 def follows(prepared: Prepared, options: PlanOptions) -> bool:
@@ -267,7 +281,8 @@ def plan_from_solution(prepared: Prepared, solution: Solution, budget_bytes: int
                                                  budget_bytes, follow)
     built = prepared.executor.build(prepared.model, prepared.captured, segments, target=target, planned=planned,
                                     follow=family)
-    install_offloads(built.module, offload)
+    reserved = reserved_for(prepared, built.module, predicted.peak_bytes)  # before the offloads: meta tensors have no
+    install_offloads(built.module, offload)                              # host copies; see planning/reserve.py
     return Plan(
         module=built.module,
         budget_bytes=budget_bytes,
@@ -278,6 +293,7 @@ def plan_from_solution(prepared: Prepared, solution: Solution, budget_bytes: int
         step_ms=prepared.profile.step_ms,
         segments=segments,
         offload=offload,
+        reserved=reserved,
         solver_status=solution.status,
         solve_time_s=solution.solve_time_s,
         recompute_bound_ms=(None if solution.bound_us is None  # nothing proven

@@ -31,9 +31,10 @@ from planner.common.checked_json import (
 from planner.errors import PlanFileError
 from planner.follow.family import Family
 from planner.memory.breakdown import PeakBreakdown
+from planner.memory.caching import ReservedPeak
 from planner.options import OptionArgs, PlanOptions, resolve
 from planner.profiling.devices import SacCostSource
-from planner.profiling.headroom import reserve_note
+from planner.profiling.headroom import ALLOC_CONF, reserve_note
 from planner.rewrite.executor import executor_for
 from planner.rewrite.modules import PlannedShapes
 from planner.rewrite.offload import install_offloads
@@ -141,6 +142,10 @@ class Plan:
     offload: OffloadSpec | None = field(default=None, repr=False)
     """The activations the plan copies to host memory and back, and what the model predicts of the copies
     (``docs/offload.md``); None: it offloads nothing."""
+    reserved: ReservedPeak | None = field(default=None, repr=False)
+    """On a GPU: what the CUDA caching allocator is predicted to reserve for the step (the predicted peak plus its
+    rounding and segments: ``docs/memory-model.md``), which ``budget_bounds="reserved"`` (default) keeps within
+    the budget; None on a CPU, and where it is not predicted (a distributed job's rank, a step under autocast)."""
     planned_inputs: dict[str, tuple[int, ...]] = field(default_factory=dict, repr=False)
     """Shape of each tensor argument of the example call, by parameter name: a plan that runs the
     model's own forward warns once when a training call is larger (``planner.rewrite.modules``)."""
@@ -200,9 +205,9 @@ class Plan:
             lines.append(f"  {offload_text(self.offload)}")
         if self.counted:
             lines.append(f"  counted: {'; '.join(self.counted)}")
-        reserve = reserve_note(self.device)
+        reserve = reserve_text(self)
         if reserve:
-            lines.append(f"  {reserve}")
+            lines.append(f"  reserved: {reserve}")
         lines += [f"  ({note.splitlines()[0][:160]})" for note in self.capture_notes]
         if self.segments:
             width = max(len(_describe(s)) for s in self.segments)
@@ -233,6 +238,7 @@ class Plan:
         data["segments"] = [asdict(s) for s in self.segments]
         data["family"] = None if self.family is None else self.family.to_dict()
         data["offload"] = None if self.offload is None else asdict(self.offload)
+        data["reserved"] = None if self.reserved is None else self.reserved.to_dict()
         return data
 
     def save(self, path: str | Path) -> None:
@@ -275,6 +281,22 @@ def nothing_checkpointed(plan: Plan) -> str:
     if plan.offload is not None:
         return "nothing checkpointed: the offloads alone bring the step within the budget"
     return "nothing checkpointed: the model already fits the budget"
+
+
+def reserve_text(plan: Plan) -> str | None:
+    """On a GPU, one line on what the CUDA caching allocator reserves for the plan's step and what the budget
+    bounds; None on a CPU."""
+    reserved = plan.reserved
+    if reserved is None:
+        return reserve_note(plan.device)
+    setting = "with expandable segments" if reserved.expandable else "without expandable segments"
+    text = (f"{format_bytes(reserved.needed_bytes)} predicted at the device's limit {setting} "
+            f"({format_bytes(reserved.roomy_bytes)} with room to spare: max_memory_reserved)")
+    if reserved.needed_bytes > plan.budget_bytes:
+        text += ", over the budget, which bounds what it allocates (budget_bounds='allocated')"
+    if not reserved.expandable and reserved.other_bytes < reserved.needed_bytes:
+        text += (f"; {ALLOC_CONF}=expandable_segments:True would need {format_bytes(reserved.other_bytes)}")
+    return text
 
 
 def offload_text(offload: OffloadSpec) -> str:
@@ -336,6 +358,8 @@ def _plan_from_dict(data: dict[str, Any]) -> Plan:
               "planned_inputs": planned}
     family = data.get("family")
     values["family"] = None if family is None else Family.from_dict(family)
+    reserved = data.get("reserved")
+    values["reserved"] = None if reserved is None else record_from_json(ReservedPeak, reserved, "plan.reserved")
     offload = data.get("offload")
     if offload is not None:
         targets = tuple(record_from_json(OffloadTarget, t, f"plan.offload.targets[{i}]")

@@ -119,7 +119,7 @@ NOT_DEFAULT = {"keep_output": False, "solver": "rotor", "time_limit_s": 5.0, "ma
                "gradient_accumulation_steps": 4, "batches_held": 4, "zero_grad": "before_backward",
                "set_to_none": False, "autocast": "bf16", "mixed_precision": object(), "follow_batch": True,
                "shapes": ((4, 8),), "offload": "auto", "host_budget": "1GB",
-               "compilable": True}
+               "budget_bounds": "allocated", "compilable": True}
 
 
 @pytest.mark.parametrize("name, where", REFUSED, ids=[f"{w}-{n}" for n, w in REFUSED])

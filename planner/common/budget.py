@@ -8,6 +8,7 @@ predicted peak), ``"device"`` (what the device the plan is for can hold for the 
 
 from __future__ import annotations
 
+import enum
 import re
 import reprlib
 from fractions import Fraction
@@ -17,6 +18,14 @@ from planner.errors import BudgetError
 
 ACCEPTED_FORMS = ("an int of bytes, '4GB', '4GiB', '512MB', '512MiB', '64KB', '64KiB', '1000B', '60%', 'device' or "
                   "'90% of device'")
+
+class BudgetBounds(enum.Enum):
+    """What a budget on a GPU bounds: what the CUDA caching allocator reserves (what runs out, the default) or what
+    it allocates (``torch.cuda.max_memory_allocated``). On a CPU both are what is allocated."""
+
+    RESERVED = "reserved"
+    ALLOCATED = "allocated"
+
 
 _UNITS = {
     "B": 1,

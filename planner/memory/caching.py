@@ -301,3 +301,41 @@ def simulate_reserved(events: Iterable[tuple[int, int]], *, expandable: bool = F
                 allocator.free(key)
     return Reserved(allocated_bytes=roomy.peak_allocated, peak_bytes=roomy.peak_reserved,
                     needed_bytes=tight.peak_reserved)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ReservedPeak:
+    """What the CUDA caching allocator is predicted to reserve for a plan's step, on top of the plan's predicted
+    peak: the allocator's own margin (rounding, whole blocks, segments) taken from a replay of the step's
+    allocation sequence (``reserved_peak``)."""
+
+    needed_bytes: int
+    """Device memory the step needs with this process's allocator setting (``expandable``): at the device's
+    limit, where the allocator gives back wholly free segments before it reserves a new one."""
+    roomy_bytes: int
+    """What it reserves with room to spare, where it never gives memory back (``max_memory_reserved``)."""
+    expandable: bool
+    """Whether the prediction is for expandable segments (``expandable_segments:True``, as this process runs)."""
+    other_bytes: int
+    """``needed_bytes`` with the other setting of expandable segments."""
+
+    def to_dict(self) -> dict[str, int | bool]:
+        return {"needed_bytes": self.needed_bytes, "roomy_bytes": self.roomy_bytes, "expandable": self.expandable,
+                "other_bytes": self.other_bytes}
+
+
+def reserved_peak(events: Iterable[tuple[int, int]], *, live_peak_bytes: int, predicted_peak_bytes: int,
+                  expandable: bool) -> ReservedPeak:
+    """The reserve of a step whose predicted peak is ``predicted_peak_bytes``: the replay of ``events`` (the step's
+    allocation sequence, whose own peak of live bytes is ``live_peak_bytes``) gives what the allocator reserves
+    beyond the live bytes, which is added to the prediction (it counts what the replay does not: the training
+    loop's optimizer state, workspaces)."""
+    events = list(events)
+
+    def needed(reserved: Reserved) -> int:
+        return predicted_peak_bytes + max(0, reserved.needed_bytes - live_peak_bytes)
+
+    this, other = simulate_reserved(events, expandable=expandable), simulate_reserved(events, expandable=not expandable)
+    return ReservedPeak(needed_bytes=needed(this),
+                        roomy_bytes=predicted_peak_bytes + max(0, this.peak_bytes - live_peak_bytes),
+                        expandable=expandable, other_bytes=needed(other))

@@ -72,18 +72,23 @@ def expandable_segments() -> bool:
     return "expandable_segments:true" in os.environ.get(ALLOC_CONF, "").replace(" ", "").lower()
 
 
+def is_gpu(device: str) -> bool:
+    """Whether a plan's ``device`` (where it was made, ``cuda:0``, or a spec's name) is a GPU, whose caching
+    allocator reserves more than it allocates."""
+    if device.startswith("cuda"):
+        return True
+    from planner.profiling.devices import is_device_spec, load_device
+
+    return is_device_spec(device) and load_device(device).kind == "gpu"
+
+
 def reserve_note(device: str) -> str | None:
     """What a budget on a GPU bounds, and the allocator setting that bears on it, in one line: plans count what the
     CUDA caching allocator allocates (``torch.cuda.max_memory_allocated``); it reserves more (whole blocks and
     segments), and reserved memory is what runs out. With ``expandable_segments:True`` in ``ALLOC_CONF`` (read
     from this process's environment) the reserve stays near what is allocated; without it, the note says to set
     it. None for a device that is not a GPU (``device``: where a plan was made, ``cuda:0``, or a spec's name)."""
-    gpu = device.startswith("cuda")
-    if not gpu:
-        from planner.profiling.devices import is_device_spec, load_device
-
-        gpu = is_device_spec(device) and load_device(device).kind == "gpu"
-    if not gpu:
+    if not is_gpu(device):
         return None
     expandable = expandable_segments()
     bounded = ("the budget bounds what the CUDA caching allocator allocates (max_memory_allocated); it reserves "

@@ -9,7 +9,7 @@ import re
 
 import torch
 
-from planner.common.budget import ACCEPTED_FORMS, check_budget, parse_budget
+from planner.common.budget import ACCEPTED_FORMS, BudgetBounds, check_budget, parse_budget
 from planner.common.loop import ZeroGrad
 from planner.errors import BudgetError, OptionError
 from planner.follow.shapes import ShapeRange
@@ -84,6 +84,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host-budget", type=_host_budget, metavar="SIZE",
                    help="most pinned host memory the offloaded activations may hold, per rank, e.g. 64GB (default: "
                         "no limit)")
+    p.add_argument("--budget-bounds", choices=[b.value for b in BudgetBounds], default=BudgetBounds.RESERVED.value,
+                   help="on a GPU, what the budget bounds: what the CUDA caching allocator reserves, its rounding and "
+                        "segments included (what runs out), or what it allocates (max_memory_allocated) "
+                        "(default: reserved; docs/memory-model.md)")
     p.add_argument("--whole-segments", action="store_true",
                    help="re-run whole segments (no op-level saves inside them; docs/selective.md)")
     p.add_argument("--compilable", action="store_true",

@@ -20,8 +20,16 @@ from rich.text import Text
 
 from planner.common.budget import format_bytes
 from planner.errors import InfeasibleBudget
-from planner.plan import GROUP_COLUMNS, Plan, Segment, group_cells, nothing_checkpointed, offload_text, shapes_text
-from planner.profiling.headroom import reserve_note
+from planner.plan import (
+    GROUP_COLUMNS,
+    Plan,
+    Segment,
+    group_cells,
+    nothing_checkpointed,
+    offload_text,
+    reserve_text,
+    shapes_text,
+)
 from planner.solve.result import SolverStatus
 
 MAX_PATHS = 3
@@ -122,7 +130,7 @@ def header(plan: Plan, *, model_file: str, solver: str) -> Table:
     grid.add_row("budget", f"{format_bytes(plan.budget_bytes)} ({100 * share:.0f}% of the un-checkpointed peak)")
     if plan.counted:
         grid.add_row("counted", "; ".join(plan.counted))
-    reserve = reserve_note(plan.device)
+    reserve = reserve_text(plan)
     if reserve:
         grid.add_row("reserved", reserve)
     grid.add_row("overhead", Text.assemble(

@@ -1,0 +1,99 @@
+"""What the CUDA caching allocator reserves for a plan's step, and plans whose reserve fits the budget.
+
+A plan's predicted peak counts the bytes its step allocates; on a GPU the caching allocator reserves more (each
+request rounded, carved from segments of its own sizes, freed blocks cached), and a step runs out of memory where
+it cannot reserve. ``reserved_for`` replays the planned module's step on meta tensors
+(``planner.profiling.replay``) and its allocation sequence through the allocator's rules
+(``planner.memory.caching``). ``within_reserve`` plans again under a lower target until the plan's reserve fits the
+budget, which is what a budget on a GPU bounds by default (``PlanOptions.budget_bounds``).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from torch import nn
+
+from planner.capture.aten import SCALAR_READS_KEY
+from planner.common.budget import format_bytes
+from planner.errors import InfeasibleBudget
+from planner.memory.caching import ReservedPeak, reserved_peak
+from planner.planning.prepared import Prepared
+from planner.profiling.headroom import ALLOC_CONF, expandable_segments, is_gpu
+from planner.profiling.replay import step_allocations
+
+if TYPE_CHECKING:
+    from planner.plan import Plan
+
+TRIES = 4
+"""Plans made at lower targets before ``within_reserve`` gives up: each lowers the target by what the last one's
+reserve was over the budget."""
+
+
+def reserve_skipped(prepared: Prepared) -> str | None:
+    """Why the reserve of ``prepared``'s plans is not predicted, or None when it is: not a GPU, a rank of a
+    distributed job (its collectives' buffers are not replayed), a step under autocast (meta tensors, which the
+    replay runs on, are not cast by it)."""
+    if not is_gpu(prepared.profile.device):
+        return "not a GPU"
+    if prepared.distributed is not None:
+        return "the reserve of a distributed job's rank is not predicted"
+    if prepared.loop.autocast_dtype is not None:
+        return "the reserve of a step under autocast is not predicted"
+    return None
+
+
+def reserved_for(prepared: Prepared, module: nn.Module, predicted_peak_bytes: int) -> ReservedPeak | None:
+    """What the CUDA caching allocator is predicted to reserve for the step of ``module`` (a plan of ``prepared``
+    whose predicted peak is ``predicted_peak_bytes``), with this process's ``expandable_segments`` setting; None
+    where it is not predicted (``reserve_skipped``) or the replay fails (with a warning saying so)."""
+    if reserve_skipped(prepared) is not None:
+        return None
+    try:
+        allocations = step_allocations(module, prepared.example, loss_fn=prepared.options.loss_fn,
+                                       keep_output=prepared.profile.keep_output,
+                                       reads=prepared.captured.graph_module.meta.get(SCALAR_READS_KEY, []))
+    except Exception as exc:  # the prediction is extra: the plan stands without it
+        line = (str(exc).splitlines() or [""])[0][:200]
+        warnings.warn(f"ckplan: what CUDA's caching allocator reserves for this plan cannot be predicted (its step "
+                      f"does not replay on meta tensors: {type(exc).__name__}: {line}); the budget bounds what it "
+                      "allocates", stacklevel=3)
+        return None
+    return reserved_peak(allocations.events, live_peak_bytes=allocations.live_peak_bytes,
+                         predicted_peak_bytes=predicted_peak_bytes, expandable=expandable_segments())
+
+
+def within_reserve(plan: Plan, budget_bytes: int, replan: Callable[[int], Plan]) -> Plan:
+    """``plan`` if its reserve fits ``budget_bytes`` (or is not predicted), else the plan ``replan`` makes for a
+    target lowered by what the last reserve was over, up to ``TRIES`` times.
+
+    Raises:
+        InfeasibleBudget: no plan tried has a reserve within the budget; the message says what the closest needs
+            and what else lowers it."""
+    tried, target = [plan], budget_bytes
+    while plan.reserved is not None and plan.reserved.needed_bytes > budget_bytes:
+        if len(tried) > TRIES:
+            break
+        target -= plan.reserved.needed_bytes - budget_bytes
+        try:
+            plan = replan(target)
+        except InfeasibleBudget:
+            break
+        tried.append(plan)
+    else:
+        return plan
+    raise _over(min(tried, key=lambda p: p.reserved.needed_bytes if p.reserved else 0), budget_bytes)
+
+
+def _over(plan: Plan, budget_bytes: int) -> InfeasibleBudget:
+    """The error for a budget no plan's reserve fits, ``plan`` the closest."""
+    reserved = plan.reserved
+    assert reserved is not None  # only plans with a reserve are over it
+    other = "" if reserved.expandable or reserved.other_bytes >= reserved.needed_bytes else \
+        f"; {ALLOC_CONF}=expandable_segments:True would need {format_bytes(reserved.other_bytes)}"
+    reason = (f"counted as CUDA's caching allocator reserves it, the closest plan needs "
+              f"{format_bytes(reserved.needed_bytes)} for {format_bytes(plan.predicted_peak_bytes)} allocated "
+              f"(budget_bounds='allocated', ckplan --budget-bounds allocated, bounds what it allocates{other})")
+    return InfeasibleBudget(budget_bytes, reserved.needed_bytes, reason=reason)
