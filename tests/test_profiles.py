@@ -249,7 +249,8 @@ def test_hugging_face_decoder_on_meta_plans_for_h100():
     with torch.device("meta"):
         model = transformers.Qwen2ForCausalLM(config)
         ids = torch.randint(0, 1000, (4, 256))
-    plan = optimize(model, "50%", inputs={"input_ids": ids, "labels": ids, "use_cache": False}, device="h100")
+    plan = optimize(model, "50%", inputs={"input_ids": ids, "labels": ids, "use_cache": False}, device="h100",
+                    budget_bounds="allocated")  # at 30 MiB the allocator's 20 MiB segments are most of what it reserves
     assert plan.capture_method == "export" and plan.segments
     assert plan.predicted_peak_bytes <= plan.budget_bytes and plan.step_ms > 0
 

@@ -16,7 +16,7 @@ from planner.memory.caching import simulate_reserved
 from planner.profiling.measure import allocation_events, measure_live_peak
 
 MiB = 1 << 20
-LIMIT = 10
+LIMIT = 30
 """Seconds per solve: the properties below hold for any plan the solver returns."""
 
 
