@@ -122,7 +122,7 @@ class PlanOptions:
     """Let the plan copy kept activations to host memory and back (``docs/offload.md``): ``"auto"`` or True, on; False,
     off; None (default): on where the device has a host link that runs beside compute (a GPU, or a GPU's spec with
     ``device=``), off on a CPU (where ``"auto"`` is refused: host memory is the CPU's own, nothing would be freed).
-    Under ``follow_batch`` it is off: each group's plan keeps or re-runs."""
+    A plan that follows the batch chooses each shape group's offloads with its plan."""
     host_budget: int | str | None = _option(None, prepared=False, refused={**_PLANNING, **_COMPILED})
     """Most pinned host memory the plan's offloaded activations may hold, per rank (``"64GB"``, bytes); pinned memory
     cannot be swapped out. None: no limit."""

@@ -23,12 +23,12 @@ from planner.follow.family import Family
 from planner.follow.groups import GroupPlan
 from planner.follow.shapes import ShapeGrid, realize, shaped, spread
 from planner.memory.model import MemoryModel
-from planner.memory.offload import Offloads, offloaded_bytes, relief
+from planner.memory.offload import Offloads, relief
 from planner.memory.simulate import Timeline, simulate
 from planner.options import PREPARED, OptionArgs, PlanOptions, resolve
 from planner.plan import MemoryTimeline, Plan
 from planner.planning.chunkings import save_options_for, solve_budget, solve_prepared
-from planner.planning.offloading import host_link, offload_limits, solve_offloaded
+from planner.planning.offloading import offload_limits, offload_spec, solve_offloaded
 from planner.planning.prepared import Prepared, chunked, device_bytes, prepared_from
 from planner.planning.reserve import reserve_skipped, reserved_for, within_reserve
 from planner.planning.step import captured_and_profiled
@@ -38,7 +38,7 @@ from planner.profiling.optimizer import optimizer_state
 from planner.profiling.record import Profile
 from planner.rewrite.modules import PlannedShapes
 from planner.rewrite.offload import install_offloads
-from planner.rewrite.offload_spec import OffloadSpec, targets_of
+from planner.rewrite.offload_spec import OffloadSpec
 from planner.rewrite.segment import Segment, segments_of
 from planner.solve.deadline import Deadline
 from planner.solve.registry import capabilities, get_solver
@@ -189,7 +189,7 @@ def plan_for(prepared: Prepared, budget: int | str, *, options: PlanOptions | No
     started = time.perf_counter()
     deadline = Deadline.after(opts.time_limit_s)  # one limit for every solve below, not one each
     following = follows(prepared, opts)
-    limits = offload_limits(prepared, opts, follows=following) if capabilities(opts.solver).reads_budget else None
+    limits = offload_limits(prepared, opts) if capabilities(opts.solver).reads_budget else None
 
     def solve_at(budget_bytes: int, deadline: Deadline, selective: bool = True) -> tuple[Prepared, Solution]:
         options = opts if selective else replace(opts, selective=False)
@@ -239,24 +239,24 @@ def follows(prepared: Prepared, options: PlanOptions) -> bool:
     ones, which must all run one plan), and the example has a tensor argument to follow."""
     if options.follow_batch is not None:
         return options.follow_batch
-    if options.offload is True:  # a plan with copies is made for one shape
-        return False
     return (prepared.executor.kind is ExecutorKind.HOOKS and options.loss_fn is None and not options.sharded
             and options.tensor_parallel == 1 and tensor_parallel_degree(prepared.model) == 1
             and bool(shaped(bind(prepared.model, prepared.example.args, prepared.example.kwargs) or {})))
 
 
-def _family(prepared: Prepared, segments: tuple[Segment, ...], predicted: Timeline, recompute_ms: float,
-            budget_bytes: int, options: PlanOptions) -> Family:
-    """The family of a plan that follows the batch: ``segments`` (predicted ``predicted``) for the example's
-    group, and the groups of the shapes ``options`` names, planned now (``planner.follow.family``)."""
+def _family(prepared: Prepared, segments: tuple[Segment, ...], offload: OffloadSpec | None, predicted: Timeline,
+            solution: Solution, budget_bytes: int, options: PlanOptions) -> Family:
+    """The family of a plan that follows the batch: ``segments`` and ``offload`` (predicted ``predicted``) for the
+    example's group, and the groups of the shapes ``options`` names, planned now (``planner.follow.family``)."""
     if prepared.executor.kind is not ExecutorKind.HOOKS:
         raise OptionError("follow_batch runs the model's own forward: prepare the model with follow_batch=True")
     family = Family.around(prepared, budget_bytes, options)
     key = family.example_group
-    family.groups[key] = GroupPlan(shapes=key, segments=segments, predicted_peak_bytes=predicted.peak_bytes,
+    family.groups[key] = GroupPlan(shapes=key, segments=segments, offload=offload,
+                                   predicted_peak_bytes=predicted.peak_bytes,
                                    baseline_peak_bytes=prepared.baseline.peak_bytes,
-                                   recompute_ms=recompute_ms, step_ms=prepared.profile.step_ms)
+                                   recompute_ms=solution.recompute_us / 1000,
+                                   step_ms=prepared.profile.step_ms)
     for spec in options.shapes or ():
         family.plan_ahead(spec)
     return family
@@ -277,12 +277,13 @@ def plan_from_solution(prepared: Prepared, solution: Solution, budget_bytes: int
     shapes = tensor_shapes(prepared.model, prepared.example.args, prepared.example.kwargs)
     planned = PlannedShapes(shapes=shapes, predicted_peak_bytes=predicted.peak_bytes,
                             fixed_bytes=predicted.breakdown.parameters_bytes, budget_bytes=budget_bytes)
-    family = None if follow is None else _family(prepared, segments, predicted, solution.recompute_us / 1000,
-                                                 budget_bytes, follow)
+    family = None if follow is None else _family(prepared, segments, offload, predicted, solution, budget_bytes,
+                                                 follow)
     built = prepared.executor.build(prepared.model, prepared.captured, segments, target=target, planned=planned,
                                     follow=family)
     reserved = reserved_for(prepared, built.module, predicted.peak_bytes)  # before the offloads: meta tensors have no
-    install_offloads(built.module, offload)                              # host copies; see planning/reserve.py
+    if family is None:                                                   # host copies; see planning/reserve.py
+        install_offloads(built.module, offload)  # (a family's switch runs each group's own)
     return Plan(
         module=built.module,
         budget_bytes=budget_bytes,
@@ -332,24 +333,6 @@ def _offloaded_timeline(memory: MemoryModel, offloads: Offloads) -> dict[str, tu
     fwd, bwd = relief(memory, offloads)
     return {"offloaded_forward_bytes": tuple(int(b) for b in fwd),
             "offloaded_backward_bytes": tuple(int(b) if ok else None for b, ok in zip(bwd, memory.has_bwd))}
-
-
-def offload_spec(prepared: Prepared, offloads: Offloads) -> OffloadSpec | None:
-    """What the executor needs to run ``offloads`` (each storage found by the op that makes it), with what the
-    model predicts of them; None when the plan offloads nothing."""
-    if not offloads.n:
-        return None
-    memory, nodes = prepared.memory, prepared.profile.nodes
-    link = host_link(prepared.profile)
-    return OffloadSpec(
-        targets=targets_of([nd.kernels for nd in nodes], [int(memory.producer[s]) for s in offloads.storages],
-                           [int(memory.size[s]) for s in offloads.storages], offloads.group,
-                           [prepared.profile.storages[s].op for s in offloads.storages], offloads.cached,
-                           [prepared.profile.storages[s].output for s in offloads.storages]),
-        storages=offloads.n, offloaded_bytes=offloaded_bytes(memory, offloads), exposed_ms=offloads.exposed_us / 1000,
-        d2h_busy_ms=offloads.d2h_busy_us / 1000, forward_ms=offloads.fwd_us / 1000,
-        h2d_busy_ms=offloads.h2d_busy_us / 1000, backward_ms=offloads.bwd_us / 1000,
-        link=link.source if link is not None else "")
 
 
 def _setting(prepared: Prepared) -> str:

@@ -38,7 +38,7 @@ from planner.profiling.headroom import ALLOC_CONF, reserve_note
 from planner.rewrite.executor import executor_for
 from planner.rewrite.modules import PlannedShapes
 from planner.rewrite.offload import install_offloads
-from planner.rewrite.offload_spec import OffloadSpec, OffloadTarget
+from planner.rewrite.offload_spec import OffloadSpec
 from planner.rewrite.segment import Segment
 from planner.solve.result import SolverStatus
 
@@ -180,7 +180,8 @@ class Plan:
         module = executor_for(self.capture_method).apply(model, self.segments, fingerprint=self.fingerprint,
                                                          inputs=inputs, units=opts.units,
                                                          planned=self.planned_shapes(), follow=family)
-        install_offloads(module, self.offload)
+        if family is None:  # a family's switch runs each group's own
+            install_offloads(module, self.offload)
         return module
 
     def planned_shapes(self) -> PlannedShapes | None:
@@ -362,9 +363,7 @@ def _plan_from_dict(data: dict[str, Any]) -> Plan:
     values["reserved"] = None if reserved is None else record_from_json(ReservedPeak, reserved, "plan.reserved")
     offload = data.get("offload")
     if offload is not None:
-        targets = tuple(record_from_json(OffloadTarget, t, f"plan.offload.targets[{i}]")
-                        for i, t in enumerate(as_list(offload["targets"], "plan.offload.targets")))
-        values["offload"] = record_from_json(OffloadSpec, {**offload, "targets": targets}, "plan.offload")
+        values["offload"] = OffloadSpec.from_dict(offload, "plan.offload")
     return record_from_json(Plan, values, "plan", convert={
         "solver_status": SolverStatus, "capture_method": CaptureMethod, "sac_cost_source": SacCostSource,
         "peak_breakdown": PeakBreakdown.from_dict})
@@ -382,9 +381,11 @@ def group_cells(plan: Plan) -> list[list[str]]:
     rows = []
     for row in plan.family.table():
         shapes = shapes_text(row["shapes"])
-        peak = (f"{format_bytes(row['baseline_peak_bytes'])} (fits)" if not row["segments"] else
+        offloaded = row.get("offloaded_bytes", 0)
+        peak = (f"{format_bytes(row['baseline_peak_bytes'])} (fits)" if not row["segments"] and not offloaded else
                 f"{format_bytes(row['baseline_peak_bytes'])} → {format_bytes(row['predicted_peak_bytes'])}")
-        rows.append([shapes, str(row["segments"]), peak, f"+{100 * row['overhead']:.1f}%"])
+        segments = str(row["segments"]) + (f", {format_bytes(offloaded)} offloaded" if offloaded else "")
+        rows.append([shapes, segments, peak, f"+{100 * row['overhead']:.1f}%"])
     return rows
 
 

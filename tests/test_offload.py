@@ -22,6 +22,7 @@ from planner.pipeline import plan_from_solution
 from planner.planning.offloading import host_link, offload_limits
 from planner.profiling.measure import measure_peak
 from planner.rewrite.offload import offloader_of
+from planner.solve.baselines import every_block
 from planner.solve.offload import OffloadLimits, choose_offloads
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
@@ -202,8 +203,6 @@ def test_offload_is_off_on_a_cpu_unless_asked_and_its_options_are_checked(gpt_pr
         PlanOptions(offload="yes")
     with pytest.raises(OptionError, match="host_budget"):
         PlanOptions(host_budget="lots")
-    with pytest.raises(OptionError, match="follow_batch=False"):
-        offload_limits(prepared, PlanOptions(offload=True), follows=True)
 
 
 @pytest.mark.slow
@@ -223,6 +222,7 @@ def test_a_gpu_plan_offloads_where_the_link_is_fast_and_re_runs_less():
     full = plan_from_solution(prepared, every_block(prepared.memory, 0), prepared.baseline.peak_bytes)
     plan = planner.plan_for(prepared, full.predicted_peak_bytes, offload="auto", time_limit_s=15,
                             budget_bounds="allocated")  # full checkpointing's peak counts what is allocated
+    # (it follows the batch, as a Hugging Face model's plan does by default: plan.offload is the example group's)
     assert plan.offload is not None and plan.offload.offloaded_bytes > 0
     assert plan.predicted_peak_bytes <= full.predicted_peak_bytes
     assert plan.predicted_overhead < full.predicted_overhead
@@ -250,3 +250,46 @@ def test_the_timeline_shows_what_the_offloads_keep_in_host_memory(gpt_prepared, 
     assert "host link busy" in band and format_bytes(plan.offload.offloaded_bytes) in band
     fig.savefig(tmp_path / "timeline.png")
     assert not planner.plot_timeline(without).axes[0].collections  # no offloads, no band
+
+
+def _llama_at_4096():
+    """A Llama of 2 layers, width 1024, 4096 tokens, on this CPU, prepared for the GH200 spec (NVLink-C2C): where
+    offloading pays at full checkpointing's peak, and a plan still runs here."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=512, hidden_size=1024, intermediate_size=2816, num_hidden_layers=2,
+                                      num_attention_heads=8, num_key_value_heads=4, use_cache=False,
+                                      attn_implementation="sdpa", max_position_embeddings=4096)
+    model = transformers.LlamaForCausalLM(config).train()
+    ids = torch.randint(1, 512, (1, 4096))
+    return model, ids
+
+
+@pytest.mark.slow
+def test_a_hugging_face_plan_that_follows_the_batch_offloads_per_group_with_exact_gradients():
+    """Default options for a GPU spec: the plan follows the batch and offloads where ``offload="auto"`` for one
+    shape does; each shape group gets its own offloads, chosen with its plan, and the root's offloader switches
+    with the group (4096 tokens, then 3584, then 4096 again), on this CPU's tagged host store, with the unplanned
+    model's gradients and every target found."""
+    model, ids = _llama_at_4096()
+    batch = {"input_ids": ids, "labels": ids}
+    prepared = planner.prepare(model, inputs=batch, device="gh200")
+    full = plan_from_solution(prepared, every_block(prepared.memory, 0), prepared.baseline.peak_bytes)
+    plan = planner.plan_for(prepared, full.predicted_peak_bytes, time_limit_s=10, budget_bounds="allocated")
+    one = planner.plan_for(planner.prepare(model, inputs=batch, device="gh200", follow_batch=False),
+                           full.predicted_peak_bytes, time_limit_s=10, budget_bounds="allocated", offload="auto")
+    assert plan.family is not None and plan.offload is not None and one.offload is not None
+    assert plan.predicted_overhead < full.predicted_overhead
+    offloader = offloader_of(plan.module)
+    for tokens in (4096, 3584, 4096):
+        call = {"input_ids": ids[:, :tokens], "labels": ids[:, :tokens]}
+        offloader.host_peak_bytes = 0
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # a target missed warns
+            got = _grads(model, plan.module, call)
+        group = plan.family.groups[plan.family.grid.group({"input_ids": (1, tokens), "labels": (1, tokens)})]
+        assert offloader.missed == 0
+        assert offloader.host_peak_bytes == (group.offload.offloaded_bytes if group.offload else 0)
+        for a, b in zip(got, _grads(model, model, call)):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert len(plan.family.groups) == 2 and "offloaded" in plan.summary()

@@ -15,14 +15,16 @@ the user's model is never changed, and an error or a Ctrl-C during the planning 
 Each group's memory comes from a meta-tensor replay at its shape (exact, nothing allocated); its times
 are the example batch's measured times scaled node by node by the ratio of roofline estimates at the two
 shapes (``planner.profiling.scaling``). Plans run on the model's own forward (the hook executor), which takes any
-shape. A group no plan fits raises ``InfeasibleBudget`` from the training call that needs it.
+shape. Where the device has a host link that runs beside compute, each group's plan chooses its own offloads
+(``planner.planning.offloading``), which the switch hands the root's offloader with the group's chains. A group
+no plan fits raises ``InfeasibleBudget`` from the training call that needs it.
 """
 
 from __future__ import annotations
 
 import time
 import warnings
-from collections.abc import Mapping
+from collections.abc import Hashable, Mapping
 from dataclasses import replace
 from typing import Any
 
@@ -42,18 +44,21 @@ from planner.follow.shapes import ShapeGrid, Shapes, ShapeSpec, fitted, realize,
 from planner.memory.simulate import simulate
 from planner.options import PlanOptions
 from planner.planning.chunkings import solve_prepared
+from planner.planning.offloading import host_link, offload_limits, offload_spec, solve_offloaded
 from planner.planning.prepared import Prepared, prepared_from
 from planner.planning.step import captured_and_profiled
 from planner.profiling.record import profile_from_dict, profile_to_dict
 from planner.profiling.scaling import Reference, reference_roofline
 from planner.rewrite.modules import own_hooks
+from planner.rewrite.offload_spec import OffloadSpec
 from planner.rewrite.segment import Segment, segments_of
 from planner.solve.deadline import Deadline
+from planner.solve.result import Solution
 
 LOG = get_logger("follow")
 
 _SAVED_OPTIONS = ("keep_output", "solver", "time_limit_s", "max_chunks", "selective", "must_save", "must_recompute",
-                  "world_size", "parallel")
+                  "world_size", "parallel", "offload")
 """What a saved family plans its new groups with (the loss function is the caller's: ``Plan.apply``; the
 optimizer's state as measured is in the saved training loop)."""
 
@@ -179,6 +184,18 @@ class Family:
             plans.append(self.plan_of(key, values))
         return plans
 
+    @property
+    def offloads(self) -> bool:
+        """Whether its groups' plans may offload activations: as ``offload`` says, by default where the device
+        has a host link that runs beside compute (``planner.planning.offloading.offload_limits``)."""
+        link = host_link(self.reference.profile)
+        return self.options.offload is not False and link is not None and link.overlaps
+
+    def offload(self, key: Hashable) -> OffloadSpec | None:
+        """The offloads of the group ``key`` (None: it keeps or re-runs each activation)."""
+        group = self.groups.get(key)  # type: ignore[call-overload]
+        return group.offload if group is not None else None
+
     def table(self) -> list[dict[str, Any]]:
         """One row per group planned so far, smallest first (``GroupTable.rows``)."""
         return self.groups.rows()
@@ -281,14 +298,24 @@ class Family:
             raise type(exc)(f"planning {setting}: {exc}; a plan that follows the batch runs the model and loss_fn at "
                             "each group's shape, so a loss_fn holding the example batch's targets cannot follow it "
                             "(a loss computed in forward, as Hugging Face models compute it, can)") from exc
+        limits = offload_limits(prepared, self.options)
+
+        def solve_at(budget_bytes: int, deadline: Deadline, selective: bool = True) -> tuple[Prepared, Solution]:
+            options = self.options if selective else replace(self.options, selective=False)
+            return solve_prepared(prepared, budget_bytes, options, deadline)
+
+        deadline = Deadline.after(self.options.time_limit_s)
         try:
-            prepared, solution = solve_prepared(prepared, self.budget_bytes, self.options,
-                                                Deadline.after(self.options.time_limit_s))
+            if limits is None:
+                prepared, solution = solve_at(self.budget_bytes, deadline)
+            else:  # the group's own offloads, chosen with its plan
+                prepared, solution = solve_offloaded(prepared, self.budget_bytes, limits, deadline, solve_at)
         except InfeasibleBudget as exc:
             raise exc.planned_for(setting) from None
-        timeline = simulate(prepared.memory, solution.plan, solution.saves)
+        timeline = simulate(prepared.memory, solution.plan, solution.saves, solution.offloads)
         return GroupPlan(shapes=key, segments=segments_of(prepared.profile, prepared.regions, prepared.memory,
                                                           solution.plan, solution.saves),
+                         offload=offload_spec(prepared, solution.offloads),
                          predicted_peak_bytes=timeline.peak_bytes, baseline_peak_bytes=prepared.baseline.peak_bytes,
                          recompute_ms=solution.recompute_us / 1000, step_ms=prepared.profile.step_ms)
 

@@ -9,6 +9,7 @@ from typing import Any
 
 from planner.common.checked_json import as_list, check_record, record_from_json
 from planner.follow.shapes import Shapes
+from planner.rewrite.offload_spec import OffloadSpec
 from planner.rewrite.segment import Segment
 
 
@@ -27,6 +28,14 @@ class GroupPlan:
     """Forward time re-run in backward per step, ms (scaled from the example's measured times)."""
     step_ms: float
     """Time of one un-checkpointed step at this shape, ms (scaled likewise)."""
+    offload: OffloadSpec | None = None
+    """The activations it copies to host memory and back (``docs/offload.md``); None: it keeps or re-runs each."""
+
+    @property
+    def overhead(self) -> float:
+        """Re-runs and the copies the compute does not hide, as a share of the un-checkpointed step."""
+        exposed = self.offload.exposed_ms if self.offload is not None else 0.0
+        return (self.recompute_ms + exposed) / self.step_ms if self.step_ms else 0.0
 
 
 class GroupTable(dict[Shapes, GroupPlan]):
@@ -38,7 +47,8 @@ class GroupTable(dict[Shapes, GroupPlan]):
         return [{"shapes": dict(group.shapes), "segments": len(group.segments),
                  "predicted_peak_bytes": group.predicted_peak_bytes, "baseline_peak_bytes": group.baseline_peak_bytes,
                  "recompute_ms": group.recompute_ms, "step_ms": group.step_ms,
-                 "overhead": group.recompute_ms / group.step_ms if group.step_ms else 0.0}
+                 "offloaded_bytes": group.offload.offloaded_bytes if group.offload is not None else 0,
+                 "overhead": group.overhead}
                 for group in sorted(self.values(), key=lambda g: [math.prod(s) for _, s in g.shapes])]
 
     def to_json(self) -> list[dict[str, Any]]:
@@ -46,7 +56,8 @@ class GroupTable(dict[Shapes, GroupPlan]):
         return [{"shapes": [[name, list(shape)] for name, shape in key],
                  "segments": [asdict(s) for s in group.segments],
                  "predicted_peak_bytes": group.predicted_peak_bytes, "baseline_peak_bytes": group.baseline_peak_bytes,
-                 "recompute_ms": group.recompute_ms, "step_ms": group.step_ms} for key, group in self.items()]
+                 "recompute_ms": group.recompute_ms, "step_ms": group.step_ms,
+                 "offload": None if group.offload is None else asdict(group.offload)} for key, group in self.items()]
 
     @classmethod
     def from_json(cls, data: Any, where: str = "plan.family.groups") -> GroupTable:
@@ -60,7 +71,11 @@ class GroupTable(dict[Shapes, GroupPlan]):
             key = tuple((str(name), tuple(shape)) for name, shape in raw["shapes"])
             segments = tuple(record_from_json(Segment, s, f"{where}[{i}].segments[{j}]")
                              for j, s in enumerate(as_list(raw["segments"], f"{where}[{i}].segments")))
-            group = record_from_json(GroupPlan, {**raw, "shapes": key, "segments": segments}, f"{where}[{i}]")
+            offload = raw.get("offload")
+            if offload is not None:
+                offload = OffloadSpec.from_dict(offload, f"{where}[{i}].offload")
+            group = record_from_json(GroupPlan, {**raw, "shapes": key, "segments": segments, "offload": offload},
+                                     f"{where}[{i}]")
             check_record(group, where=f"{where}[{i}]")
             table[key] = group
         return table

@@ -13,10 +13,11 @@ from dataclasses import replace
 
 from planner.errors import InfeasibleBudget, OptionError, OutOfTime
 from planner.memory.model import MemoryModel
-from planner.memory.offload import MIN_OFFLOAD_BYTES, HostLink
+from planner.memory.offload import MIN_OFFLOAD_BYTES, HostLink, Offloads, offloaded_bytes
 from planner.options import PlanOptions
 from planner.planning.prepared import Prepared
 from planner.profiling.record import Profile
+from planner.rewrite.offload_spec import OffloadSpec, targets_of
 from planner.solve.deadline import Deadline
 from planner.solve.offload import OffloadLimits, choose_offloads
 from planner.solve.result import Solution, SolverStatus
@@ -59,20 +60,18 @@ def host_link(profile: Profile) -> HostLink | None:
                                   overlaps=not profile.device.startswith("cpu"), source=source)
 
 
-def offload_limits(prepared: Prepared, options: PlanOptions, *, follows: bool = False) -> OffloadLimits | None:
+def offload_limits(prepared: Prepared, options: PlanOptions) -> OffloadLimits | None:
     """What bounds the plan's offloads, or None when it offloads nothing (``PlanOptions.offload``).
 
     Raises:
-        OptionError: ``offload=True`` where the profile does not know the host link, or with ``follow_batch``.
+        OptionError: ``offload=True`` where the profile does not know the host link, or on a CPU.
     """
-    if options.offload is False or (options.offload is None and follows):
+    if options.offload is False:
         return None
     link = host_link(prepared.profile)
     if options.offload is None:
         if link is None or not link.overlaps:
             return None
-    elif follows:
-        raise OptionError("offload= plans one shape's copies: pass follow_batch=False with it")
     elif link is None:
         raise OptionError("offload needs the host link's copy rates, which this profile lacks (a profile saved "
                           "without them, or a device spec without device_to_host_gb_per_s): profile again, or add "
@@ -147,3 +146,21 @@ def solve_offloaded(prepared: Prepared, budget_bytes: int, limits: OffloadLimits
         assert failure is not None
         raise failure
     return best[1], best[2]
+
+
+def offload_spec(prepared: Prepared, offloads: Offloads) -> OffloadSpec | None:
+    """What the executor needs to run ``offloads`` (each storage found by the op that makes it), with what the
+    model predicts of them; None when the plan offloads nothing."""
+    if not offloads.n:
+        return None
+    memory, nodes = prepared.memory, prepared.profile.nodes
+    link = host_link(prepared.profile)
+    return OffloadSpec(
+        targets=targets_of([nd.kernels for nd in nodes], [int(memory.producer[s]) for s in offloads.storages],
+                           [int(memory.size[s]) for s in offloads.storages], offloads.group,
+                           [prepared.profile.storages[s].op for s in offloads.storages], offloads.cached,
+                           [prepared.profile.storages[s].output for s in offloads.storages]),
+        storages=offloads.n, offloaded_bytes=offloaded_bytes(memory, offloads), exposed_ms=offloads.exposed_us / 1000,
+        d2h_busy_ms=offloads.d2h_busy_us / 1000, forward_ms=offloads.fwd_us / 1000,
+        h2d_busy_ms=offloads.h2d_busy_us / 1000, backward_ms=offloads.bwd_us / 1000,
+        link=link.source if link is not None else "")

@@ -279,13 +279,12 @@ class _Marking(TorchDispatchMode):
 class Offloader:
     """The forward hooks of a planned module's root that run its offloads (``OffloadSpec``)."""
 
-    def __init__(self, spec: OffloadSpec) -> None:
-        self.spec = spec
+    def __init__(self, spec: OffloadSpec | None) -> None:
+        self.spec: OffloadSpec | None = None
         self.wanted: dict[tuple[str, int], list[OffloadTarget]] = {}
-        for t in spec.targets:
-            self.wanted.setdefault((t.kernel, t.occurrence), []).append(t)
-        self.names = {t.kernel for t in spec.targets}
-        self.cached = any(t.cached for t in spec.targets)
+        self.names: set[str] = set()
+        self.cached = False
+        self.use(spec)
         self.segment: _Segment | None = None
         """The checkpointed segment whose forward runs now (its cached offloads are freed where it ends)."""
         self.host_peak_bytes = 0
@@ -297,6 +296,18 @@ class Offloader:
         self._step: _Step | None = None
         self._marked: dict[int, tuple[weakref.ref, OffloadTarget]] = {}
         self._handles: dict[int, tuple[weakref.ref, weakref.ref[_Handle]]] = {}
+        self._warned = False
+
+    def use(self, spec: OffloadSpec | None) -> None:
+        """Runs ``spec``'s offloads from the next training forward on (None: none): a plan that follows the batch
+        switches them with the call's shape group (``planner.rewrite.switching``)."""
+        self.spec = spec
+        targets = spec.targets if spec is not None else ()
+        self.wanted = {}
+        for t in targets:
+            self.wanted.setdefault((t.kernel, t.occurrence), []).append(t)
+        self.names = {t.kernel for t in targets}
+        self.cached = any(t.cached for t in targets)
         self._warned = False
 
     @property
@@ -314,7 +325,7 @@ class Offloader:
         return self._streams[device]
 
     def begin(self, module: nn.Module, args: Any, kwargs: Any = None) -> None:
-        if not (module.training and torch.is_grad_enabled()) or self._active:
+        if not (module.training and torch.is_grad_enabled()) or self._active or not self.wanted:
             return
         self._step, self._marked, self._handles = _Step(self), {}, {}
         marking = _Marking(self)
@@ -384,15 +395,18 @@ class Offloader:
         return saved.handle.view(saved) if isinstance(saved, _Saved) else saved
 
 
-def install_offloads(module: nn.Module, spec: OffloadSpec | None) -> Offloader | None:
-    """Puts the offloads of ``spec`` on the planned ``module``'s root (nothing when None or empty)."""
-    if spec is None or not spec.targets:
+def install_offloads(module: nn.Module, spec: OffloadSpec | None, *,
+                     switched: bool = False) -> tuple[Offloader, list[Any]] | None:
+    """Puts the offloads of ``spec`` on the planned ``module``'s root, with the handles of its hooks (nothing when
+    ``spec`` is None or empty, unless ``switched``: a plan that follows the batch switches them with the call's
+    group, ``Offloader.use``)."""
+    if not switched and (spec is None or not spec.targets):
         return None
     offloader = Offloader(spec)
-    module.register_forward_pre_hook(offloader.begin, with_kwargs=True)
-    module.register_forward_hook(offloader.end, always_call=True)
+    handles = [module.register_forward_pre_hook(offloader.begin, with_kwargs=True),
+               module.register_forward_hook(offloader.end, always_call=True)]
     module._ckplan_offloader = offloader  # type: ignore[assignment]
-    return offloader
+    return offloader, handles
 
 
 def offloader_of(module: nn.Module) -> Offloader | None:

@@ -7,6 +7,9 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
+
+from planner.common.checked_json import as_list, record_from_json
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -51,6 +54,17 @@ class OffloadSpec:
     """The backward's compute time (re-runs included) the reloads run beside, ms."""
     link: str = ""
     """Where the link's rates come from."""
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str) -> OffloadSpec:
+        """The spec ``dataclasses.asdict`` wrote (a saved plan's), checked field by field.
+
+        Raises:
+            TypeError, ValueError, KeyError: a malformed field, named from ``where``.
+        """
+        targets = tuple(record_from_json(OffloadTarget, t, f"{where}.targets[{i}]")
+                        for i, t in enumerate(as_list(data["targets"], f"{where}.targets")))
+        return record_from_json(cls, {**data, "targets": targets}, where)
 
     @property
     def groups(self) -> int:

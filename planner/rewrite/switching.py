@@ -2,8 +2,10 @@
 and puts that plan's chains on the module when it differs from the last call's.
 
 A plan that follows the batch (``planner.follow``) is a chooser: it looks the call's shapes up in its groups
-and plans a new group on first sight. The hook is the hook executor's (``HookExecutor.build`` and ``apply``
-install it); the chooser only answers with segments, so every chain is installed here, by the executor.
+and plans a new group on first sight; each group's plan may offload activations of its own, which the switch
+hands the root's ``Offloader`` with the group's chains. The hook is the hook executor's (``HookExecutor.build``
+and ``apply`` install it); the chooser only answers with segments and offloads, so every chain is installed
+here, by the executor.
 Calls without gradients or in eval mode (evaluation, ``generate()``) run no checkpoint and switch nothing.
 """
 
@@ -19,6 +21,8 @@ from planner.capture.cache import install_no_cache, training_with_grad
 from planner.capture.inputs import bind
 from planner.rewrite.chain_hooks import Installed, install
 from planner.rewrite.chains import Chain
+from planner.rewrite.offload import Offloader, install_offloads, offloader_of
+from planner.rewrite.offload_spec import OffloadSpec
 from planner.rewrite.segment import Segment
 
 
@@ -33,6 +37,15 @@ class Chooser(Protocol):
     def choose(self, values: Mapping[str, Any]) -> tuple[Hashable, Sequence[Segment]]:
         """The plan for a call with these arguments (by parameter name): a key naming it (calls with equal
         keys run one plan) and its segments. May plan it now; raises for a call it cannot plan."""
+        ...
+
+    @property
+    def offloads(self) -> bool:
+        """Whether its plans may offload activations (``offload`` then says which, per plan)."""
+        ...
+
+    def offload(self, key: Hashable) -> OffloadSpec | None:
+        """The offloads of the plan ``key`` names (None: it offloads nothing)."""
         ...
 
 
@@ -51,6 +64,14 @@ class Switching:
         cache = install_no_cache(root, warn=True)
         if cache is not None:
             self.handles.append(cache)
+        self.offloader: Offloader | None = None
+        """The offloads of the plan installed now, switched with it; None when no plan of the chooser offloads.
+        Its hooks run after this one, so that a call's forward offloads what its own plan says."""
+        if chooser.offloads:
+            installed = install_offloads(root, None, switched=True)
+            assert installed is not None  # switched: always installed
+            self.offloader, handles = installed
+            self.handles += handles
         if first is not None:
             self._switch(*first)
 
@@ -71,6 +92,8 @@ class Switching:
         self._uninstall()
         self.installed = install(self.root, [Chain.of(s) for s in segments])
         self.current, self.segments = key, tuple(segments)
+        if self.offloader is not None:
+            self.offloader.use(self.chooser.offload(key))
 
     def _uninstall(self) -> None:
         if self.installed is not None:
@@ -89,6 +112,9 @@ class Switching:
         for handle in self.handles:
             handle.remove()
         self.handles = []
+        if self.offloader is not None and offloader_of(self.root) is self.offloader:
+            del self.root._ckplan_offloader
+        self.offloader = None
 
 
 @torch.compiler.disable
