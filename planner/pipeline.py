@@ -222,13 +222,18 @@ def plan_for(prepared: Prepared, budget: int | str, *, options: PlanOptions | No
     if opts.budget_bounds is not BudgetBounds.RESERVED or reserve_skipped(prepared) is not None:
         return built(pair, target)
 
-    def replan(target_bytes: int) -> Plan:  # probes are built on clones, the plan that fits on ``target`` after
-        nonlocal pair
-        pair = solved(target_bytes)
-        return built(pair, None)
+    solutions: dict[int, tuple[Prepared, Solution]] = {}  # probes are built on clones, the plan kept on ``target``
 
-    plan = within_reserve(built(pair, None), budget_bytes, replan)
-    return plan if target is None else built(pair, target)
+    def replan(target_bytes: int) -> Plan:
+        solution = solved(target_bytes)
+        probe = built(solution, None)
+        solutions[id(probe)] = solution
+        return probe
+
+    first = built(pair, None)
+    solutions[id(first)] = pair
+    plan = within_reserve(first, budget_bytes, replan)
+    return plan if target is None else built(solutions[id(plan)], target)
 
 
 def follows(prepared: Prepared, options: PlanOptions) -> bool:

@@ -18,7 +18,7 @@ from torch import nn
 
 from planner.capture.aten import SCALAR_READS_KEY
 from planner.common.budget import format_bytes
-from planner.errors import InfeasibleBudget
+from planner.errors import InfeasibleBudget, OutOfTime
 from planner.memory.caching import ReservedPeak, reserved_peak
 from planner.planning.prepared import Prepared
 from planner.profiling.headroom import ALLOC_CONF, expandable_segments, is_gpu
@@ -67,15 +67,18 @@ def reserved_for(prepared: Prepared, module: nn.Module, predicted_peak_bytes: in
 
 def within_reserve(plan: Plan, budget_bytes: int, replan: Callable[[int], Plan]) -> Plan:
     """``plan`` if its reserve fits ``budget_bytes`` (or is not predicted), else the plan ``replan`` makes for a
-    target lowered by what the last reserve was over, up to ``TRIES`` times.
+    target lowered by what the last reserve was over, up to ``TRIES`` times; once one fits, one more plan halfway
+    back to the last target that did not, kept if its reserve fits too and it costs less (the target lowered by
+    the whole excess can be lower than needed: segments change the reserve in steps).
 
     Raises:
         InfeasibleBudget: no plan tried has a reserve within the budget; the message says what the closest needs
             and what else lowers it."""
-    tried, target = [plan], budget_bytes
+    tried, target, over = [plan], budget_bytes, budget_bytes
     while plan.reserved is not None and plan.reserved.needed_bytes > budget_bytes:
         if len(tried) > TRIES:
             break
+        over = target
         target -= plan.reserved.needed_bytes - budget_bytes
         try:
             plan = replan(target)
@@ -83,8 +86,19 @@ def within_reserve(plan: Plan, budget_bytes: int, replan: Callable[[int], Plan])
             break
         tried.append(plan)
     else:
-        return plan
+        return plan if len(tried) == 1 else _cheaper_between(plan, target, over, budget_bytes, replan)
     raise _over(min(tried, key=lambda p: p.reserved.needed_bytes if p.reserved else 0), budget_bytes)
+
+
+def _cheaper_between(plan: Plan, fits: int, over: int, budget_bytes: int, replan: Callable[[int], Plan]) -> Plan:
+    """The plan for the target halfway between ``fits`` (``plan``'s) and ``over`` (whose plan's reserve was over),
+    if its reserve fits and it costs less than ``plan``; else ``plan``."""
+    try:
+        candidate = replan((fits + over) // 2)
+    except (InfeasibleBudget, OutOfTime):
+        return plan
+    fitting = candidate.reserved is None or candidate.reserved.needed_bytes <= budget_bytes
+    return candidate if fitting and candidate.predicted_overhead < plan.predicted_overhead else plan
 
 
 def _over(plan: Plan, budget_bytes: int) -> InfeasibleBudget:
