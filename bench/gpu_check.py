@@ -75,7 +75,8 @@ def example_rows(name: str, device: torch.device, budgets: list[int], runs: int,
         for selective in (True, False):
             try:
                 plans["selective" if selective else "whole-segment"] = plan_for(prepared, f"{fraction}%",
-                                                                                 selective=selective)
+                                                                                 selective=selective,
+                                                                                 budget_bounds="allocated")
             except InfeasibleBudget as exc:
                 rows.append(f"| {name} | {fraction}% | infeasible: {str(exc).splitlines()[0][:70]} | | | | |")
                 break
@@ -164,12 +165,15 @@ def reserved_rows(device: torch.device, layers: int, hidden: int) -> list[str]:
     prepared = prepare(model, inputs=batch, keep_output=False)
     every = plan_for(prepared, prepared.baseline.peak_bytes - 1, solver="every_block")
     halfway = (prepared.baseline.peak_bytes + every.predicted_peak_bytes) // 2
-    plans = {"none": model, "every layer": every.module,
-             "op_sac": plan_for(prepared, prepared.baseline.peak_bytes - 1, solver="op_sac").module,
-             "ckplan halfway to every layer's peak": plan_for(prepared, halfway).module}
+    plans = {"none": None, "every layer": every,
+             "op_sac": plan_for(prepared, prepared.baseline.peak_bytes - 1, solver="op_sac"),
+             "ckplan halfway to every layer's peak": plan_for(prepared, halfway, budget_bounds="allocated")}
     expandable = expandable_segments()
     rows = []
-    for name, module in plans.items():
+    for name, plan in plans.items():
+        module = model if plan is None else plan.module
+        predicted = "-" if plan is None or plan.reserved is None else \
+            f"{mib(plan.reserved.roomy_bytes)} / {mib(plan.reserved.needed_bytes)}"
         simulated = simulate_reserved(allocation_events(module, example, keep_output=False), expandable=expandable)
         measured = "n/a (not a GPU)"
         if device.type == "cuda":
@@ -181,7 +185,8 @@ def reserved_rows(device: torch.device, layers: int, hidden: int) -> list[str]:
             measured = (f"{mib(allocated)} / {mib(reserved)} ({100 * (simulated.peak_bytes / reserved - 1):+.2f}% "
                         "reserved)")
         rows.append(f"| llama {layers} x {hidden} | {name} | {'on' if expandable else 'off'} | {measured} | "
-                    f"{mib(simulated.allocated_bytes)} / {mib(simulated.peak_bytes)} / {mib(simulated.needed_bytes)} |")
+                    f"{mib(simulated.allocated_bytes)} / {mib(simulated.peak_bytes)} / {mib(simulated.needed_bytes)} | "
+                    f"{predicted} |")
     return rows
 
 
@@ -203,7 +208,8 @@ def llama_rows(device: torch.device, runs: int, layers: int, hidden: int) -> lis
 
     policies = {name: plan_for(prepared, prepared.baseline.peak_bytes - 1, solver=name)  # fixed placements
                 for name in ("every_block", "op_sac")}
-    policies["ckplan at op_sac's peak"] = plan_for(prepared, allocator_peaks(policies["op_sac"].module, example, device)[0])
+    policies["ckplan at op_sac's peak"] = plan_for(prepared, allocator_peaks(policies["op_sac"].module, example, device)[0],
+                                                 budget_bounds="allocated")
     times = step_times_ms([model, *(p.module for p in policies.values())], example, runs=runs)
     for (name, plan), ms in zip(policies.items(), times[1:]):
         allocated, reserved = allocator_peaks(plan.module, example, device)
@@ -278,9 +284,11 @@ def offload_rows(device: torch.device, runs: int, layers: int, hidden: int, toke
     full = plan_for(prepared, prepared.baseline.peak_bytes - 1, solver="every_block")
     peak = full.predicted_peak_bytes  # the plans below are compared at the same predicted peak
     plans = {"full AC (every layer)": full,
-             "ckplan at full AC's peak, no offload": plan_for(prepared, peak, offload=False, time_limit_s=20)}
+             "ckplan at full AC's peak, no offload": plan_for(prepared, peak, offload=False, time_limit_s=20,
+                                                                   budget_bounds="allocated")}
     if device.type == "cuda":  # a CPU's host memory is its device memory: offload="auto" is refused there
-        plans["ckplan at full AC's peak, offload auto"] = plan_for(prepared, peak, offload="auto", time_limit_s=20)
+        plans["ckplan at full AC's peak, offload auto"] = plan_for(prepared, peak, offload="auto", time_limit_s=20,
+                                                                   budget_bounds="allocated")
     limits = OffloadLimits(link=host_link(prof), min_bytes=MIN_OFFLOAD_BYTES)
     every = every_block(prepared.memory, 0)  # layer-input offload planned by ckplan: full AC, its kept inputs moved
     kept = full.peak_breakdown.kept_activations_bytes if full.peak_breakdown else 0
@@ -384,8 +392,10 @@ def main() -> None:
         lines += ["", "Reserved memory: measured from an emptied cache, allocated / reserved MiB (the simulation's "
                   "error on reserved), against the caching allocator simulated over the step's allocations as the "
                   "dispatcher records them: allocated / reserved with room to spare / reserved at the device's "
-                  "limit. Run once as is and once with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True.", "",
-                  "| model | plan | expandable segments | measured | simulated |", "|---|---|---|---|---|"]
+                  "limit; and the plan's own prediction (Plan.reserved: with room to spare / at the device's "
+                  "limit). Run once as is and once with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True.", "",
+                  "| model | plan | expandable segments | measured | simulated | Plan.reserved |",
+                  "|---|---|---|---|---|---|"]
         lines += reserved_rows(device, *args.reserved)
         print("\n".join(lines[-4:]), flush=True)
     if args.offload[0]:

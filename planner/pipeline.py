@@ -219,7 +219,8 @@ def plan_for(prepared: Prepared, budget: int | str, *, options: PlanOptions | No
 
     pair = solved(budget_bytes)
     stage("rewrite")
-    if opts.budget_bounds is not BudgetBounds.RESERVED or reserve_skipped(prepared) is not None:
+    if (opts.budget_bounds is not BudgetBounds.RESERVED or reserve_skipped(prepared) is not None
+            or not capabilities(opts.solver).reads_budget):  # a fixed placement is what it is at any target
         return built(pair, target)
 
     solutions: dict[int, tuple[Prepared, Solution]] = {}  # probes are built on clones, the plan kept on ``target``

@@ -294,7 +294,8 @@ def reserve_text(plan: Plan) -> str | None:
     text = (f"{format_bytes(reserved.needed_bytes)} predicted at the device's limit {setting} "
             f"({format_bytes(reserved.roomy_bytes)} with room to spare: max_memory_reserved)")
     if reserved.needed_bytes > plan.budget_bytes:
-        text += ", over the budget, which bounds what it allocates (budget_bounds='allocated')"
+        text += (", over the budget, which bounds what it allocates here (budget_bounds='allocated', or a placement "
+                 "by hand)")
     if not reserved.expandable and reserved.other_bytes < reserved.needed_bytes:
         text += (f"; {ALLOC_CONF}=expandable_segments:True would need {format_bytes(reserved.other_bytes)}")
     return text

@@ -101,3 +101,13 @@ def test_the_cli_reports_the_reserve_and_takes_what_the_budget_bounds(capsys):
     assert main(common) == 0
     reserved = json.loads(capsys.readouterr().out)
     assert reserved["reserved"]["needed_bytes"] <= reserved["budget_bytes"]
+
+
+def test_a_fixed_placement_is_returned_as_it_is_with_its_reserve(gpt):
+    """A placement by hand (``solver="every_block"``) reads no budget: planning it again under a lower target would
+    give it back unchanged, so it is returned with its reserve, over the budget or not."""
+    _, prepared = gpt
+    every = plan_for(prepared, prepared.baseline.peak_bytes, solver="every_block")
+    at_its_peak = plan_for(prepared, every.predicted_peak_bytes, solver="every_block")
+    assert at_its_peak.segments == every.segments
+    assert at_its_peak.reserved.needed_bytes > at_its_peak.budget_bytes  # the 20 MiB segments of a 70 MiB step
