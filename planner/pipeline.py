@@ -30,7 +30,7 @@ from planner.plan import MemoryTimeline, Plan
 from planner.planning.chunkings import save_options_for, solve_budget, solve_prepared
 from planner.planning.offloading import offload_limits, offload_spec, solve_offloaded
 from planner.planning.prepared import Prepared, chunked, device_bytes, prepared_from
-from planner.planning.reserve import reserve_skipped, reserved_for, within_reserve
+from planner.planning.reserve import reserve_predicted, reserved_for, within_reserve
 from planner.planning.step import captured_and_profiled
 from planner.profiling.api import step_device_type
 from planner.profiling.devices import load_device
@@ -189,7 +189,8 @@ def plan_for(prepared: Prepared, budget: int | str, *, options: PlanOptions | No
     started = time.perf_counter()
     deadline = Deadline.after(opts.time_limit_s)  # one limit for every solve below, not one each
     following = follows(prepared, opts)
-    limits = offload_limits(prepared, opts) if capabilities(opts.solver).reads_budget else None
+    reads_budget = capabilities(opts.solver).reads_budget
+    limits = offload_limits(prepared, opts) if reads_budget else None
 
     def solve_at(budget_bytes: int, deadline: Deadline, selective: bool = True) -> tuple[Prepared, Solution]:
         options = opts if selective else replace(opts, selective=False)
@@ -219,8 +220,8 @@ def plan_for(prepared: Prepared, budget: int | str, *, options: PlanOptions | No
 
     pair = solved(budget_bytes)
     stage("rewrite")
-    if (opts.budget_bounds is not BudgetBounds.RESERVED or reserve_skipped(prepared) is not None
-            or not capabilities(opts.solver).reads_budget):  # a fixed placement is what it is at any target
+    if (opts.budget_bounds is not BudgetBounds.RESERVED or not reserve_predicted(prepared)
+            or not reads_budget):  # a fixed placement is what it is at any target
         return built(pair, target)
 
     solutions: dict[int, tuple[Prepared, Solution]] = {}  # probes are built on clones, the plan kept on ``target``

@@ -239,7 +239,7 @@ class Plan:
         data["segments"] = [asdict(s) for s in self.segments]
         data["family"] = None if self.family is None else self.family.to_dict()
         data["offload"] = None if self.offload is None else asdict(self.offload)
-        data["reserved"] = None if self.reserved is None else self.reserved.to_dict()
+        data["reserved"] = None if self.reserved is None else asdict(self.reserved)
         return data
 
     def save(self, path: str | Path) -> None:

@@ -319,10 +319,6 @@ class ReservedPeak:
     other_bytes: int
     """``needed_bytes`` with the other setting of expandable segments."""
 
-    def to_dict(self) -> dict[str, int | bool]:
-        return {"needed_bytes": self.needed_bytes, "roomy_bytes": self.roomy_bytes, "expandable": self.expandable,
-                "other_bytes": self.other_bytes}
-
 
 def reserved_peak(events: Iterable[tuple[int, int]], *, live_peak_bytes: int, predicted_peak_bytes: int,
                   expandable: bool) -> ReservedPeak:
@@ -332,10 +328,9 @@ def reserved_peak(events: Iterable[tuple[int, int]], *, live_peak_bytes: int, pr
     loop's optimizer state, workspaces)."""
     events = list(events)
 
-    def needed(reserved: Reserved) -> int:
-        return predicted_peak_bytes + max(0, reserved.needed_bytes - live_peak_bytes)
+    def added(reserved_bytes: int) -> int:
+        return predicted_peak_bytes + max(0, reserved_bytes - live_peak_bytes)
 
     this, other = simulate_reserved(events, expandable=expandable), simulate_reserved(events, expandable=not expandable)
-    return ReservedPeak(needed_bytes=needed(this),
-                        roomy_bytes=predicted_peak_bytes + max(0, this.peak_bytes - live_peak_bytes),
-                        expandable=expandable, other_bytes=needed(other))
+    return ReservedPeak(needed_bytes=added(this.needed_bytes), roomy_bytes=added(this.peak_bytes),
+                        expandable=expandable, other_bytes=added(other.needed_bytes))

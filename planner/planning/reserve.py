@@ -32,24 +32,19 @@ TRIES = 4
 reserve was over the budget."""
 
 
-def reserve_skipped(prepared: Prepared) -> str | None:
-    """Why the reserve of ``prepared``'s plans is not predicted, or None when it is: not a GPU, a rank of a
-    distributed job (its collectives' buffers are not replayed), a step under autocast (meta tensors, which the
-    replay runs on, are not cast by it)."""
-    if not is_gpu(prepared.profile.device):
-        return "not a GPU"
-    if prepared.distributed is not None:
-        return "the reserve of a distributed job's rank is not predicted"
-    if prepared.loop.autocast_dtype is not None:
-        return "the reserve of a step under autocast is not predicted"
-    return None
+def reserve_predicted(prepared: Prepared) -> bool:
+    """Whether the reserve of ``prepared``'s plans is predicted: on a GPU, but not for a rank of a distributed job
+    (its collectives' buffers are not replayed) nor for a step under autocast (meta tensors, which the replay runs
+    on, are not cast by it)."""
+    return (is_gpu(prepared.profile.device) and prepared.distributed is None
+            and prepared.loop.autocast_dtype is None)
 
 
 def reserved_for(prepared: Prepared, module: nn.Module, predicted_peak_bytes: int) -> ReservedPeak | None:
     """What the CUDA caching allocator is predicted to reserve for the step of ``module`` (a plan of ``prepared``
     whose predicted peak is ``predicted_peak_bytes``), with this process's ``expandable_segments`` setting; None
-    where it is not predicted (``reserve_skipped``) or the replay fails (with a warning saying so)."""
-    if reserve_skipped(prepared) is not None:
+    where it is not predicted (``reserve_predicted``) or the replay fails (with a warning saying so)."""
+    if not reserve_predicted(prepared):
         return None
     try:
         allocations = step_allocations(module, prepared.example, loss_fn=prepared.options.loss_fn,

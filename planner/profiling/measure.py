@@ -49,7 +49,7 @@ def measure_peak(module: nn.Module, inputs: Inputs, loss_fn: Callable[[Any], tor
     included); on CUDA ``max_memory_allocated``."""
     device = next(module.parameters()).device
     with untouched(module), AllocatorTrace(device) as trace:
-        _step(module, inputs, loss_fn, keep_output=keep_output)
+        run_step(module, inputs, loss_fn, keep_output=keep_output)
     return _before(trace, _resident(module, inputs)) + trace.peak_bytes
 
 
@@ -81,7 +81,7 @@ def _live_step(module: nn.Module, inputs: Inputs, loss_fn: Callable[[Any], torch
     for t in _resident(module, inputs):
         tracker.track(t)
     with untouched(module), tracker:
-        _step(module, inputs, loss_fn, keep_output=keep_output)
+        run_step(module, inputs, loss_fn, keep_output=keep_output)
     return tracker
 
 
@@ -157,7 +157,7 @@ def measure_loop_peak(module: nn.Module, batches: Sequence[Inputs], loss_fn: Los
     return before + max(w.peak_bytes + b for w, b in zip(trace.windows, batch_bytes))
 
 
-def _step(module: nn.Module, inputs: Inputs, loss_fn: Callable[[Any], torch.Tensor] | None, *,
+def run_step(module: nn.Module, inputs: Inputs, loss_fn: Callable[[Any], torch.Tensor] | None, *,
           keep_output: bool) -> None:
     """One measured step: the output kept alive through backward, as a training loop does, unless
     ``keep_output`` is False."""

@@ -22,8 +22,9 @@ from torch import nn
 
 from planner.capture.inputs import Inputs
 from planner.capture.masks import eager_masks
-from planner.capture.step import LossFn, backward, default_loss, untouched
+from planner.capture.step import LossFn, untouched
 from planner.compat.torch_private import tree_leaves, tree_map
+from planner.profiling.measure import run_step
 from planner.profiling.memtrack import LiveStorages
 from planner.profiling.meta import (
     META,
@@ -67,19 +68,14 @@ class _Step(nn.Module):
     """Forward, loss and backward as one call, so that ``functional_call``'s meta tensors stay in place through
     backward (where checkpointed segments re-run)."""
 
-    def __init__(self, module: nn.Module, loss_fn: LossFn, keep_output: bool) -> None:
+    def __init__(self, module: nn.Module, loss_fn: LossFn | None, keep_output: bool) -> None:
         super().__init__()
         self.module = module
         self.loss_fn = loss_fn
         self.keep_output = keep_output
 
     def forward(self, *args: Any, **kwargs: Any) -> None:
-        output = self.module(*args, **kwargs)
-        loss = self.loss_fn(output)
-        if not self.keep_output:
-            output = None
-        backward(loss)
-        del loss, output
+        run_step(self.module, Inputs(args=args, kwargs=kwargs), self.loss_fn, keep_output=self.keep_output)
 
 
 def step_allocations(module: nn.Module, inputs: Inputs, *, loss_fn: LossFn | None = None,
@@ -102,7 +98,7 @@ def step_allocations(module: nn.Module, inputs: Inputs, *, loss_fn: LossFn | Non
     for t in [*state.values(), *tree_leaves((args, kwargs))]:
         if isinstance(t, torch.Tensor):
             tracker.track(t)
-    step = _Step(module, loss_fn or default_loss, keep_output)
+    step = _Step(module, loss_fn, keep_output)
     with untouched(module), eager_masks(inputs.kwargs), autocast_asked_of(home), _flash_in_reruns(), \
             MovesStayOnMeta(), StrayTensorsToMeta(home), AnsweredReads(list(reads)), tracker:
         torch.func.functional_call(step, state, tuple(args), kwargs, tie_weights=False, strict=False)

@@ -296,7 +296,6 @@ class Offloader:
         self._step: _Step | None = None
         self._marked: dict[int, tuple[weakref.ref, OffloadTarget]] = {}
         self._handles: dict[int, tuple[weakref.ref, weakref.ref[_Handle]]] = {}
-        self._warned = False
 
     def use(self, spec: OffloadSpec | None) -> None:
         """Runs ``spec``'s offloads from the next training forward on (None: none): a plan that follows the batch
