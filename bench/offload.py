@@ -8,7 +8,9 @@ allocated), one sequence of 8k, 32k or 128k tokens, bf16 mixed precision, AdamW,
 (torchtitan's loop). For each device and length, at the predicted peak of torchtitan's full activation
 checkpointing (every decoder layer) and of its default op-level policy (``op_sac``): the policy itself, ckplan
 without offload, and ckplan with offload (the host link of the device spec: 53 GB/s each way on H100/H200 over
-PCIe, 170 GB/s out and 410 GB/s back on GH200), within a host budget per rank (``HOST_BUDGET``). Step times are predicted: the roofline's un-checkpointed step plus
+PCIe, 170 GB/s out and 410 GB/s back on GH200), as the ranks of one host share it by default: each rank's link at
+most an equal share of the host memory's bandwidth, and pinned memory up to half the host's memory split among its
+ranks (8 per DGX H100/H200 host, 1 per GH200 superchip). Step times are predicted: the roofline's un-checkpointed step plus
 the plan's re-runs plus the copy time the compute does not hide (``docs/offload.md``). Each device and length runs
 in a fresh process.
 """
@@ -21,6 +23,7 @@ import platform
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -30,9 +33,6 @@ sys.path.insert(0, str(ROOT / "bench"))
 import large_models  # noqa: E402  (the same Llama shapes and builder)
 
 DEVICES = ("h100", "h200", "gh200")
-HOST_BUDGET = {"h100": "256GB", "h200": "256GB", "gh200": "480GB"}
-"""Pinned host memory per rank the offloads may hold: a DGX H100/H200's 2 TB of host memory over its 8 GPUs, a
-GH200 superchip's 480 GB of LPDDR5X."""
 LENGTHS = (8192, 32768, 131072)
 
 
@@ -41,6 +41,7 @@ def one(device: str, tokens: int, time_limit_s: float) -> dict:
 
     import planner
     from planner.pipeline import plan_from_solution
+    from planner.planning.offloading import host_of, offload_limits
     from planner.planning.prepared import chunked
     from planner.solve.baselines import every_block, op_sac
 
@@ -71,15 +72,18 @@ def one(device: str, tokens: int, time_limit_s: float) -> dict:
         rows.append(row(name, fixed))
         for offload in (False, True):
             start = time.perf_counter()
-            ours = planner.plan_for(prepared, fixed.predicted_peak_bytes, offload=offload,
-                                    host_budget=HOST_BUDGET[device] if offload else None)
+            ours = planner.plan_for(prepared, fixed.predicted_peak_bytes, offload=offload)
             rows.append(row(f"ckplan at that peak, {'with' if offload else 'without'} offload", ours,
                             time.perf_counter() - start))
     fwd_ms = sum(n.fwd_ms for n in prepared.profile.nodes)
-    link = prepared.profile.d2h_gb_per_s or 0.0
+    limits = offload_limits(prepared, replace(prepared.options, offload=True))
+    host = host_of(prepared, prepared.options)
+    link = limits.link.d2h_bytes_per_us / 1e3  # GB/s, each rank's share
     return {"device": device, "tokens": tokens, "prepare_s": prepare_s, "step_ms": step, "fwd_ms": fwd_ms,
             "window_gib": link * 1e9 * fwd_ms / 1e3 / 2**30, "d2h_gb_per_s": link,
-            "h2d_gb_per_s": prepared.profile.h2d_gb_per_s, "none_peak": prepared.baseline.peak_bytes, "rows": rows}
+            "h2d_gb_per_s": limits.link.h2d_bytes_per_us / 1e3, "alone_gb_per_s": prepared.profile.d2h_gb_per_s,
+            "ranks_per_host": host.ranks, "host_gb_per_s": host.bandwidth_gb_per_s,
+            "host_budget": limits.host_budget_bytes, "none_peak": prepared.baseline.peak_bytes, "rows": rows}
 
 
 def main() -> None:
@@ -118,14 +122,20 @@ def report(results: list[dict], args: argparse.Namespace) -> str:
              "dropped before backward. Memory from the meta replay (the Hugging Face Llama code as eager code runs it: SDPA's causal kernel, no mask), times "
              "from the device spec's roofline and host link: every figure is a prediction, none is measured on a GPU. "
              "Step time = the un-checkpointed step + re-runs + the copy time the compute does not hide. "
-             "\"vs full AC\": step time saved against full activation checkpointing's own step. Host budget per rank: "
-             + ", ".join(f"{d} {b}" for d, b in HOST_BUDGET.items()) + ".", ""]
+             "\"vs full AC\": step time saved against full activation checkpointing's own step. The host as its "
+             "ranks share it (the default `ranks_per_host`: the job's 8 ranks, up to the spec's `gpus_per_host`): "
+             "each rank's link at most an equal share of the host memory's peak bandwidth, pinned memory up to half "
+             "of the host's memory split among its ranks (the default `host_budget`).", ""]
     for r in results:
         full = r["rows"][0]["step_ms"]
         lines += [f"## {r['device'].upper()}, {r['tokens'] // 1024}k tokens", "",
-                  f"Un-checkpointed: {gib(r['none_peak'])} per rank, {r['step_ms']:.0f} ms a step. Host link "
-                  f"{r['d2h_gb_per_s']:.0f} GB/s out, {r['h2d_gb_per_s']:.0f} GB/s back: the forward "
-                  f"({r['fwd_ms']:.0f} ms) can carry {r['window_gib']:.1f} GiB to the host while it computes.", "",
+                  f"Un-checkpointed: {gib(r['none_peak'])} per rank, {r['step_ms']:.0f} ms a step. "
+                  f"{r['ranks_per_host']} rank{'s' if r['ranks_per_host'] > 1 else ''} per host, whose memory moves "
+                  f"{r['host_gb_per_s']:g} GB/s at peak ({r['host_gb_per_s'] / r['ranks_per_host']:.1f} GB/s a "
+                  f"rank); each rank's link {r['d2h_gb_per_s']:.0f} GB/s out, {r['h2d_gb_per_s']:.0f} GB/s back "
+                  f"(alone: {r['alone_gb_per_s']:.0f} out); pinned host memory up to {gib(r['host_budget'])} a rank. "
+                  f"The forward ({r['fwd_ms']:.0f} ms) can carry {r['window_gib']:.1f} GiB to the host while it "
+                  "computes.", "",
                   "| plan | peak per rank | re-run | step | vs full AC | offloaded | link busy out / back | "
                   "copies exposed | solve |", "|---|---|---|---|---|---|---|---|---|"]
         for row in r["rows"]:

@@ -125,7 +125,13 @@ class PlanOptions:
     A plan that follows the batch chooses each shape group's offloads with its plan."""
     host_budget: int | str | None = _option(None, prepared=False, refused={**_PLANNING, **_COMPILED})
     """Most pinned host memory the plan's offloaded activations may hold, per rank (``"64GB"``, bytes); pinned memory
-    cannot be swapped out. None: no limit."""
+    cannot be swapped out. None: the host's share (``ranks_per_host``): half of its memory (the device spec's
+    ``host_memory_bytes``, or this machine's when planning on its GPU) split among its ranks."""
+    ranks_per_host: int | None = _option(None, prepared=False, refused={**_PLANNING, **_COMPILED})
+    """Ranks of the job whose offloads share one host: its memory's bandwidth (each rank's copies get at most an
+    equal share of the spec's ``host_memory_bandwidth_gb_per_s``) and its pinned memory (``host_budget``). None:
+    for a device spec, the job's ranks (``world_size`` x ``tensor_parallel``) up to the spec's ``gpus_per_host``;
+    on a GPU, torchrun's ``LOCAL_WORLD_SIZE``, else 1."""
     budget_bounds: BudgetBounds = _option(BudgetBounds.RESERVED, prepared=False, refused={**_PLANNING, **_COMPILED})
     """On a GPU (``cuda`` or a GPU's spec): ``"reserved"`` (default), the plan's step fits the budget as the CUDA
     caching allocator reserves it (its rounding and segments, ``docs/memory-model.md``), which is what runs out;
@@ -192,6 +198,8 @@ class PlanOptions:
                               f"got {self.offload!r}")
         if self.host_budget is not None:
             object.__setattr__(self, "host_budget", _host_bytes(self.host_budget))
+        if self.ranks_per_host is not None:
+            _check_count("ranks_per_host", self.ranks_per_host, "the ranks whose offloads share one host")
         limit = self.time_limit_s
         if isinstance(limit, bool) or not isinstance(limit, int | float) or not 0 <= limit < float("inf"):
             raise OptionError(f"time_limit_s must be a number of seconds >= 0 (got {limit!r}); e.g. time_limit_s=60")
@@ -256,6 +264,7 @@ class OptionArgs(TypedDict, total=False):
     shapes: Sequence[Any] | None
     offload: bool | str | None
     host_budget: int | str | None
+    ranks_per_host: int | None
     budget_bounds: BudgetBounds | str
     compilable: bool
     progress: Callable[[str], None] | None

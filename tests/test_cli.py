@@ -501,3 +501,6 @@ def test_offload_flags_reach_the_plan_and_a_share_is_no_host_budget(work):
     bad = ckplan(str(work / "mlp.py"), "--offload", "auto", "--host-budget", "50%")
     assert bad.returncode == 2 and no_traceback(bad)
     assert "--host-budget is a size such as 64GB" in bad.stderr
+    bad = ckplan(str(work / "mlp.py"), "--ranks-per-host", "0")
+    assert bad.returncode == 2 and no_traceback(bad)
+    assert "ranks_per_host must be an integer >= 1" in bad.stderr

@@ -14,7 +14,7 @@ import planner
 from planner import OptionError, load_plan
 from planner.capture.inputs import as_inputs
 from planner.common.budget import format_bytes
-from planner.memory.offload import NO_OFFLOADS, HostLink, holding, marking_us, relief, schedule
+from planner.memory.offload import NO_OFFLOADS, Host, HostLink, holding, marking_us, relief, schedule
 from planner.memory.simulate import simulate
 from planner.memory.synthetic import GraphBuilder, memory_model
 from planner.options import PlanOptions
@@ -190,6 +190,65 @@ def test_a_call_of_another_shape_offloads_the_same_tensors_at_its_own_size(gpt_p
     assert measured < plan.predicted_peak_bytes
     for a, b in zip(got, _grads(model, model, short)):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_the_ranks_of_one_host_share_its_memory_bandwidth_and_its_pinned_memory():
+    """Eight ranks copying at once into one host's memory each get at most an eighth of its bandwidth, and an
+    eighth of the half of its memory that offloads may pin; a copy on the shared link takes longer."""
+    link = HostLink.from_gb_per_s(53, 53, overlaps=True, source="spec")
+    dgx = Host(ranks=8, memory_bytes=2 * 2**40, bandwidth_gb_per_s=563.2)
+    assert dgx.link(link) == link  # 70.4 GB/s each: the PCIe link binds first
+    assert dgx.budget_bytes == 2**40 // 8
+    narrow = Host(ranks=8, memory_bytes=None, bandwidth_gb_per_s=200)
+    shared = narrow.link(link)
+    assert shared.d2h_bytes_per_us == shared.h2d_bytes_per_us == 25_000  # 25 GB/s
+    assert "shared by 8 ranks" in shared.source and narrow.budget_bytes is None
+    assert Host(ranks=1, memory_bytes=None, bandwidth_gb_per_s=200).link(link) == link
+    model, a = _chain()
+    alone = schedule(model, (), frozenset(), [a], FAST)
+    halved = schedule(model, (), frozenset(), [a], Host(ranks=2, memory_bytes=None, bandwidth_gb_per_s=10).link(FAST))
+    assert alone is not None and halved is not None and halved.d2h_busy_us == 2 * alone.d2h_busy_us
+    assert halved.exposed_us > alone.exposed_us  # the reload b's backward waits for takes twice as long
+
+
+@pytest.mark.slow
+def test_a_plan_for_a_spec_shares_its_hosts_link_and_pinned_memory_among_the_ranks_on_it(tmp_path):
+    """A Llama-shaped decoder on meta for a GH200-like spec (170 GB/s out, 410 back) whose host of eight GPUs
+    has memory moving 400 GB/s: planned for one rank of the eight, each rank's copies get 50 GB/s, and the plan at
+    full checkpointing's peak offloads less and costs more than with the host to itself; the default pinned budget
+    is the rank's share."""
+    import json
+
+    transformers = pytest.importorskip("transformers")
+    spec = json.loads((Path(planner.__file__).parent / "profiling" / "device_specs" / "gh200.json").read_text())
+    spec.update(name="gh200-shared-host", gpus_per_host=8, host_memory_bandwidth_gb_per_s=400)
+    path = tmp_path / "gh200-shared-host.json"
+    path.write_text(json.dumps(spec))
+    config = transformers.LlamaConfig(vocab_size=4096, hidden_size=1024, intermediate_size=2816, num_hidden_layers=4,
+                                      num_attention_heads=8, num_key_value_heads=4, use_cache=False,
+                                      attn_implementation="sdpa")
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
+        ids = torch.randint(0, 4096, (1, 8192))
+    prepared = planner.prepare(model, inputs={"input_ids": ids, "labels": ids}, keep_output=False, device=str(path),
+                               follow_batch=False)
+    limits = offload_limits(prepared, replace(prepared.options, ranks_per_host=8))
+    assert limits.link.d2h_bytes_per_us == limits.link.h2d_bytes_per_us == 50_000
+    assert limits.host_budget_bytes == spec["host_memory_bytes"] // 2 // 8
+    alone = offload_limits(prepared, replace(prepared.options, ranks_per_host=1))
+    assert (alone.link.d2h_bytes_per_us, alone.link.h2d_bytes_per_us) == (170_000, 410_000)
+    assert alone.host_budget_bytes == spec["host_memory_bytes"] // 2
+    assert offload_limits(prepared, prepared.options).link == alone.link  # one rank (world_size 1): alone
+    full = plan_from_solution(prepared, every_block(prepared.memory, 0), prepared.baseline.peak_bytes)
+    plans = {ranks: planner.plan_for(prepared, full.predicted_peak_bytes, offload="auto", time_limit_s=15,
+                                     budget_bounds="allocated", ranks_per_host=ranks) for ranks in (1, 8)}
+    assert plans[1].offload is not None and plans[1].offload.offloaded_bytes > 0
+    shared = plans[8].offload.offloaded_bytes if plans[8].offload is not None else 0
+    assert shared < plans[1].offload.offloaded_bytes
+    assert plans[8].predicted_overhead >= plans[1].predicted_overhead
+    assert plans[8].offload is None or "shared by 8 ranks" in plans[8].offload.link
+    for plan in plans.values():
+        assert plan.predicted_peak_bytes <= full.predicted_peak_bytes
 
 
 def test_offload_is_off_on_a_cpu_unless_asked_and_its_options_are_checked(gpt_prepared):

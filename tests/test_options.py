@@ -118,7 +118,7 @@ NOT_DEFAULT = {"keep_output": False, "solver": "rotor", "time_limit_s": 5.0, "ma
                "world_size": 2, "parallel": "ddp", "units": ("blocks.*",), "tensor_parallel": 2, "optimizer": "adamw",
                "gradient_accumulation_steps": 4, "batches_held": 4, "zero_grad": "before_backward",
                "set_to_none": False, "autocast": "bf16", "mixed_precision": object(), "follow_batch": True,
-               "shapes": ((4, 8),), "offload": "auto", "host_budget": "1GB",
+               "shapes": ((4, 8),), "offload": "auto", "host_budget": "1GB", "ranks_per_host": 8,
                "budget_bounds": "allocated", "compilable": True}
 
 

@@ -52,6 +52,47 @@ class HostLink:
         return cls(d2h_bytes_per_us=d2h * 1e3, h2d_bytes_per_us=h2d * 1e3, overlaps=overlaps, source=source)
 
 
+PINNABLE_SHARE = 0.5
+"""Share of a host's memory the offloads of all its ranks may pin, where no ``host_budget`` is given (a modelling
+choice, not a datasheet figure): pinned pages cannot be swapped or reclaimed, and the rest of the host's memory
+serves the operating system, data loader workers, checkpoint staging and optimizer states offloaded to the host."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Host:
+    """The host a rank's offloads go to, as its ranks share it: they copy at once (each forward's copies out, each
+    backward's copies back) into one host memory, and pin pages of it."""
+
+    ranks: int
+    """Ranks of the job on this host (each with its own device and link)."""
+    memory_bytes: int | None
+    """The host's memory, bytes; None: unknown."""
+    bandwidth_gb_per_s: float | None
+    """Peak bandwidth of the host's memory, 10^9 bytes/s; None: unknown (each rank's link is taken as it is)."""
+    source: str = ""
+
+    def link(self, link: HostLink) -> HostLink:
+        """What ``link`` carries for one rank while every rank of the host copies in the same direction: each
+        direction at most an equal share of the host memory's bandwidth."""
+        if self.bandwidth_gb_per_s is None:
+            return link
+        share = self.bandwidth_gb_per_s * 1e3 / self.ranks  # bytes per microsecond
+        if share >= min(link.d2h_bytes_per_us, link.h2d_bytes_per_us):
+            return link
+        return HostLink(d2h_bytes_per_us=min(link.d2h_bytes_per_us, share),
+                        h2d_bytes_per_us=min(link.h2d_bytes_per_us, share), overlaps=link.overlaps,
+                        source=f"{link.source}; host memory {self.bandwidth_gb_per_s:g} GB/s shared by {self.ranks} "
+                               "ranks")
+
+    @property
+    def budget_bytes(self) -> int | None:
+        """Pinned host memory one rank's offloads may hold by default: ``PINNABLE_SHARE`` of the host's memory
+        split equally among its ranks; None where the host's memory is unknown."""
+        if self.memory_bytes is None:
+            return None
+        return int(self.memory_bytes * PINNABLE_SHARE) // self.ranks
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Offloads:
     """The storages a plan offloads and their schedule (``schedule``)."""
@@ -79,6 +120,8 @@ class Offloads:
     """The forward's compute time the copies to the host run beside."""
     bwd_us: int
     """The backward's compute time (re-runs included) the reloads run beside."""
+    link: str = ""
+    """Where the link's rates come from, and how the host's ranks share it (``HostLink.source``)."""
 
     @property
     def n(self) -> int:
@@ -227,7 +270,7 @@ def schedule(model: MemoryModel, plan: ChunkPlan, saves: Saves, storages, link: 
         storages=tuple(chosen), group=back.group, gone=tuple(gone), trigger=back.trigger,
         release=tuple(int(held.release[s]) for s in chosen), cached=tuple(bool(held.cached[s]) for s in chosen),
         exposed_us=round(exposed_out + back.exposed) + marking_us(model), d2h_busy_us=round(d2h_busy),
-        h2d_busy_us=round(back.busy), fwd_us=int(model.node_cost_us.sum()), bwd_us=back.bwd_us)
+        h2d_busy_us=round(back.busy), fwd_us=int(model.node_cost_us.sum()), bwd_us=back.bwd_us, link=link.source)
 
 
 def _copies_out(model: MemoryModel, held: _Holding, chosen: list[int],

@@ -8,14 +8,16 @@ the least wins. All of it shares the solve stage's ``Deadline``.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import replace
 
 from planner.errors import InfeasibleBudget, OptionError, OutOfTime
 from planner.memory.model import MemoryModel
-from planner.memory.offload import MIN_OFFLOAD_BYTES, HostLink, Offloads, offloaded_bytes
+from planner.memory.offload import MIN_OFFLOAD_BYTES, Host, HostLink, Offloads, offloaded_bytes
 from planner.options import PlanOptions
 from planner.planning.prepared import Prepared
+from planner.profiling.devices import DeviceSpec, device_names, is_device_spec, load_device
 from planner.profiling.record import Profile
 from planner.rewrite.offload_spec import OffloadSpec, targets_of
 from planner.solve.deadline import Deadline
@@ -80,9 +82,44 @@ def offload_limits(prepared: Prepared, options: PlanOptions) -> OffloadLimits | 
         raise OptionError(f"offload moves activations from the device to host memory, and on "
                           f"{prepared.profile.device} they are the same memory: nothing would be freed; plan for "
                           "the GPU it trains on (on it, or device='h100')")
-    host = options.host_budget
-    return OffloadLimits(link=link, host_budget_bytes=host if isinstance(host, int) else None,
-                         min_bytes=MIN_OFFLOAD_BYTES)
+    host = host_of(prepared, options)
+    budget = options.host_budget
+    return OffloadLimits(link=host.link(link), min_bytes=MIN_OFFLOAD_BYTES,
+                         host_budget_bytes=budget if isinstance(budget, int) else host.budget_bytes)
+
+
+def host_of(prepared: Prepared, options: PlanOptions) -> Host:
+    """The host the plan's offloads go to, as the ranks on it share it (``PlanOptions.ranks_per_host``): for a
+    device spec, its host figures, shared by the job's ranks up to the spec's ``gpus_per_host``; on a GPU profiled
+    here, this machine's memory (its bandwidth unknown: the link was measured), shared by torchrun's local ranks."""
+    spec = _spec_of(prepared, options)
+    if spec is not None:
+        ranks = options.ranks_per_host or (min(options.world_size * options.tensor_parallel, spec.gpus_per_host)
+                                           if spec.gpus_per_host is not None else 1)
+        return Host(ranks=ranks, memory_bytes=spec.host_memory_bytes,
+                    bandwidth_gb_per_s=spec.host_memory_bandwidth_gb_per_s, source=spec.host_source or "")
+    local = os.environ.get("LOCAL_WORLD_SIZE", "")
+    ranks = options.ranks_per_host or (int(local) if local.isdigit() and int(local) > 0 else 1)
+    here = options.profile is None and not prepared.profile.device.startswith("cpu")
+    return Host(ranks=ranks, memory_bytes=_machine_memory() if here else None, bandwidth_gb_per_s=None,
+                source="this machine's memory" if here else "")
+
+
+def _spec_of(prepared: Prepared, options: PlanOptions) -> DeviceSpec | None:
+    """The device spec the profile estimates for (the ``device=`` option's, or a bundled one by the profile's
+    name); None for a profile measured on a device."""
+    if is_device_spec(options.device):
+        return load_device(options.device)
+    name = prepared.profile.estimated_for
+    return load_device(name) if name in device_names() else None
+
+
+def _machine_memory() -> int | None:
+    """This machine's physical memory, bytes; None where the system does not say."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):
+        return None
 
 
 def solve_offloaded(prepared: Prepared, budget_bytes: int, limits: OffloadLimits, deadline: Deadline,
@@ -154,7 +191,6 @@ def offload_spec(prepared: Prepared, offloads: Offloads) -> OffloadSpec | None:
     if not offloads.n:
         return None
     memory, nodes = prepared.memory, prepared.profile.nodes
-    link = host_link(prepared.profile)
     return OffloadSpec(
         targets=targets_of([nd.kernels for nd in nodes], [int(memory.producer[s]) for s in offloads.storages],
                            [int(memory.size[s]) for s in offloads.storages], offloads.group,
@@ -163,4 +199,4 @@ def offload_spec(prepared: Prepared, offloads: Offloads) -> OffloadSpec | None:
         storages=offloads.n, offloaded_bytes=offloaded_bytes(memory, offloads), exposed_ms=offloads.exposed_us / 1000,
         d2h_busy_ms=offloads.d2h_busy_us / 1000, forward_ms=offloads.fwd_us / 1000,
         h2d_busy_ms=offloads.h2d_busy_us / 1000, backward_ms=offloads.bwd_us / 1000,
-        link=link.source if link is not None else "")
+        link=offloads.link)

@@ -58,6 +58,15 @@ class DeviceSpec:
     the host leaves at); None where the spec gives no host link (a CPU: nothing to offload to)."""
     host_to_device_gb_per_s: float | None = None
     """Bandwidth of a copy from pinned host memory back to the device, 10^9 bytes/s; None as above."""
+    gpus_per_host: int | None = None
+    """Devices that share one host's memory (8 in a DGX H100; 1 per GH200 superchip, whose Grace CPU and LPDDR5X
+    serve its one GPU): the ranks whose offloads share that memory's bandwidth and size; None: not given."""
+    host_memory_bytes: int | None = None
+    """Host memory of one host, bytes; None: not given (offloads are bounded by ``host_budget`` only)."""
+    host_memory_bandwidth_gb_per_s: float | None = None
+    """Peak bandwidth of one host's memory, 10^9 bytes/s, which the copies of its devices share; None: not given."""
+    host_source: str | None = None
+    """Where the host figures come from."""
 
     @property
     def host_link(self) -> tuple[float, float] | None:
@@ -121,6 +130,10 @@ def load_device(device: str | Path) -> DeviceSpec:
     if (links[0] is None) != (links[1] is None) or any(link is not None and link <= 0 for link in links):
         raise ProfileFileError(f"device spec {path} needs both device_to_host_gb_per_s and host_to_device_gb_per_s, "
                                "each positive, or neither (no host link)")
+    host = (spec.gpus_per_host, spec.host_memory_bytes, spec.host_memory_bandwidth_gb_per_s)
+    if any(value is not None and value <= 0 for value in host):
+        raise ProfileFileError(f"device spec {path}: gpus_per_host, host_memory_bytes and "
+                               "host_memory_bandwidth_gb_per_s must each be positive where given")
     if "float32" not in spec.peak_dense_tflops or spec.memory_bandwidth_gb_per_s <= 0:
         raise ProfileFileError(f"device spec {path} needs a float32 rate in peak_dense_tflops and a positive "
                                "memory_bandwidth_gb_per_s")

@@ -120,11 +120,13 @@ def eager_excess_of(recorder: MemoryRecorder, captured: Captured, model: nn.Modu
 def assemble(recorder: MemoryRecorder, captured: Captured, model: nn.Module, inputs: Inputs, *,
              times: StepTimes, excess: list[int] | None, device: str, estimated_for: str = "", pieces: int = 1,
              profile_peak_bytes: int | None = None, host_link: tuple[float, float] | None = None,
-             hidden: Hidden | None = None) -> Profile:
+             hidden: Hidden | None = None, device_kind: str | None = None) -> Profile:
     """The ``Profile`` of a recorded step with its times (measured or estimated); ``host_link``: the GB/s of copies
     to and from pinned host memory (default: measured on the device now, ``planner.profiling.link``; an estimate
     passes its spec's); ``hidden``: what its nodes allocated where the dispatcher does not look, with the step's
-    peak at the allocator (``MemoryRecorder.hidden``, ``with_hidden``; default: read from the recorded step)."""
+    peak at the allocator (``MemoryRecorder.hidden``, ``with_hidden``; default: read from the recorded step);
+    ``device_kind``: an estimate's spec kind (``gpu``, ``cpu``; default: the device's type, or the bundled spec
+    named ``estimated_for``'s kind)."""
     if host_link is None and not estimated_for:
         host_link = measure_host_link(torch.device(device))
     hidden = hidden or recorder.hidden()
@@ -160,8 +162,8 @@ def assemble(recorder: MemoryRecorder, captured: Captured, model: nn.Module, inp
         step_bwd_ms=times.step_bwd_ms,
         checkpoint_overhead_ms=times.checkpoint_overhead_ms, sac_op_us=times.sac_op_us,
         baseline_peak_bytes=hidden.peak_bytes,
-        rng_state_bytes=rng_state_bytes(load_device(estimated_for).kind if estimated_for
-                                        else torch.device(device).type),
+        rng_state_bytes=rng_state_bytes(device_kind or (load_device(estimated_for).kind if estimated_for
+                                                        else torch.device(device).type)),
         end_bytes=recorder.end_bytes,
         input_bytes=recorder.input_bytes,
         keep_output=recorder.keep_output,

@@ -65,7 +65,7 @@ def estimate(captured: Captured, model: nn.Module, inputs: Inputs, *, spec: Devi
     times = StepTimes(fwd_ms=fwd, bwd_ms=bwd, step_fwd_ms=sum(fwd), step_bwd_ms=sum(bwd),
                       checkpoint_overhead_ms=spec.checkpoint_overhead_us / 1e3)
     return assemble(recorder, captured, model, replay.example, times=times, excess=replay.excess, device=spec.name,
-                    estimated_for=spec.name, host_link=spec.host_link)
+                    estimated_for=spec.name, host_link=spec.host_link, device_kind=spec.kind)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -76,7 +76,8 @@ def scaled_profile(captured: Captured, model: nn.Module, example: Inputs, scaled
                          checkpoint_overhead_ms=reference.checkpoint_overhead_ms, sac_op_us=reference.sac_op_us)
     return assemble(recorder, captured, model, replay.example, times=times_ms, excess=replay.excess,
                     device=reference.device, hidden=recorder.with_hidden(_hidden_scaled(recorder, reference)),
-                    host_link=_link_of(reference), estimated_for=reference.estimated_for)
+                    host_link=_link_of(reference), estimated_for=reference.estimated_for,
+                    device_kind="cpu" if reference.rng_state_bytes else "gpu")  # only a CPU's checkpoints stash it
 
 
 def _link_of(reference: Profile) -> tuple[float, float] | None:

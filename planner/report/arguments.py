@@ -83,7 +83,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "docs/offload.md)")
     p.add_argument("--host-budget", type=_host_budget, metavar="SIZE",
                    help="most pinned host memory the offloaded activations may hold, per rank, e.g. 64GB (default: "
-                        "no limit)")
+                        "half of the host's memory split among --ranks-per-host; no limit where it is unknown)")
+    p.add_argument("--ranks-per-host", type=int, metavar="N",
+                   help="ranks whose offloads share one host's memory bandwidth and pinned memory (default: for a "
+                        "device spec, world size x tensor parallel up to the spec's gpus_per_host; on a GPU, "
+                        "torchrun's LOCAL_WORLD_SIZE, else 1; docs/offload.md)")
     p.add_argument("--budget-bounds", choices=[b.value for b in BudgetBounds], default=BudgetBounds.RESERVED.value,
                    help="on a GPU, what the budget bounds: what the CUDA caching allocator reserves, its rounding and "
                         "segments included (what runs out), or what it allocates (max_memory_allocated) "

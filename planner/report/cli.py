@@ -130,6 +130,7 @@ def _options(args: argparse.Namespace, found: ModelFile, stage: Callable[[str], 
                        mixed_precision=_mixed_precision(args.mixed_precision),
                        follow_batch=_follows(args), shapes=args.shapes,
                        offload={"auto": True, "off": False}.get(args.offload), host_budget=args.host_budget,
+                       ranks_per_host=args.ranks_per_host,
                        compilable=args.compilable, budget_bounds=args.budget_bounds,
                        device=args.device if isinstance(args.device, str) else None, progress=stage)
 
@@ -152,7 +153,7 @@ def _follows(args: argparse.Namespace) -> bool | None:
 _EAGER_ONLY = ("--save", "--emit", "--profile", "--save-profile", "--verify", "--explain", "--whole-segments",
                "--must-save", "--must-recompute", "--world-size", "--parallel", "--optimizer", "--mixed-precision",
                "--follow-batch", "--shapes", "--tensor-parallel", "--offload", "--host-budget", "--budget-bounds",
-               "--compilable")
+               "--compilable", "--ranks-per-host")
 
 
 def _compiled(args: argparse.Namespace, out: Console, err: Console) -> int:
