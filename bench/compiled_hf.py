@@ -9,7 +9,7 @@ sets when it plans so that a planned model compiles in one graph as the unplanne
 ``compilable=True`` and ``follow_batch=False``, its loss counted as inductor runs it, at that budget scaled by that
 model's and the compiled un-checkpointed peaks, compiled, measured, and planned again until its compiled step fits
 within 2% under the budget (``planner.compiled.fit``, 6 plans compiled at most, then every layer; then the same
-with the graph broken at each layer); each
+with the input embedding compiled apart, then with the graph broken at each layer); each
 ``activation_memory_budget`` fraction of ``--fractions`` compiled (``CompiledModule``) and measured, the highest that
 fits kept. Peaks at the allocator (``measure_peak``, after a step that compiles); step times interleaved
 (``step_samples_ms``, median of ``--runs``), overhead against the un-checkpointed model compiled::
@@ -32,6 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 MiB = 2**20
+WAYS = {"one": "", "inputs_apart": ", the input embedding compiled apart", "per_region": ", graph broken at its layers"}
 
 
 def decoder(family: str, width: int, layers: int):
@@ -121,7 +122,7 @@ def rows_for(family: str, args: argparse.Namespace) -> list[str]:
     names = ["un-checkpointed", "Hugging Face checkpointing (a graph per layer, as compiled by default)",
              "Hugging Face checkpointing in one graph",
              f"ckplan ({len(plan.segments)} segments, {planned.compiles} plans compiled, eager budget "
-             f"{planned.target_bytes / MiB:.0f} MiB{'' if planned.probe.one_graph else ', graph broken at its layers'}"
+             f"{planned.target_bytes / MiB:.0f} MiB{WAYS[planned.probe.graphs.value]}"
              f"{'' if planned.fits else ': none fits, the smallest'})"]
     keys = ["none", "hf", "one graph", "ckplan"]
     if fitted is not None:
@@ -161,7 +162,8 @@ def main() -> None:
         "ckplan is planned with `compilable=True`, its loss counted as inductor runs it (no log-softmax kept), at "
         "the budget scaled by that model's and the compiled un-checkpointed peaks, compiled and measured, and "
         "planned again until its compiled step fits within 2% under the budget "
-        "(`planner.compiled.fit`, then every layer, then the same with the graph broken at each layer); "
+        "(`planner.compiled.fit`, then every layer, then the same with the input embedding compiled apart, "
+        "then with the graph broken at each layer); "
         "`activation_memory_budget` is the highest fraction whose "
         "compiled peak fits. A peak over the budget is marked (over).", "",
         "| model | compiled | peak MiB | step ms | overhead |", "|---|---|---|---|---|",

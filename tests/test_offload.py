@@ -7,6 +7,7 @@ import warnings
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -286,6 +287,9 @@ def test_a_gpu_plan_offloads_where_the_link_is_fast_and_re_runs_less():
     assert plan.predicted_peak_bytes <= full.predicted_peak_bytes
     assert plan.predicted_overhead < full.predicted_overhead
     assert 0 < plan.offload.d2h_busy_ms <= plan.offload.forward_ms  # every copy out within the forward
+    # how far it can be from the best plan with offloads: a proven bound on the re-runs of any of them
+    assert plan.solver_status == "FEASIBLE" and plan.recompute_bound_ms is not None
+    assert 0 <= plan.recompute_bound_ms <= plan.recompute_ms
 
 
 def test_the_timeline_shows_what_the_offloads_keep_in_host_memory(gpt_prepared, tmp_path):
@@ -352,3 +356,44 @@ def test_a_hugging_face_plan_that_follows_the_batch_offloads_per_group_with_exac
         for a, b in zip(got, _grads(model, model, call)):
             torch.testing.assert_close(a, b, rtol=0, atol=0)
     assert len(plan.family.groups) == 2 and "offloaded" in plan.summary()
+
+
+@pytest.mark.parametrize(("n", "seed"), [(6, 0), (7, 1)])
+def test_what_offloads_keep_off_the_device_bounds_every_plan_with_offloads_exactly(n, seed):
+    """The bound on plans with offloads (``planning.offloading._offload_bound``) rests on one inequality, checked
+    here on every plan of small random graphs and every set of its offloadable storages the link can carry: a plan
+    whose offloads bring it under a budget peaks, without them, at most ``carried_bytes`` above that budget. So it
+    re-runs at least the least any plan without offloads re-runs at that higher budget (the bound, brute force
+    here), and the plan chosen with offloads is within its cost of the best one."""
+    from itertools import combinations
+
+    from conftest import random_graph
+
+    from planner.memory.synthetic import all_plans
+    from planner.planning.offloading import carried_bytes
+
+    model, table = random_graph(n, seed)
+    forward_us = int(model.node_cost_us.sum())
+    top = simulate(model, ()).peak_bytes
+    checked = 0
+    for rate, host in ((1000 / forward_us, None), (3000 / forward_us, 1200), (10.0, None)):
+        limits = OffloadLimits(link=HostLink(d2h_bytes_per_us=rate, h2d_bytes_per_us=rate, overlaps=True),
+                               host_budget_bytes=host, min_bytes=1)
+        carried = carried_bytes(limits, model, top)
+        for plan in all_plans(model):
+            plain = simulate(model, plan).peak_bytes
+            held = holding(model, plan, frozenset())  # what the hooks or a cache hold (synthetic ops are unnamed,
+            pool = [int(s) for s in np.flatnonzero(held.eligible & (model.size > 0))][:6]  # so none is markable)
+            for k in range(1, len(pool) + 1):
+                for chosen in combinations(pool, k):
+                    if host is not None and sum(int(model.size[s]) for s in chosen) > host:
+                        continue
+                    offloads = schedule(model, plan, frozenset(), list(chosen), limits.link)
+                    if offloads is None:
+                        continue
+                    peak = simulate(model, plan, frozenset(), offloads).peak_bytes
+                    assert plain <= peak + carried, (plan, chosen)
+                    bound = table.least_recompute(peak + carried)
+                    assert bound is not None and bound <= simulate(model, plan).recompute_us
+                    checked += 1
+    assert checked > 100

@@ -342,6 +342,12 @@ def compile_fx(gm: fx.GraphModule, example_inputs: list) -> Any:
     return _need("torch._inductor.compile_fx", "compile_fx")(gm, example_inputs)
 
 
+def graph_breaker() -> Callable[[], None]:
+    """``torch._dynamo.graph_break``: called where dynamo traces, it ends the graph there; in eager code it does
+    nothing. Resolved here, outside traced code."""
+    return _need("torch._dynamo", "graph_break")
+
+
 def recompile_limits_raised(by: int) -> contextlib.AbstractContextManager:
     """While open, dynamo's per-frame recompile limits are ``by`` entries higher."""
     config = _module("torch._dynamo.config")

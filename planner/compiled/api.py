@@ -11,7 +11,7 @@ from typing_extensions import Unpack
 from planner.capture.inputs import as_inputs
 from planner.common.budget import check_budget, is_device_budget, parse_budget
 from planner.common.units import format_bytes
-from planner.compiled.backend import CompiledModule
+from planner.compiled.backend import CompiledModule, Graphs
 from planner.compiled.fit import fit_compiled
 from planner.compiled.search import FRACTIONS, Probe, Source, probe_all, timed
 from planner.errors import InfeasibleBudget, OptionError
@@ -71,8 +71,11 @@ class CompiledPlan:
     def summary(self) -> str:
         what = ("ckplan's plan compiled" if self.source is Source.PLAN
                 else f"torch.compile at activation_memory_budget={self.fraction:g}")
-        if not self.probes[self.chosen].one_graph:
+        graphs = self.probes[self.chosen].graphs
+        if graphs is Graphs.PER_REGION:
             what += " (the graph broken at its checkpointed layers, as torch.compile does by default)"
+        elif graphs is Graphs.INPUTS_APART:
+            what += " (the input embedding compiled apart: one graph break after it)"
         return (f"{what}: peak {format_bytes(self.peak_bytes)} "
                 f"measured (budget {format_bytes(self.budget_bytes)}, "
                 f"{format_bytes(self.baseline_peak_bytes)} at 1.0), "
@@ -98,7 +101,8 @@ def optimize_compiled(model: nn.Module, budget: int | str, *, inputs: UserInputs
     budgets no fraction does. The eager memory model does not describe the compiled step, so the plan is
     compiled and measured, and planned again at another eager budget until its compiled step fits within
     ``SLACK`` (2%) under the budget, at most ``COMPILES`` (6) compilations, then every repeated block
-    checkpointed, then the same with the graph broken at each checkpointed layer (``planner.compiled.fit``).
+    checkpointed, then the same with the input embedding compiled apart, then with the graph broken at each
+    checkpointed layer (``planner.compiled.fit``).
 
     Args:
         budget: bytes, ``"4GB"``-style, or ``"60%"`` of the peak compiled at fraction 1.0.

@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import enum
 import inspect
 
 import torch
 from torch import nn
 
 from planner.capture.cache import cache_owner, training_with_grad
-from planner.compat.torch_private import activation_memory_budget, checkpoint_side_effects_break_graph, compile_fx
+from planner.compat.torch_private import (
+    activation_memory_budget,
+    checkpoint_side_effects_break_graph,
+    compile_fx,
+    graph_breaker,
+)
 
 
 class BudgetBackend:
@@ -26,26 +32,64 @@ class BudgetBackend:
             return compile_fx(gm, example_inputs)
 
 
+class Graphs(enum.Enum):
+    """Where dynamo breaks the graph of a compiled plan."""
+
+    ONE = "one"
+    """Nowhere: the model in one graph, as it compiles unplanned (ckplan has dynamo trace a checkpointed region that
+    mutates state outside it into the graph: ``skip_fwd_side_effects_in_bwd_under_checkpoint``)."""
+    INPUTS_APART = "inputs_apart"
+    """Once, after the model's input embedding (``get_input_embeddings()``): inductor would fuse its backward into
+    the kernel that ends the first layer's backward, allocating its gradient (vocabulary x width) while that
+    layer's backward buffers are alive; apart, it runs once they are freed (``docs/compiled.md``)."""
+    PER_REGION = "per_region"
+    """At each checkpointed region that mutates state outside it (a Hugging Face decoder layer), as torch.compile
+    does by default."""
+
+
 class CompiledModule(nn.Module):
     """``model`` compiled by ``BudgetBackend(fraction)``; parameters and buffers are the model's own.
 
     ``forward`` enters through a code object made for this instance: dynamo keeps its compiled graphs
-    per code object, so compiling the same model at another fraction neither reuses nor evicts these."""
+    per code object, so compiling the same model at another fraction neither reuses nor evicts these.
+    ``Graphs.INPUTS_APART`` puts a forward hook on the model's input embedding (one that only breaks dynamo's
+    graph): give it a module of ckplan's own, such as a hook plan's clone, never the user's."""
 
-    def __init__(self, model: nn.Module, fraction: float, *, one_graph: bool = True) -> None:
+    def __init__(self, model: nn.Module, fraction: float, *, graphs: Graphs = Graphs.ONE) -> None:
         super().__init__()
         self.model = model
         self.fraction = fraction
-        self.one_graph = one_graph
-        """False: a checkpointed region whose forward mutates state outside it (a Hugging Face decoder layer) breaks
-        the graph, as torch.compile does by default, where ckplan has dynamo trace it into one graph."""
+        self.graphs = graphs
+        if graphs is Graphs.INPUTS_APART:
+            embedding = input_embedding(model)
+            if embedding is None:
+                raise ValueError("the model has no input embedding (get_input_embeddings) to compile apart")
+            embedding.register_forward_hook(_graph_break_after)
         self._compiled = torch.compile(_entry(model), backend=BudgetBackend(fraction))
 
     def forward(self, *args, **kwargs):
-        if self.one_graph:
+        if self.graphs is not Graphs.PER_REGION:
             return self._compiled(*args, **kwargs)
         with checkpoint_side_effects_break_graph():
             return self._compiled(*args, **kwargs)
+
+
+def input_embedding(model: nn.Module) -> nn.Module | None:
+    """The model's input embedding (Hugging Face's and PEFT's ``get_input_embeddings()``), or None."""
+    get = getattr(model, "get_input_embeddings", None)
+    try:
+        embedding = get() if callable(get) else None
+    except (NotImplementedError, AttributeError):
+        return None
+    return embedding if isinstance(embedding, nn.Module) else None
+
+
+_graph_break = graph_breaker()
+
+
+def _graph_break_after(module: nn.Module, args: tuple, output: object) -> None:
+    """A forward hook that ends dynamo's graph after ``module`` (in eager code it does nothing)."""
+    _graph_break()
 
 
 def _entry(model: nn.Module):

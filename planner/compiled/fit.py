@@ -23,10 +23,12 @@ returns the fitting plan that measured the most (the one that re-runs least). Wh
 hand is tried last (each repeated block checkpointed, as Hugging Face's and diffusers' own checkpointing do): where
 the eager step peaks at the loss, which inductor fuses away, the eager model cannot tell its plans apart below
 that peak and may keep the blocks' re-runs larger than the compiled step has room for. Then the same search runs
-once more with dynamo breaking the graph at each checkpointed region that mutates state outside it
-(``CompiledModule.one_graph`` False, as torch.compile does by default for a Hugging Face decoder layer): one graph's
-backward can hold more at once (Hugging Face's own checkpointing on a Qwen2 of width 768: 791.1 MiB compiled with a
-graph per layer, 806.2 in one graph).
+once more with the input embedding compiled apart (``Graphs.INPUTS_APART``: in one graph inductor fuses its
+backward into the first layer's, allocating its gradient while that layer's backward buffers are alive: Hugging
+Face's own checkpointing on a Qwen2 of width 768 measured 791.1 MiB compiled with a graph per layer, 806.2 in one
+graph, 791.1 in one graph with the embedding apart), then with dynamo breaking the graph at each checkpointed
+region that mutates state outside it (``Graphs.PER_REGION``, as torch.compile does by default for a Hugging Face
+decoder layer).
 """
 
 from __future__ import annotations
@@ -40,12 +42,13 @@ import torch
 
 from planner.capture.inputs import Inputs
 from planner.common.units import format_bytes
-from planner.compiled.backend import CompiledModule
+from planner.compiled.backend import CompiledModule, Graphs, input_embedding
 from planner.compiled.search import Probe, Source, probe
 from planner.errors import InfeasibleBudget, OutOfTime, PlannerError
 from planner.pipeline import plan_for
 from planner.plan import Plan
 from planner.planning.prepared import Prepared, for_compiled_loss
+from planner.rewrite.executor import HookExecutor
 
 SLACK = 0.02
 """A plan whose compiled peak is within this share under the budget ends the search."""
@@ -88,19 +91,27 @@ def fit_compiled(prepared: Prepared, budget_bytes: int, example: Inputs,
     eager_plain = prepared.baseline.peak_bytes
     start = min(budget_bytes * eager_plain // max(compiled_plain_bytes, 1), eager_plain - 1)
     tried = _Tried(example, loss_fn, keep_output=keep_output, budget_bytes=budget_bytes, progress=progress)
-    for one_graph in (True, False):
-        _search(prepared, start, tried, compiles=tried.compiles + compiles, one_graph=one_graph)
+    for graphs in _ways(prepared):
+        _search(prepared, start, tried, compiles=tried.compiles + compiles, graphs=graphs)
         if tried.fitted is None:  # the placement by hand: each repeated block, as frameworks' own checkpointing
             with contextlib.suppress(PlannerError):  # a model without repeated blocks
                 tried.measure(plan_for(prepared, eager_plain - 1, solver="every_block"), eager_plain - 1,
-                              one_graph=one_graph)
+                              graphs=graphs)
         if tried.fitted is not None:
             break
     chosen = tried.fitted or tried.least
     return None if chosen is None else replace(chosen, compiles=tried.compiles)
 
 
-def _search(prepared: Prepared, target: int, tried: _Tried, *, compiles: int, one_graph: bool) -> None:
+def _ways(prepared: Prepared) -> list[Graphs]:
+    """The ways to break the graph the search tries, in order: one graph; the input embedding apart, where the
+    model has one and its plans are run by hooks on a clone of it (a rewritten graph shares the user's modules,
+    which must not get the hook); a graph per checkpointed layer."""
+    apart = input_embedding(prepared.model) is not None and isinstance(prepared.executor, HookExecutor)
+    return [Graphs.ONE, *([Graphs.INPUTS_APART] if apart else []), Graphs.PER_REGION]
+
+
+def _search(prepared: Prepared, target: int, tried: _Tried, *, compiles: int, graphs: Graphs) -> None:
     """Moves the eager budget from ``target`` until a plan compiles within ``SLACK`` under the budget, ``tried``
     has ``compiles`` compilations, or an over plan has the smallest eager peak."""
     budget_bytes = tried.budget_bytes
@@ -109,9 +120,9 @@ def _search(prepared: Prepared, target: int, tried: _Tried, *, compiles: int, on
     for _ in range(4 * COMPILES):  # plans seen before cost a solve, not a compilation
         for selective in (True, False):  # None: dynamo failed to resume in a region that keeps ops (graph
             plan, lowest = _plan(prepared, target, selective=selective)  # broken): the same budget without them
-            if plan is None or (tried.new(plan, one_graph) and tried.compiles >= compiles):
+            if plan is None or (tried.new(plan, graphs) and tried.compiles >= compiles):
                 return
-            peak = tried.measure(plan, target, one_graph=one_graph)
+            peak = tried.measure(plan, target, graphs=graphs)
             if peak is not None:
                 break
         if peak is None:
@@ -151,14 +162,14 @@ class _Tried:
     def compiles(self) -> int:
         return len(self.measured)
 
-    def new(self, plan: Plan, one_graph: bool) -> bool:
-        return (_key(plan), one_graph) not in self.measured
+    def new(self, plan: Plan, graphs: Graphs) -> bool:
+        return (_key(plan), graphs) not in self.measured
 
-    def measure(self, plan: Plan, target: int, *, one_graph: bool) -> int | None:
+    def measure(self, plan: Plan, target: int, *, graphs: Graphs) -> int | None:
         """``plan``'s compiled peak (compiled and measured unless measured before); None when dynamo fails to
         compile it with the graph broken (torch 2.13 asserts in the code it resumes after a break in a region
         that keeps ops: ``frozenset not in co_names``)."""
-        key = (_key(plan), one_graph)
+        key = (_key(plan), graphs)
         if key not in self.measured:
             if self.progress is not None:
                 self.progress(f"plan for {format_bytes(target)} eager, compile it and measure a step")
@@ -168,9 +179,9 @@ class _Tried:
             torch.compiler.reset()
             try:
                 self.measured[key] = probe(plan.module, 1.0, self.example, self.loss_fn,
-                                           keep_output=self.keep_output, source=Source.PLAN, one_graph=one_graph)
+                                           keep_output=self.keep_output, source=Source.PLAN, graphs=graphs)
             except Exception as exc:  # dynamo's own failures, only where ckplan breaks the graph
-                if one_graph:
+                if graphs is Graphs.ONE:
                     raise
                 if self.progress is not None:
                     self.progress(f"dynamo failed to compile it with the graph broken: {type(exc).__name__}")
@@ -178,7 +189,7 @@ class _Tried:
         module, probed = self.measured[key]
         peak = probed.peak_bytes
         if self.progress is not None:
-            self.progress(f"{len(plan.segments)} segments{'' if one_graph else ', graph broken'}: compiled step "
+            self.progress(f"{len(plan.segments)} segments{_BROKEN[graphs]}: compiled step "
                           f"{format_bytes(peak)} "
                           f"({'fits' if peak <= self.budget_bytes else 'over'} {format_bytes(self.budget_bytes)})")
         tried = Fitted(plan=plan, module=module, probe=probed, target_bytes=target, compiles=self.compiles,
@@ -188,6 +199,9 @@ class _Tried:
         if peak <= self.budget_bytes and (self.fitted is None or peak > self.fitted.probe.peak_bytes):
             self.fitted = tried
         return peak
+
+
+_BROKEN = {Graphs.ONE: "", Graphs.INPUTS_APART: ", the input embedding apart", Graphs.PER_REGION: ", graph broken"}
 
 
 def _key(plan: Plan) -> tuple:

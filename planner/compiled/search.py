@@ -21,7 +21,7 @@ from torch import nn
 from planner.capture.inputs import Inputs
 from planner.capture.step import backward, default_loss, untouched
 from planner.compat.torch_private import recompile_limits_raised
-from planner.compiled.backend import CompiledModule
+from planner.compiled.backend import CompiledModule, Graphs
 from planner.profiling.measure import measure_peak, step_samples_ms
 
 FRACTIONS = (1.0, 0.8, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1, 0.0)
@@ -51,22 +51,21 @@ class Probe:
     """Seconds of the first step, which compiles forward and backward."""
     step_ms: float | None = None
     """Median step time, ms; None when not timed (over the budget)."""
-    one_graph: bool = True
-    """False: compiled with a graph break at each checkpointed region that mutates state outside it
-    (``CompiledModule.one_graph``)."""
+    graphs: Graphs = Graphs.ONE
+    """Where dynamo broke the graph (``CompiledModule.graphs``)."""
 
 
 def probe(model: nn.Module, fraction: float, inputs: Inputs, loss_fn: Callable[[Any], torch.Tensor] | None,
-          *, keep_output: bool, source: Source = Source.KNAPSACK, one_graph: bool = True
+          *, keep_output: bool, source: Source = Source.KNAPSACK, graphs: Graphs = Graphs.ONE
           ) -> tuple[CompiledModule, Probe]:
     """Compiles ``model`` at ``fraction`` (one warm step) and measures the peak of the next step."""
-    module = CompiledModule(model, fraction, one_graph=one_graph)
+    module = CompiledModule(model, fraction, graphs=graphs)
     start = time.perf_counter()
     with untouched(module), _recompile_room(1):
         backward((loss_fn or default_loss)(module(*inputs.args, **inputs.kwargs)))
     compile_s = time.perf_counter() - start
     peak = measure_peak(module, inputs, loss_fn, keep_output=keep_output)
-    return module, Probe(source=source, fraction=fraction, peak_bytes=peak, compile_s=compile_s, one_graph=one_graph)
+    return module, Probe(source=source, fraction=fraction, peak_bytes=peak, compile_s=compile_s, graphs=graphs)
 
 
 def probe_all(model: nn.Module, fractions: Sequence[float], inputs: Inputs,

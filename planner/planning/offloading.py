@@ -38,16 +38,25 @@ SolveAt = Callable[[int, Deadline, bool], tuple[Prepared, Solution]]
 split included)."""
 
 
-def rungs_above(budget_bytes: int, top_bytes: int, link: HostLink, memory: MemoryModel) -> list[int]:
+def rungs_above(budget_bytes: int, top_bytes: int, limits: OffloadLimits, memory: MemoryModel) -> list[int]:
     """The budgets above ``budget_bytes`` worth planning and offloading down to it: ``RUNGS`` of them, closer
     together near the budget (1/32 of the way to the un-checkpointed peak ``top_bytes``, then 1/16, ... 1), and
-    none further than a link that overlaps compute can carry out during the forward (no choice of offloads can
-    take more off the device)."""
-    reach = top_bytes
-    if link.overlaps:
-        reach = min(reach, budget_bytes + int(link.d2h_bytes_per_us * int(memory.node_cost_us.sum())))
+    none further than offloads can take off the device (``carried_bytes``)."""
+    reach = min(top_bytes, budget_bytes + carried_bytes(limits, memory, top_bytes - budget_bytes))
     rungs = sorted({budget_bytes + (reach - budget_bytes) // 2 ** (RUNGS - 1 - i) for i in range(RUNGS)})
     return [r for r in rungs if r > budget_bytes]
+
+
+def carried_bytes(limits: OffloadLimits, memory: MemoryModel, most: int) -> int:
+    """The most bytes any choice of offloads keeps off the device at once (at most ``most``): what the link carries
+    out while the forward computes, on a link that overlaps compute (a copy that would end after the forward is
+    not made), and what the host budget holds."""
+    carried = most
+    if limits.link.overlaps:
+        carried = min(carried, int(limits.link.d2h_bytes_per_us * int(memory.node_cost_us.sum())))
+    if limits.host_budget_bytes is not None:
+        carried = min(carried, limits.host_budget_bytes)
+    return carried
 
 
 def host_link(profile: Profile) -> HostLink | None:
@@ -134,12 +143,13 @@ def solve_offloaded(prepared: Prepared, budget_bytes: int, limits: OffloadLimits
     """
     best: tuple[int, Prepared, Solution] | None = None
     failure: InfeasibleBudget | OutOfTime | None = None
+    solved: dict[int, Solution] = {}  # by budget, the rungs planned
     try:
         plain, solution = solve_at(budget_bytes, deadline.within(deadline.left_s() * FIRST_SHARE), True)
         best = (solution.recompute_us, plain, solution)
     except (InfeasibleBudget, OutOfTime) as exc:
         failure = exc
-    rungs = rungs_above(budget_bytes, prepared.baseline.peak_bytes, limits.link, prepared.memory)
+    rungs = rungs_above(budget_bytes, prepared.baseline.peak_bytes, limits, prepared.memory)
     floor = getattr(failure, "min_peak_bytes", None)
     if floor is not None and budget_bytes < floor < (rungs[0] if rungs else floor + 1):
         rungs.insert(0, floor)  # the smallest peak checkpointing reaches, offloaded down to the budget
@@ -152,6 +162,7 @@ def solve_offloaded(prepared: Prepared, budget_bytes: int, limits: OffloadLimits
             rung_prepared, solution = solve_at(higher, deadline.within(deadline.left_s() / share), True)
         except (InfeasibleBudget, OutOfTime):
             return True
+        solved[higher] = solution
         if best is not None and solution.recompute_us >= best[0]:
             return True  # re-runs as much as the best plan so far: offloads cannot make it cheaper
         offloads = choose_offloads(rung_prepared.memory, solution.plan, solution.saves, budget_bytes, limits)
@@ -182,7 +193,32 @@ def solve_offloaded(prepared: Prepared, budget_bytes: int, limits: OffloadLimits
     if best is None:
         assert failure is not None
         raise failure
+    if best[2].offloads.n:
+        best = (best[0], best[1], replace(best[2], bound_us=_offload_bound(prepared, budget_bytes, limits, deadline,
+                                                                           solve_at, solved)))
     return best[1], best[2]
+
+
+def _offload_bound(prepared: Prepared, budget_bytes: int, limits: OffloadLimits, deadline: Deadline,
+                   solve_at: SolveAt, solved: dict[int, Solution]) -> int | None:
+    """A proven lower bound on the re-run time of any plan that fits ``budget_bytes`` with offloads (and so on its
+    re-runs plus exposed copies), among the plans of this chunking; None when nothing is proven.
+
+    Whatever a plan offloads, it keeps at most ``carried_bytes`` off the device at once, so without its offloads
+    the same plan peaks at most that much higher: it is a plan for ``budget_bytes + carried_bytes`` without
+    offloads, and re-runs at least what the solver proves every such plan does (0 when that budget reaches the
+    un-checkpointed peak). That budget is the top rung, often planned already."""
+    top = prepared.baseline.peak_bytes
+    higher = budget_bytes + carried_bytes(limits, prepared.memory, top - budget_bytes)
+    if higher >= top:
+        return 0
+    solution = solved.get(higher)
+    if solution is None and not deadline.passed:
+        try:
+            _, solution = solve_at(higher, deadline.within(deadline.left_s()), True)
+        except (InfeasibleBudget, OutOfTime):
+            return None
+    return None if solution is None or solution.interrupted else solution.bound_us
 
 
 def offload_spec(prepared: Prepared, offloads: Offloads) -> OffloadSpec | None:

@@ -9,13 +9,15 @@ from rich.text import Text
 
 from planner.common.units import format_bytes
 from planner.compiled.api import CompiledPlan
+from planner.compiled.backend import Graphs
 from planner.compiled.search import Probe, Source
 from planner.report.render import _section, _table
 
 
 def _label(p: Probe) -> str:
     if p.source is Source.PLAN:
-        return "ckplan's plan, compiled" + ("" if p.one_graph else " with the graph broken at its layers")
+        return "ckplan's plan, compiled" + {Graphs.ONE: "", Graphs.INPUTS_APART: " with the input embedding apart",
+                                            Graphs.PER_REGION: " with the graph broken at its layers"}[p.graphs]
     return f"activation_memory_budget={p.fraction:g}"
 
 
@@ -41,5 +43,5 @@ def compiled_json(plan: CompiledPlan, *, model_file: str) -> dict[str, Any]:
             "baseline_step_ms": plan.baseline_step_ms,
             "segments": len(plan.plan.segments) if plan.plan is not None else None,
             "probes": [{"source": p.source.value, "fraction": p.fraction, "peak_bytes": p.peak_bytes,
-                        "step_ms": p.step_ms, "compile_s": round(p.compile_s, 2), "one_graph": p.one_graph}
+                        "step_ms": p.step_ms, "compile_s": round(p.compile_s, 2), "graphs": p.graphs.value}
                        for p in plan.probes]}
