@@ -29,12 +29,14 @@ MiB = 2**20
 
 def peak_of(module, batch) -> tuple[int, int, str]:
     """``(peak bytes over the parameters, bytes of the allocation that reaches it, where it is made)`` of one
-    step, from torch.profiler's allocator events."""
+    training step of a plain loop, from torch.profiler's allocator events."""
     from torch._C._profiler import _EventType
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        module(**batch).loss.backward()
+        out = module(**batch)  # a plain loop: the output (the logits) kept through backward
+        out.loss.backward()
+        del out
     allocations = []
     stack = [(event, ()) for event in prof.profiler.kineto_results.experimental_event_tree()]
     while stack:

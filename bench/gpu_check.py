@@ -11,7 +11,8 @@ each one's measured peak, timed interleaved. Then a ~1B Llama-shaped Hugging Fac
 every layer (HF/torchtitan full AC), torchtitan's op-level policy (``op_sac``) and ckplan at the op-level
 policy's measured peak, timed interleaved; and the does-not-fit case: the process capped with
 ``torch.cuda.set_per_process_memory_fraction`` below the plain step, planned and stepped under the cap. Then offload
-(``--offload``, 8 x 2048 at 8192 tokens): the host link measured when profiling, plans with and without offload at
+(``--offload``, 8 x 2048 at 8192 tokens): the host link measured when profiling, and with one copy stream alone and
+beside compute (``link_rows``), plans with and without offload at
 full checkpointing's peak, a plan offloading its kept layer inputs, one offloading the op outputs its layers cache
 (selective checkpointing), and torch's ``save_on_cpu`` around full checkpointing (layer-input offload as Unsloth and
 transformers' flag do it). Then reserved memory (``--reserved``): each plan's step from an emptied cache against the
@@ -30,6 +31,7 @@ import os
 import platform
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -245,6 +247,58 @@ def llama_rows(device: torch.device, runs: int, layers: int, hidden: int) -> lis
     return rows
 
 
+def link_rows(device: torch.device, nbytes: int = 256 * 2**20, repeats: int = 5) -> list[str]:
+    """The host link as offload uses it: a copy to pinned host memory and one back on one side stream, alone and
+    while the default stream runs bf16 matmuls (a forward's compute), and what the copies cost the matmuls (fastest
+    of ``repeats``). On a CPU there is no side stream: the copies alone (a memcpy)."""
+    from planner.profiling.link import measure_host_link
+
+    alone = measure_host_link(device, repeats=repeats)
+    rows = [f"| host link, one copy alone | {alone[0]:.1f} GB/s to pinned host memory, {alone[1]:.1f} GB/s back | "
+            "| | | |" if alone else "| host link | not measurable on this device | | | | |"]
+    if device.type != "cuda":
+        return [*rows, "| host link beside compute | needs a CUDA device (a side stream) | | | | |"]
+    source = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    back = torch.empty_like(source)
+    side = torch.cuda.Stream(device)
+    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+
+    def timed(stream, work) -> Callable[[], float]:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(stream):
+            start.record(stream)
+            work()
+            end.record(stream)
+        return lambda: start.elapsed_time(end)  # ms, read once synchronised
+
+    def matmuls(n: int) -> None:
+        for _ in range(n):
+            a @ a
+
+    torch.cuda.synchronize(device)
+    one = timed(torch.cuda.current_stream(device), lambda: matmuls(1))
+    torch.cuda.synchronize(device)
+    n = max(1, round(2 * nbytes / (alone[0] * 1e9) * 1e3 / one()))  # matmuls lasting about both copies
+    best = {"alone ms": float("inf"), "d2h": float("inf"), "h2d": float("inf")}
+    for _ in range(repeats):
+        torch.cuda.synchronize(device)
+        compute = timed(torch.cuda.current_stream(device), lambda: matmuls(n))
+        torch.cuda.synchronize(device)
+        best["alone ms"] = min(best["alone ms"], compute())
+        compute = timed(torch.cuda.current_stream(device), lambda: matmuls(n))
+        out_ = timed(side, lambda: host.copy_(source, non_blocking=True))
+        in_ = timed(side, lambda: back.copy_(host, non_blocking=True))
+        torch.cuda.synchronize(device)
+        best["beside ms"] = min(best.get("beside ms", float("inf")), compute())
+        best["d2h"], best["h2d"] = min(best["d2h"], out_()), min(best["h2d"], in_())
+    rows.append(f"| host link beside compute | {nbytes / best['d2h'] / 1e6:.1f} GB/s out, "
+                f"{nbytes / best['h2d'] / 1e6:.1f} GB/s back on a side stream while {n} bf16 8192^3 matmuls run | | "
+                f"matmuls alone {best['alone ms']:.1f} ms | beside the copies {best['beside ms']:.1f} ms "
+                f"({100 * (best['beside ms'] / best['alone ms'] - 1):+.1f}%) | |")
+    return rows
+
+
 def offload_rows(device: torch.device, runs: int, layers: int, hidden: int, tokens: int, out: Path) -> list[str]:
     """Offload on the device: the host link measured when profiling, and at full activation checkpointing's predicted
     peak, ckplan with and without offload, full checkpointing with ckplan offloading its kept layer inputs down to
@@ -272,7 +326,7 @@ def offload_rows(device: torch.device, runs: int, layers: int, hidden: int, toke
     save_profile(prof, out / f"llama-offload-{torch.cuda.get_device_name(device).split()[-1].lower()}.json"
                  if device.type == "cuda" else out / "llama-offload-cpu.json")
     rows = [f"| host link | measured when profiled: {prof.d2h_gb_per_s:.1f} GB/s to pinned host memory, "
-            f"{prof.h2d_gb_per_s:.1f} GB/s back | | | | |"]
+            f"{prof.h2d_gb_per_s:.1f} GB/s back | | | | |", *link_rows(device)]
 
     def grads(module) -> list[torch.Tensor]:
         model.zero_grad(set_to_none=True)
