@@ -215,8 +215,11 @@ def test_a_plan_compiled_with_its_input_embedding_apart_peaks_lower_and_trains_l
         loss(module(**batch)).backward()  # compiles
         model.zero_grad(set_to_none=True)
         peaks[graphs] = measure_peak(module, example, loss)
-    assert peaks[Graphs.INPUTS_APART] < peaks[Graphs.ONE]  # 356.5 against 361.5 MiB: the first layer's five
-    # hidden-sized backward buffers (4 x 128 x 512 floats each) were alive when the embedding's gradient was made
+    if hasattr(torch._dynamo.config, "skip_fwd_side_effects_in_bwd_under_checkpoint"):  # one graph (torch 2.13:
+        assert peaks[Graphs.INPUTS_APART] < peaks[Graphs.ONE]  # 356.5 against 361.5 MiB, the first layer's five
+        # hidden-sized backward buffers of 4 x 128 x 512 floats alive when the embedding's gradient was made)
+    else:  # older torch breaks the graph at each Hugging Face layer anyway: the embedding is apart already
+        assert peaks[Graphs.INPUTS_APART] <= peaks[Graphs.ONE]
     assert not model.get_input_embeddings()._forward_hooks  # the user's module untouched
     assert plan.module.get_input_embeddings()._forward_hooks
     torch._dynamo.reset()
