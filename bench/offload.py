@@ -63,9 +63,7 @@ def one(device: str, tokens: int, time_limit_s: float) -> dict:
                 "step_ms": step * (1 + plan.predicted_overhead), "offloaded": off.offloaded_bytes if off else 0,
                 "exposed_ms": off.exposed_ms if off else 0.0, "d2h": off.d2h_busy_ms / off.forward_ms if off else 0.0,
                 "h2d": off.h2d_busy_ms / off.backward_ms if off else 0.0, "solve_s": solve_s,
-                "bound_ms": plan.recompute_bound_ms if off else None,
-                "segments": len(plan.segments), "kept_ops": sum(len(s.saved_ops) + len(s.saved_nodes) * 0
-                                                                for s in plan.segments)}
+                "bound_ms": plan.recompute_bound_ms if off else None}
 
     for name, policy in (("full AC (every decoder layer)", every_block), ("op-SAC (torchtitan's default policy)",
                                                                            op_sac)):

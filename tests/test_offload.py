@@ -212,6 +212,19 @@ def test_the_ranks_of_one_host_share_its_memory_bandwidth_and_its_pinned_memory(
     assert halved.exposed_us > alone.exposed_us  # the reload b's backward waits for takes twice as long
 
 
+def _meta_llama(*, width: int, intermediate: int, layers: int, heads: int):
+    """A Llama-shaped Hugging Face decoder in bf16 on the meta device (vocabulary 4096, 4 key/value heads, SDPA) and
+    a batch of one 8192-token sequence that is its labels."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=4096, hidden_size=width, intermediate_size=intermediate,
+                                      num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=4,
+                                      use_cache=False, attn_implementation="sdpa")
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
+        ids = torch.randint(0, 4096, (1, 8192))
+    return model, {"input_ids": ids, "labels": ids}
+
+
 @pytest.mark.slow
 def test_a_plan_for_a_spec_shares_its_hosts_link_and_pinned_memory_among_the_ranks_on_it(tmp_path):
     """A Llama-shaped decoder on meta for a GH200-like spec (170 GB/s out, 410 back) whose host of eight GPUs
@@ -220,19 +233,12 @@ def test_a_plan_for_a_spec_shares_its_hosts_link_and_pinned_memory_among_the_ran
     is the rank's share."""
     import json
 
-    transformers = pytest.importorskip("transformers")
     spec = json.loads((Path(planner.__file__).parent / "profiling" / "device_specs" / "gh200.json").read_text())
     spec.update(name="gh200-shared-host", gpus_per_host=8, host_memory_bandwidth_gb_per_s=400)
     path = tmp_path / "gh200-shared-host.json"
     path.write_text(json.dumps(spec))
-    config = transformers.LlamaConfig(vocab_size=4096, hidden_size=1024, intermediate_size=2816, num_hidden_layers=4,
-                                      num_attention_heads=8, num_key_value_heads=4, use_cache=False,
-                                      attn_implementation="sdpa")
-    with torch.device("meta"):
-        model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
-        ids = torch.randint(0, 4096, (1, 8192))
-    prepared = planner.prepare(model, inputs={"input_ids": ids, "labels": ids}, keep_output=False, device=str(path),
-                               follow_batch=False)
+    model, batch = _meta_llama(width=1024, intermediate=2816, layers=4, heads=8)
+    prepared = planner.prepare(model, inputs=batch, keep_output=False, device=str(path), follow_batch=False)
     limits = offload_limits(prepared, replace(prepared.options, ranks_per_host=8))
     assert limits.link.d2h_bytes_per_us == limits.link.h2d_bytes_per_us == 50_000
     assert limits.host_budget_bytes == spec["host_memory_bytes"] // 2 // 8
@@ -269,16 +275,10 @@ def test_offload_is_off_on_a_cpu_unless_asked_and_its_options_are_checked(gpt_pr
 def test_a_gpu_plan_offloads_where_the_link_is_fast_and_re_runs_less():
     """A Llama-shaped decoder on meta for the GH200 spec (NVLink-C2C: 170 GB/s out, 410 back), planned at full
     checkpointing's own peak: the plan offloads, fits, and its re-runs plus exposed copies cost less."""
-    transformers = pytest.importorskip("transformers")
     from planner.solve.baselines import every_block
 
-    config = transformers.LlamaConfig(vocab_size=4096, hidden_size=2048, intermediate_size=5632, num_hidden_layers=8,
-                                      num_attention_heads=16, num_key_value_heads=4, use_cache=False,
-                                      attn_implementation="sdpa")
-    with torch.device("meta"):
-        model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
-        ids = torch.randint(0, 4096, (1, 8192))
-    prepared = planner.prepare(model, inputs={"input_ids": ids, "labels": ids}, keep_output=False, device="gh200")
+    model, batch = _meta_llama(width=2048, intermediate=5632, layers=8, heads=16)
+    prepared = planner.prepare(model, inputs=batch, keep_output=False, device="gh200")
     full = plan_from_solution(prepared, every_block(prepared.memory, 0), prepared.baseline.peak_bytes)
     plan = planner.plan_for(prepared, full.predicted_peak_bytes, offload="auto", time_limit_s=15,
                             budget_bounds="allocated")  # full checkpointing's peak counts what is allocated

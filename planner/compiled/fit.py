@@ -99,11 +99,11 @@ def fit_compiled(prepared: Prepared, budget_bytes: int, example: Inputs,
         _search(prepared, start, tried, compiles=tried.compiles + compiles, graphs=graphs)
         if tried.fitted is None:  # the placement by hand: each repeated block, as frameworks' own checkpointing
             with contextlib.suppress(PlannerError):  # a model without repeated blocks
-                if tried.measure(plan_for(prepared, eager_plain - 1, solver="every_block"), eager_plain - 1,
-                                 graphs=graphs) is not None and tried.fitted is not None:
-                    last = _but_the_last_block(prepared, eager_plain - 1)
-                    if last is not None:
-                        tried.measure(last, eager_plain - 1, graphs=graphs)
+                tried.measure(plan_for(prepared, eager_plain - 1, solver="every_block"), eager_plain - 1,
+                              graphs=graphs)
+                last = _but_the_last_block(prepared, eager_plain - 1) if tried.fitted is not None else None
+                if last is not None:  # every block fits: so may every block but the last
+                    tried.measure(last, eager_plain - 1, graphs=graphs)
         if tried.fitted is not None:
             break
     chosen = tried.fitted or tried.least
@@ -120,7 +120,7 @@ def _but_the_last_block(prepared: Prepared, target: int) -> Plan | None:
         return None
     fine = chunked(prepared, prepared.regions.block_cuts + 1)  # a cut at every block edge
     every = every_block(fine.memory, 0)
-    if len(every.plan) != len(fine.regions.blocks) or len(every.plan) < 2:
+    if len(every.plan) != prepared.regions.block_count:  # a block this chunking cannot checkpoint alone
         return None
     plan = every.plan[:-1]
     return plan_from_solution(fine, replace(every, plan=plan, recompute_us=simulate(fine.memory, plan).recompute_us),

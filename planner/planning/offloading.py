@@ -17,7 +17,8 @@ from planner.memory.model import MemoryModel
 from planner.memory.offload import MIN_OFFLOAD_BYTES, Host, HostLink, Offloads, offloaded_bytes
 from planner.options import PlanOptions
 from planner.planning.prepared import Prepared
-from planner.profiling.devices import DeviceSpec, device_names, is_device_spec, load_device
+from planner.profiling.devices import spec_for
+from planner.profiling.headroom import host_memory_bytes
 from planner.profiling.record import Profile
 from planner.rewrite.offload_spec import OffloadSpec, targets_of
 from planner.solve.deadline import Deadline
@@ -101,7 +102,7 @@ def host_of(prepared: Prepared, options: PlanOptions) -> Host:
     """The host the plan's offloads go to, as the ranks on it share it (``PlanOptions.ranks_per_host``): for a
     device spec, its host figures, shared by the job's ranks up to the spec's ``gpus_per_host``; on a GPU profiled
     here, this machine's memory (its bandwidth unknown: the link was measured), shared by torchrun's local ranks."""
-    spec = _spec_of(prepared, options)
+    spec = spec_for(prepared.profile, options.device)
     if spec is not None:
         ranks = options.ranks_per_host or (min(options.world_size * options.tensor_parallel, spec.gpus_per_host)
                                            if spec.gpus_per_host is not None else 1)
@@ -110,25 +111,8 @@ def host_of(prepared: Prepared, options: PlanOptions) -> Host:
     local = os.environ.get("LOCAL_WORLD_SIZE", "")
     ranks = options.ranks_per_host or (int(local) if local.isdigit() and int(local) > 0 else 1)
     here = options.profile is None and not prepared.profile.device.startswith("cpu")
-    return Host(ranks=ranks, memory_bytes=_machine_memory() if here else None, bandwidth_gb_per_s=None,
+    return Host(ranks=ranks, memory_bytes=host_memory_bytes() if here else None, bandwidth_gb_per_s=None,
                 source="this machine's memory" if here else "")
-
-
-def _spec_of(prepared: Prepared, options: PlanOptions) -> DeviceSpec | None:
-    """The device spec the profile estimates for (the ``device=`` option's, or a bundled one by the profile's
-    name); None for a profile measured on a device."""
-    if is_device_spec(options.device):
-        return load_device(options.device)
-    name = prepared.profile.estimated_for
-    return load_device(name) if name in device_names() else None
-
-
-def _machine_memory() -> int | None:
-    """This machine's physical memory, bytes; None where the system does not say."""
-    try:
-        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (AttributeError, ValueError, OSError):
-        return None
 
 
 def solve_offloaded(prepared: Prepared, budget_bytes: int, limits: OffloadLimits, deadline: Deadline,

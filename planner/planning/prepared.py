@@ -20,7 +20,7 @@ from planner.memory.regions import Regions, find_regions
 from planner.memory.rules import SegmentRules
 from planner.memory.simulate import Timeline, simulate
 from planner.options import PlanOptions
-from planner.profiling.devices import SacCost, is_device_spec, load_device, sac_op_cost
+from planner.profiling.devices import SacCost, load_device, sac_op_cost, spec_for
 from planner.profiling.fitting import resident_bytes
 from planner.profiling.headroom import capacity_bytes, spec_capacity_bytes
 from planner.profiling.record import Profile
@@ -107,9 +107,8 @@ def for_compiled_loss(prepared: Prepared) -> Prepared:
 def prepared_from(model: nn.Module, example: Inputs, captured: Captured, profile: Profile, *, options: PlanOptions,
                   loop: TrainingLoop, distributed: Distributed | None = None) -> Prepared:
     """The ``Prepared`` of a model already captured and profiled: its executor and rules, its cost model."""
-    device = options.device
-    sac = sac_op_cost(profile, load_device(device) if is_device_spec(device) else None)  # from the profile
-    # or the device spec, never from this machine
+    sac = sac_op_cost(profile, spec_for(profile, options.device))  # from the profile or the device spec, never
+    # from this machine
     executor = executor_for(captured.method)  # how the plan will run, and so what it allows
     rules = executor.rules(captured, profile, units=distributed.units if distributed else (),
                            compilable=options.compilable)

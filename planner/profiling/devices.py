@@ -180,15 +180,21 @@ class SacCost:
     (``planner.memory.build``); None where ``op_us`` is simply added (a CPU, or measured)."""
 
 
-def sac_op_cost(profile: Profile, spec: DeviceSpec | None = None) -> SacCost:
+def spec_for(profile: Profile, device: object) -> DeviceSpec | None:
+    """The device spec a plan from ``profile`` is made for: the ``device=`` option's when it names one, else the
+    bundled spec the profile was estimated for; None for a profile measured on a device (or estimated for a spec
+    file that is not at hand)."""
+    if is_device_spec(device):
+        return load_device(device)
+    return load_device(profile.estimated_for) if profile.estimated_for in device_names() else None
+
+
+def sac_op_cost(profile: Profile, spec: DeviceSpec | None) -> SacCost:
     """The one place that decides SAC's per-op cost for planning: the profile's measurement when it has
-    one (made on the device it describes), else the device spec's (``spec``, or the bundled spec the
-    profile was estimated for), else ``DEFAULT_SAC_OP_US``. Nothing is measured on the machine doing the
-    planning, so a profile gives the same plans everywhere."""
+    one (made on the device it describes), else the device spec's (``spec_for``), else ``DEFAULT_SAC_OP_US``.
+    Nothing is measured on the machine doing the planning, so a profile gives the same plans everywhere."""
     if profile.sac_op_us is not None:
         return SacCost(op_us=profile.sac_op_us, source=SacCostSource.MEASURED)
-    if spec is None and profile.estimated_for in device_names():
-        spec = load_device(profile.estimated_for)
     if spec is not None and spec.sac_op_us is not None:
         return SacCost(op_us=spec.sac_op_us, source=SacCostSource.DEVICE_SPEC,
                        host_us=spec.op_overhead_us if spec.kind == "gpu" else None)

@@ -134,6 +134,11 @@ def _cgroup_left() -> int | None:
     return None if limit == "max" else max(0, int(limit) - current)
 
 
+def host_memory_bytes() -> int | None:
+    """This machine's physical memory (``MemTotal``), bytes; None where the system does not say."""
+    return _meminfo("MemTotal")
+
+
 def _status(key: str) -> int | None:
     """A ``kB`` line of ``/proc/self/status``, in bytes."""
     return _kilobytes(Path("/proc/self/status"), key)
