@@ -98,7 +98,7 @@ def worker(name: str, mode: str, fraction: int, runs: int) -> dict:
     """One configuration in a fresh process: RSS growth of one step and median step time."""
     import torch._functorch.config as functorch_config
 
-    from planner.pipeline import optimize
+    from planner.api import optimize
 
     model, inputs, loss_fn = load(name)
     module = model

@@ -14,7 +14,7 @@ The public names below are imported on first use, so that the torch-free stages
 import importlib
 
 _PUBLIC = {
-    "optimize": "planner.pipeline", "prepare": "planner.pipeline", "plan_for": "planner.pipeline",
+    "optimize": "planner.api", "prepare": "planner.pipeline", "plan_for": "planner.pipeline",
     "Prepared": "planner.pipeline", "enable": "planner.inplace", "disable": "planner.inplace",
     "Plan": "planner.plan", "Segment": "planner.plan", "load_plan": "planner.plan",
     "parse_budget": "planner.common.budget", "PlanOptions": "planner.options", "ShapeRange": "planner.follow.shapes",

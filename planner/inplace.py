@@ -14,6 +14,7 @@ from typing_extensions import Unpack
 
 from planner.capture.method import ExecutorKind
 from planner.common.budget import check_budget
+from planner.compiled.step import fit_step
 from planner.options import OptionArgs, PlanOptions, resolve
 from planner.pipeline import UserInputs, plan_for, prepare
 from planner.plan import Plan
@@ -37,6 +38,8 @@ def enable(model: nn.Module, budget: int | str, *, inputs: UserInputs = None, op
     check_budget(budget)
     remove_plan(model)  # profile the model as it is, without an older plan's hooks
     prepared = prepare(model, inputs=inputs, options=opts, budget=budget, runs=ExecutorKind.HOOKS)
+    if opts.compile_backend is not None:  # the compiled step, measured: planner.compiled.step
+        return fit_step(prepared, budget, target=model)
     return plan_for(prepared, budget, target=model)
 
 

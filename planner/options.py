@@ -141,6 +141,12 @@ class PlanOptions:
     batch) gets segments of one module call each (a layer, its MLP, its attention), which compiled code runs through
     ``torch.utils.checkpoint`` in one graph; a segment of several calls cannot be compiled. A rewritten graph
     (torch.fx) compiles either way (``docs/compiled.md``)."""
+    compile_backend: str | None = _option(None, prepared=True, refused={**_PLANNING, **_COMPILED})
+    """The ``torch.compile`` backend the training step runs under (``"inductor"``, its default; ``"aot_eager"``...),
+    None for an eager step. The plan then compiles (``compilable``) and is fitted to the compiled step as measured
+    here, at the allocator (``planner.compiled.step``): inductor fuses and reorders, so the eager prediction is not
+    what the compiled step holds. It is made for the example's shape (no ``follow_batch``), without offloads, on
+    the device the model is on (no ``device``, ``world_size`` nor ``tensor_parallel``)."""
     progress: Callable[[str], None] | None = _option(None, prepared=False)
     """Called with the name of each stage as it starts (``capture``, ``profile``, ``solve``, ``rewrite``)."""
 
@@ -200,9 +206,26 @@ class PlanOptions:
             object.__setattr__(self, "host_budget", _host_bytes(self.host_budget))
         if self.ranks_per_host is not None:
             _check_count("ranks_per_host", self.ranks_per_host, "the ranks whose offloads share one host")
+        if self.compile_backend is not None:
+            self._for_compiled_step()
         limit = self.time_limit_s
         if isinstance(limit, bool) or not isinstance(limit, int | float) or not 0 <= limit < float("inf"):
             raise OptionError(f"time_limit_s must be a number of seconds >= 0 (got {limit!r}); e.g. time_limit_s=60")
+
+    def _for_compiled_step(self) -> None:
+        """Checks ``compile_backend`` against the options it excludes, and sets those it implies."""
+        if not isinstance(self.compile_backend, str) or not self.compile_backend:
+            raise OptionError(f"compile_backend must be the name of a torch.compile backend ('inductor'), got "
+                              f"{self.compile_backend!r}")
+        other = ("device" if self.device is not None else "world_size" if self.world_size > 1
+                 else "tensor_parallel" if self.tensor_parallel > 1 else "follow_batch" if self.follow_batch
+                 else "offload" if self.offload else None)
+        if other is not None:
+            raise OptionError(f"compile_backend= fits the plan to the compiled step measured on this device, for "
+                              f"one shape, without offloads: drop {other}=, or plan the eager step with "
+                              f"compilable=True")
+        for name, value in (("compilable", True), ("follow_batch", False), ("offload", False)):
+            object.__setattr__(self, name, value)
 
     def loop(self, *, optimizer: OptimizerState | None, autocast: Any) -> TrainingLoop:
         """The training loop these options describe, with the optimizer's state as measured for the model and the
@@ -267,6 +290,7 @@ class OptionArgs(TypedDict, total=False):
     ranks_per_host: int | None
     budget_bounds: BudgetBounds | str
     compilable: bool
+    compile_backend: str | None
     progress: Callable[[str], None] | None
 
 

@@ -1,5 +1,6 @@
-"""``optimize()``: the whole pipeline, stage after stage, and nothing else; ``prepare`` and ``plan_for`` are its two
-halves (capture and profile once, then solve and rewrite per budget), ``profile`` the first half's result alone."""
+"""The pipeline, stage after stage, and nothing else: ``prepare`` (capture and profile once) and ``plan_for`` (solve
+and rewrite per budget), the two halves ``optimize`` (``planner.api``) runs; ``profile`` the first half's result
+alone."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from typing_extensions import Unpack
 from planner.capture.inputs import as_inputs, bind, tensor_shapes
 from planner.capture.method import ExecutorKind
 from planner.capture.setting import ambient_autocast
-from planner.common.budget import BudgetBounds, check_budget, is_device_budget, parse_budget
+from planner.common.budget import BudgetBounds, is_device_budget, parse_budget
 from planner.distributed.memory import setup, split_at_units
 from planner.distributed.tensor import local_model, tensor_parallel_degree, with_collectives
 from planner.errors import InfeasibleBudget, OptionError
@@ -41,49 +42,12 @@ from planner.rewrite.offload import install_offloads
 from planner.rewrite.offload_spec import OffloadSpec
 from planner.rewrite.segment import Segment, segments_of
 from planner.solve.deadline import Deadline
-from planner.solve.registry import capabilities, get_solver
+from planner.solve.registry import capabilities
 from planner.solve.result import Solution
 
 UserInputs = tuple | Mapping | torch.Tensor | None
 """What ``inputs=`` takes: positional arguments (a tuple), keyword arguments (a dict) or one tensor."""
 
-
-
-def optimize(model: nn.Module, budget: int | str, *, inputs: UserInputs = None, options: PlanOptions | None = None,
-             **overrides: Unpack[OptionArgs]) -> Plan:
-    """Plans activation checkpointing so one training step of ``model`` fits ``budget``.
-
-    Args:
-        model: the model to train (not modified; ``plan.module`` shares its parameters).
-        budget: peak memory of one training step: int bytes, ``"4GB"``, ``"4GiB"``,
-            ``"512MB"``, ``"512MiB"`` or ``"60%"`` of the un-checkpointed peak.
-        inputs: positional arguments (tuple) or keyword arguments (dict) for ``model``;
-            default ``model.example_inputs``.
-        options: a ``PlanOptions`` (``loss_fn``, ``time_limit_s``, ``device``, ``world_size``...; every
-            field is documented there).
-        **overrides: any ``PlanOptions`` field as a keyword argument, applied over ``options``:
-            ``optimize(model, "60%", inputs=(x,), loss_fn=loss_fn, keep_output=False)``.
-
-    Returns:
-        The least-recompute ``Plan`` whose predicted peak fits the budget.
-
-    Raises:
-        InfeasibleBudget: no plan fits (under the overrides); carries the smallest reachable peak.
-        OutOfTime: no plan was found within ``time_limit_s`` (a PlannerError; nothing is proven).
-        BudgetError: a malformed budget. OptionError: an unknown option, solver or device, a pattern matching
-            nothing, options that exclude each other. InputError: no inputs. (All are PlannerErrors;
-            the first two are ValueErrors, InputError a TypeError.)
-        CaptureError, ProfileError: the model could not be traced or run.
-
-    Example:
-        >>> plan = optimize(model, "60%", inputs=(x,))          # doctest: +SKIP
-        >>> loss_fn(plan.module(x)).backward()                   # doctest: +SKIP
-    """
-    opts = resolve(options, overrides, where="optimize")
-    check_budget(budget)  # reject a malformed budget before any work
-    get_solver(opts.solver)  # reject an unknown solver before any work
-    prepared = prepare(model, inputs=inputs, options=opts, budget=budget)
-    return plan_for(prepared, budget, options=opts)
 
 
 def check_shapes(options: PlanOptions, values: Mapping[str, Any]) -> None:

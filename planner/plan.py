@@ -28,6 +28,7 @@ from planner.common.checked_json import (
     read_json,
     record_from_json,
 )
+from planner.compiled.backend import Graphs, input_embedding
 from planner.errors import PlanFileError
 from planner.follow.family import Family
 from planner.memory.breakdown import PeakBreakdown
@@ -36,18 +37,42 @@ from planner.options import OptionArgs, PlanOptions, resolve
 from planner.profiling.devices import SacCostSource
 from planner.profiling.headroom import ALLOC_CONF, reserve_note
 from planner.rewrite.executor import executor_for
-from planner.rewrite.modules import PlannedShapes
+from planner.rewrite.modules import PlannedShapes, break_graph_after
 from planner.rewrite.offload import install_offloads
 from planner.rewrite.offload_spec import OffloadSpec
 from planner.rewrite.segment import Segment
 from planner.solve.result import SolverStatus
 
-__all__ = ["MemoryTimeline", "Plan", "Segment", "load_plan"]
+__all__ = ["CompiledStep", "MemoryTimeline", "Plan", "Segment", "load_plan"]
 
 FORMAT = "ckplan-plan"
 VERSION = 2
 """Plan files this ckplan reads and writes: 2 names a hook plan's kept ops (``Segment.saved_ops``); a version 1
 file named kept modules, which this ckplan cannot run: plan again."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CompiledStep:
+    """What the plan's training step measured compiled (``compile_backend``): its prediction for that step."""
+
+    backend: str
+    """The torch.compile backend (``inductor``)."""
+    peak_bytes: int
+    """The planned step compiled, measured at the allocator, with what the loop keeps besides it (``counted``)."""
+    baseline_peak_bytes: int
+    """The same for the un-checkpointed model compiled."""
+    graphs: Graphs = Graphs.ONE
+    """Where the plan breaks dynamo's graph (``Graphs.INPUTS_APART``: a hook after the input embedding, which the
+    plan's module carries)."""
+
+    @property
+    def how(self) -> str:
+        """The backend, and the graph break where there is one."""
+        return self.backend + (", the input embedding compiled apart" if self.graphs is Graphs.INPUTS_APART else "")
+
+    def text(self) -> str:
+        return (f"compiled step ({self.how}) measured {format_bytes(self.baseline_peak_bytes)} -> "
+                f"{format_bytes(self.peak_bytes)}")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -149,6 +174,9 @@ class Plan:
     planned_inputs: dict[str, tuple[int, ...]] = field(default_factory=dict, repr=False)
     """Shape of each tensor argument of the example call, by parameter name: a plan that runs the
     model's own forward warns once when a training call is larger (``planner.rewrite.modules``)."""
+    compiled_step: CompiledStep | None = None
+    """For a step run under torch.compile (``compile_backend``): the compiled step as measured, which the budget
+    bounds (``predicted_peak_bytes`` is the eager step's); None for an eager step."""
 
     def apply(self, model: nn.Module, *, inputs: Any = None, options: PlanOptions | None = None,
               **overrides: Unpack[OptionArgs]) -> nn.Module:
@@ -182,6 +210,10 @@ class Plan:
                                                          planned=self.planned_shapes(), follow=family)
         if family is None:  # a family's switch runs each group's own
             install_offloads(module, self.offload)
+        if self.compiled_step is not None and self.compiled_step.graphs is Graphs.INPUTS_APART:
+            embedding = input_embedding(module)
+            if embedding is not None:
+                break_graph_after(module, embedding)
         return module
 
     def planned_shapes(self) -> PlannedShapes | None:
@@ -195,11 +227,14 @@ class Plan:
 
     def summary(self) -> str:
         """A human-readable table of the plan."""
+        peak = f"peak {format_bytes(self.baseline_peak_bytes)} -> {format_bytes(self.predicted_peak_bytes)}"
+        budget = f"budget {format_bytes(self.budget_bytes)}"
+        if self.compiled_step is not None:  # the budget bounds the compiled step; the eager model's peak beside it
+            peak, budget = self.compiled_step.text(), f"{budget}; eager model: {peak}"
         lines = [
             f"ckplan: {len(self.segments)} checkpointed segment(s), solver {self.solver_status} "
             f"in {self.solve_time_s:.2f} s (capture: {self.capture_method.label}, device: {self.device})",
-            f"peak {format_bytes(self.baseline_peak_bytes)} -> {format_bytes(self.predicted_peak_bytes)} "
-            f"(budget {format_bytes(self.budget_bytes)}), recompute {self.recompute_ms:.2f} ms per step "
+            f"{peak} ({budget}), recompute {self.recompute_ms:.2f} ms per step "
             f"= +{100 * self.predicted_overhead:.1f}% of a {self.step_ms:.2f} ms step",
         ]
         if self.offload is not None:
@@ -240,6 +275,8 @@ class Plan:
         data["family"] = None if self.family is None else self.family.to_dict()
         data["offload"] = None if self.offload is None else asdict(self.offload)
         data["reserved"] = None if self.reserved is None else asdict(self.reserved)
+        data["compiled_step"] = None if self.compiled_step is None else \
+            {**asdict(self.compiled_step), "graphs": self.compiled_step.graphs.value}
         return data
 
     def save(self, path: str | Path) -> None:
@@ -272,7 +309,9 @@ class Plan:
         return "".join(parts) + "</div>"
 
     def __repr__(self) -> str:
-        return (f"Plan(segments={len(self.segments)}, peak {format_bytes(self.predicted_peak_bytes)} of budget "
+        peak = (format_bytes(self.predicted_peak_bytes) if self.compiled_step is None
+                else f"{format_bytes(self.compiled_step.peak_bytes)} compiled")
+        return (f"Plan(segments={len(self.segments)}, peak {peak} of budget "
                 f"{format_bytes(self.budget_bytes)}, overhead +{100 * self.predicted_overhead:.1f}%, "
                 f"{self.solver_status})")
 
@@ -365,6 +404,10 @@ def _plan_from_dict(data: dict[str, Any]) -> Plan:
     offload = data.get("offload")
     if offload is not None:
         values["offload"] = OffloadSpec.from_dict(offload, "plan.offload")
+    compiled = data.get("compiled_step")
+    if compiled is not None:
+        values["compiled_step"] = record_from_json(CompiledStep, compiled, "plan.compiled_step",
+                                                   convert={"graphs": Graphs})
     return record_from_json(Plan, values, "plan", convert={
         "solver_status": SolverStatus, "capture_method": CaptureMethod, "sac_cost_source": SacCostSource,
         "peak_breakdown": PeakBreakdown.from_dict})

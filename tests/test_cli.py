@@ -329,6 +329,10 @@ IN_PROCESS_ERRORS = {
     "compiled-with-verify": (LINEAR, ["--compiled", "--verify"], "--verify applies to eager plans, and --compiled"),
     "compiled-with-solver": (LINEAR, ["--compiled", "--solver", "rotor"], "--solver applies to eager plans"),
     "fractions-alone": (LINEAR, ["--fractions", "0.5"], "--fractions applies to --compiled only"),
+    "compiled-with-backend": (LINEAR, ["--compiled", "--compile-backend", "inductor"],
+                              "--compile-backend applies to eager plans, and --compiled"),
+    "compile-backend-for-a-spec": (LINEAR, ["--compile-backend", "inductor", "--device", "h100"],
+                                   "compile_backend= fits the plan to the compiled step measured on this device"),
     "bad-fractions": (LINEAR, ["--compiled", "--fractions", "0.5,2"], "--fractions must be numbers in [0, 1]"),
 }
 DEBUG = ("import torch\n\nraise RuntimeError('boom')\n", ["--debug"], "model.py:3: RuntimeError: boom")

@@ -1,9 +1,12 @@
 """The fine-tuning stacks compiling the model they train, each with ckplan's plan made in its own idiom: Trainer with
 ``torch_compile=True`` and ``PlanCallback``, an ``Accelerator`` with a dynamo backend and ``plan_with``, Lightning
-fitting a compiled LightningModule with its ``PlanCallback``. Each stack tells the planner it compiles, so the plan
-compiles (``compilable``: every segment one module call), and the losses are the unplanned run's, compiled the
-same way. ``aot_eager`` compiles: AOTAutograd's graphs and partitioner, as inductor gets them, without its code
-generation (minutes on 2 CPU cores; ``tests/test_compile_hooks.py`` runs inductor)."""
+fitting a compiled LightningModule with its ``PlanCallback``. Each stack tells the planner the backend it compiles
+with, so the plan compiles (every segment one module call) and is fitted to the compiled step as measured
+(``compile_backend``). The losses are the unplanned run's, compiled the same way, and the stack's own training
+steps, measured at the allocator from the first step on, peak within the budget and within 2% of the plan's
+``compiled_step`` (the optimizer's state included), where the unplanned compiled steps are over it.
+``aot_eager`` compiles: AOTAutograd's graphs and partitioner, as inductor gets them, without its code generation
+(minutes on 2 CPU cores; ``tests/test_compile_hooks.py`` and ``tests/test_compiled.py`` run inductor)."""
 
 from __future__ import annotations
 
@@ -17,10 +20,41 @@ pytest.importorskip("transformers")
 import transformers
 from test_stacks import batch, model
 
+from planner.profiling.allocator import AllocatorTrace
+
 pytestmark = pytest.mark.slow
 
 BACKEND = "aot_eager"
 BUDGET = "75%"
+
+
+class _Meter:
+    """The allocator's peak from the first training step on (after planning, which runs when training begins):
+    the parameters and buffers alive then, plus the highest rise since."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.module = module
+        self.trace: AllocatorTrace | None = None
+        self.resident = 0
+
+    def start(self) -> None:
+        if self.trace is None:
+            self.resident = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                                 for t in [*self.module.parameters(), *self.module.buffers()]}.values())
+            self.trace = AllocatorTrace("cpu").__enter__()
+
+    def stop(self) -> int:
+        assert self.trace is not None, "no training step ran"
+        self.trace.__exit__(None, None, None)
+        return self.resident + self.trace.peak_bytes
+
+
+def _check_peaks(planned: int, unplanned: int, plan) -> None:
+    """The planned steps within the budget and within 2% of what the plan measured compiled; the unplanned over."""
+    assert plan.compiled_step is not None, plan.summary()
+    predicted = plan.compiled_step.peak_bytes
+    assert planned <= plan.budget_bytes < unplanned, (planned, plan.budget_bytes, unplanned)
+    assert abs(planned / predicted - 1) <= 0.02, (planned, predicted)
 
 
 def _graphs() -> int:
@@ -34,8 +68,14 @@ def _one_call_segments(plan) -> bool:
     return bool(plan.segments) and all(len(s.chain) == 1 for s in plan.segments)
 
 
-def _trainer_losses(module: torch.nn.Module, callbacks: list) -> list[float]:
+def _trainer_losses(module: torch.nn.Module, callbacks: list) -> tuple[list[float], int]:
     from datasets import Dataset
+
+    meter = _Meter(module)
+
+    class Measured(transformers.TrainerCallback):
+        def on_step_begin(self, *args, **kwargs) -> None:
+            meter.start()
 
     rows = batch(rows=12)
     data = Dataset.from_dict({"input_ids": rows["input_ids"].tolist(), "labels": rows["labels"].tolist()})
@@ -44,24 +84,25 @@ def _trainer_losses(module: torch.nn.Module, callbacks: list) -> list[float]:
                                           save_strategy="no", seed=0, disable_tqdm=True, torch_compile=True,
                                           torch_compile_backend=BACKEND)
     torch._dynamo.reset()
-    trainer = transformers.Trainer(model=module, args=args, train_dataset=data, callbacks=callbacks)
+    trainer = transformers.Trainer(model=module, args=args, train_dataset=data, callbacks=[*callbacks, Measured()])
     trainer.train()
     assert _graphs() > 0  # the model Trainer trained was compiled
-    return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry], meter.stop()
 
 
 def test_trainer_with_torch_compile_trains_the_plan_compiled():
     from planner.stacks.trainer import PlanCallback
 
     base = model()
-    unplanned = _trainer_losses(copy.deepcopy(base), [])
+    unplanned, unplanned_peak = _trainer_losses(copy.deepcopy(base), [])
     planning = PlanCallback(BUDGET, time_limit_s=10)
-    planned = _trainer_losses(base, [planning])
+    planned, planned_peak = _trainer_losses(base, [planning])
     assert _one_call_segments(planning.plan), planning.plan.summary()
     assert planned == pytest.approx(unplanned, rel=1e-4)
+    _check_peaks(planned_peak, unplanned_peak, planning.plan)
 
 
-def _accelerate_losses(module: torch.nn.Module, planned: bool) -> tuple[list[float], object]:
+def _accelerate_losses(module: torch.nn.Module, planned: bool) -> tuple[list[float], object, int]:
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState
 
@@ -75,26 +116,30 @@ def _accelerate_losses(module: torch.nn.Module, planned: bool) -> tuple[list[flo
                      time_limit_s=10) if planned else None
     trained, optimizer = accelerator.prepare(module if plan is None else plan.module, optimizer)
     losses = []
+    meter = _Meter(module)
+    meter.start()
     for step in range(3):
         loss = trained(**batch(length=64 - step)).loss
         accelerator.backward(loss)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss.item())
+    peak = meter.stop()
     assert _graphs() > 0
     AcceleratorState._reset_state(True)
-    return losses, plan
+    return losses, plan, peak
 
 
 def test_an_accelerator_with_a_dynamo_backend_trains_the_plan_compiled():
     base = model()
-    unplanned, _ = _accelerate_losses(copy.deepcopy(base), planned=False)
-    planned, plan = _accelerate_losses(base, planned=True)
+    unplanned, _, unplanned_peak = _accelerate_losses(copy.deepcopy(base), planned=False)
+    planned, plan, planned_peak = _accelerate_losses(base, planned=True)
     assert _one_call_segments(plan), plan.summary()
     assert planned == pytest.approx(unplanned, rel=1e-4)
+    _check_peaks(planned_peak, unplanned_peak, plan)
 
 
-def _lightning_losses(planned: bool) -> tuple[list[float], object]:
+def _lightning_losses(planned: bool) -> tuple[list[float], object, int]:
     pl = pytest.importorskip("pytorch_lightning")
     from planner.stacks.lightning import PlanCallback
 
@@ -115,18 +160,25 @@ def _lightning_losses(planned: bool) -> tuple[list[float], object]:
     ids = batch(rows=12)["input_ids"]
     loader = torch.utils.data.DataLoader([{"input_ids": row, "labels": row} for row in ids], batch_size=4)
     planning = PlanCallback(BUDGET, time_limit_s=10)
+    module = Finetune()
+    meter = _Meter(module)
+
+    class Measured(pl.Callback):
+        def on_train_batch_start(self, *args, **kwargs) -> None:
+            meter.start()
+
     trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=3, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False,
-                         callbacks=[planning] if planned else [])
-    module = Finetune()
+                         callbacks=[*([planning] if planned else []), Measured()])
     torch._dynamo.reset()
     trainer.fit(torch.compile(module, backend=BACKEND), loader)
     assert _graphs() > 0
-    return module.losses, planning.plan
+    return module.losses, planning.plan, meter.stop()
 
 
 def test_lightning_fitting_a_compiled_module_trains_the_plan_compiled():
-    unplanned, _ = _lightning_losses(planned=False)
-    planned, plan = _lightning_losses(planned=True)
+    unplanned, _, unplanned_peak = _lightning_losses(planned=False)
+    planned, plan, planned_peak = _lightning_losses(planned=True)
     assert _one_call_segments(plan), plan.summary()
     assert planned == pytest.approx(unplanned, rel=1e-4)
+    _check_peaks(planned_peak, unplanned_peak, plan)

@@ -119,7 +119,8 @@ NOT_DEFAULT = {"keep_output": False, "solver": "rotor", "time_limit_s": 5.0, "ma
                "gradient_accumulation_steps": 4, "batches_held": 4, "zero_grad": "before_backward",
                "set_to_none": False, "autocast": "bf16", "mixed_precision": object(), "follow_batch": True,
                "shapes": ((4, 8),), "offload": "auto", "host_budget": "1GB", "ranks_per_host": 8,
-               "budget_bounds": "allocated", "compilable": True}
+               "budget_bounds": "allocated", "compilable": True,
+               "compile_backend": "aot_eager"}
 
 
 @pytest.mark.parametrize("name, where", REFUSED, ids=[f"{w}-{n}" for n, w in REFUSED])
@@ -133,7 +134,8 @@ def test_an_option_that_does_not_apply_to_an_entry_point_is_one_line_naming_both
 def test_every_option_that_shapes_capture_or_profile_is_fixed_when_prepared():
     assert set(PREPARED) == {"loss_fn", "keep_output", "profile", "device", "world_size", "parallel", "units",
                              "optimizer", "gradient_accumulation_steps", "batches_held", "zero_grad", "set_to_none",
-                             "autocast", "mixed_precision", "follow_batch", "shapes", "tensor_parallel", "compilable"}
+                             "autocast", "mixed_precision", "follow_batch", "shapes", "tensor_parallel", "compilable",
+                             "compile_backend"}
     prepared = SimpleNamespace(options=PlanOptions())
     for name, value in (("mixed_precision", object()), ("follow_batch", True)):
         with pytest.raises(OptionError, match=f"{name}= is fixed when the model is prepared"):

@@ -348,6 +348,22 @@ def graph_breaker() -> Callable[[], None]:
     return _need("torch._dynamo", "graph_break")
 
 
+def compile_backend_of(context: Any) -> str | None:
+    """The name of the backend a ``torch.compile`` result (an ``OptimizedModule``'s ``dynamo_ctx``, or what a
+    framework kept of it) compiles with (``inductor``, ``aot_eager``), found through dynamo's wrappers of its
+    callback; None where it is not told."""
+    found = getattr(context, "callback", context)
+    for _ in range(8):  # dynamo wraps the backend a few layers deep
+        name = getattr(found, "compiler_name", None)
+        if isinstance(name, str) and name:
+            return name
+        inner = getattr(found, "_torchdynamo_orig_backend", None) or getattr(found, "_torchdynamo_orig_callable", None)
+        if inner is None or inner is found:
+            return None
+        found = inner
+    return None
+
+
 def recompile_limits_raised(by: int) -> contextlib.AbstractContextManager:
     """While open, dynamo's per-frame recompile limits are ``by`` entries higher."""
     config = _module("torch._dynamo.config")

@@ -13,8 +13,8 @@ from planner.compat.torch_private import (
     activation_memory_budget,
     checkpoint_side_effects_break_graph,
     compile_fx,
-    graph_breaker,
 )
+from planner.rewrite.modules import break_graph_after
 
 
 class BudgetBackend:
@@ -47,15 +47,23 @@ class Graphs(enum.Enum):
     does by default."""
 
 
+INDUCTOR = "inductor"
+"""torch.compile's default backend, the one ``activation_memory_budget`` partitions for."""
+
+
 class CompiledModule(nn.Module):
-    """``model`` compiled by ``BudgetBackend(fraction)``; parameters and buffers are the model's own.
+    """``model`` compiled by ``BudgetBackend(fraction)`` (``backend`` another torch.compile backend by name, at
+    fraction 1.0); parameters and buffers are the model's own.
 
     ``forward`` enters through a code object made for this instance: dynamo keeps its compiled graphs
     per code object, so compiling the same model at another fraction neither reuses nor evicts these.
     ``Graphs.INPUTS_APART`` puts a forward hook on the model's input embedding (one that only breaks dynamo's
     graph): give it a module of ckplan's own, such as a hook plan's clone, never the user's."""
 
-    def __init__(self, model: nn.Module, fraction: float, *, graphs: Graphs = Graphs.ONE) -> None:
+    def __init__(self, model: nn.Module, fraction: float, *, graphs: Graphs = Graphs.ONE,
+                 backend: str = INDUCTOR) -> None:
+        if backend != INDUCTOR and fraction != 1.0:
+            raise ValueError(f"activation_memory_budget={fraction:g} is inductor's; {backend!r} compiles at 1.0")
         super().__init__()
         self.model = model
         self.fraction = fraction
@@ -64,8 +72,9 @@ class CompiledModule(nn.Module):
             embedding = input_embedding(model)
             if embedding is None:
                 raise ValueError("the model has no input embedding (get_input_embeddings) to compile apart")
-            embedding.register_forward_hook(_graph_break_after)
-        self._compiled = torch.compile(_entry(model), backend=BudgetBackend(fraction))
+            break_graph_after(model, embedding)
+        self._compiled = torch.compile(_entry(model),
+                                       backend=BudgetBackend(fraction) if backend == INDUCTOR else backend)
 
     def forward(self, *args, **kwargs):
         if self.graphs is not Graphs.PER_REGION:
@@ -82,14 +91,6 @@ def input_embedding(model: nn.Module) -> nn.Module | None:
     except (NotImplementedError, AttributeError):
         return None
     return embedding if isinstance(embedding, nn.Module) else None
-
-
-_graph_break = graph_breaker()
-
-
-def _graph_break_after(module: nn.Module, args: tuple, output: object) -> None:
-    """A forward hook that ends dynamo's graph after ``module`` (in eager code it does nothing)."""
-    _graph_break()
 
 
 def _entry(model: nn.Module):

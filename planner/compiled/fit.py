@@ -43,8 +43,9 @@ from typing import Any
 import torch
 
 from planner.capture.inputs import Inputs
+from planner.common.loop import TrainingLoop
 from planner.common.units import format_bytes
-from planner.compiled.backend import CompiledModule, Graphs, input_embedding
+from planner.compiled.backend import INDUCTOR, CompiledModule, Graphs, input_embedding
 from planner.compiled.search import Probe, Source, probe
 from planner.errors import InfeasibleBudget, OutOfTime, PlannerError
 from planner.memory.simulate import simulate
@@ -83,19 +84,23 @@ class Fitted:
 
 def fit_compiled(prepared: Prepared, budget_bytes: int, example: Inputs,
                  loss_fn: Callable[[Any], torch.Tensor] | None, *, keep_output: bool, compiled_plain_bytes: int,
-                 progress: Callable[[str], None] | None = None, compiles: int = COMPILES) -> Fitted | None:
+                 progress: Callable[[str], None] | None = None, compiles: int = COMPILES, backend: str = INDUCTOR,
+                 per_region: bool = True, loop: TrainingLoop | None = None) -> Fitted | None:
     """The plan of ``prepared`` whose step compiled (inductor, the whole module) measures the most within
     ``budget_bytes``; when none of the plans tried fits, the one that measured the least (``fits`` False); None
     when there is no eager plan to try.
 
     ``compiled_plain_bytes``: the un-checkpointed model's compiled peak, which sets the first target (the budget
     scaled by the eager and compiled un-checkpointed peaks: what inductor fuses away, the plan does not need to
-    free)."""
+    free). ``backend``: the torch.compile backend (``CompiledModule``); ``per_region`` False: the graph is not
+    broken at each checkpointed layer (a process-wide setting of dynamo, which a plan compiled by someone else
+    does not carry); ``loop``: each plan's step measured as a step of it (``probe``), ``keep_output`` its own."""
     prepared = for_compiled_loss(prepared)  # the loss as inductor runs it: the eager model's largest difference
     eager_plain = prepared.baseline.peak_bytes
     start = min(budget_bytes * eager_plain // max(compiled_plain_bytes, 1), eager_plain - 1)
-    tried = _Tried(example, loss_fn, keep_output=keep_output, budget_bytes=budget_bytes, progress=progress)
-    for graphs in _ways(prepared):
+    tried = _Tried(example, loss_fn, keep_output=keep_output, budget_bytes=budget_bytes, progress=progress,
+                   backend=backend, loop=loop)
+    for graphs in _ways(prepared, per_region=per_region):
         _search(prepared, start, tried, compiles=tried.compiles + compiles, graphs=graphs)
         if tried.fitted is None:  # the placement by hand: each repeated block, as frameworks' own checkpointing
             with contextlib.suppress(PlannerError):  # a model without repeated blocks
@@ -127,12 +132,12 @@ def _but_the_last_block(prepared: Prepared, target: int) -> Plan | None:
                               target)
 
 
-def _ways(prepared: Prepared) -> list[Graphs]:
+def _ways(prepared: Prepared, *, per_region: bool) -> list[Graphs]:
     """The ways to break the graph the search tries, in order: one graph; the input embedding apart, where the
     model has one and its plans are run by hooks on a clone of it (a rewritten graph shares the user's modules,
     which must not get the hook); a graph per checkpointed layer."""
     apart = input_embedding(prepared.model) is not None and isinstance(prepared.executor, HookExecutor)
-    return [Graphs.ONE, *([Graphs.INPUTS_APART] if apart else []), Graphs.PER_REGION]
+    return [Graphs.ONE, *([Graphs.INPUTS_APART] if apart else []), *([Graphs.PER_REGION] if per_region else [])]
 
 
 def _search(prepared: Prepared, target: int, tried: _Tried, *, compiles: int, graphs: Graphs) -> None:
@@ -175,8 +180,10 @@ class _Tried:
     the least."""
 
     def __init__(self, example: Inputs, loss_fn: Callable[[Any], torch.Tensor] | None, *, keep_output: bool,
-                 budget_bytes: int, progress: Callable[[str], None] | None) -> None:
+                 budget_bytes: int, progress: Callable[[str], None] | None, backend: str,
+                 loop: TrainingLoop | None) -> None:
         self.example, self.loss_fn, self.keep_output = example, loss_fn, keep_output
+        self.backend, self.loop = backend, loop
         self.budget_bytes, self.progress = budget_bytes, progress
         self.measured: dict[Any, tuple[CompiledModule, Probe]] = {}
         self.fitted: Fitted | None = None
@@ -203,7 +210,8 @@ class _Tried:
             torch.compiler.reset()
             try:
                 self.measured[key] = probe(plan.module, 1.0, self.example, self.loss_fn,
-                                           keep_output=self.keep_output, source=Source.PLAN, graphs=graphs)
+                                           keep_output=self.keep_output, source=Source.PLAN, graphs=graphs,
+                                           backend=self.backend, loop=self.loop)
             except Exception as exc:  # dynamo's own failures, only where ckplan breaks the graph
                 if graphs is Graphs.ONE:
                     raise

@@ -20,9 +20,10 @@ from torch import nn
 
 from planner.capture.inputs import Inputs
 from planner.capture.step import backward, default_loss, untouched
+from planner.common.loop import TrainingLoop
 from planner.compat.torch_private import recompile_limits_raised
-from planner.compiled.backend import CompiledModule, Graphs
-from planner.profiling.measure import measure_peak, step_samples_ms
+from planner.compiled.backend import INDUCTOR, CompiledModule, Graphs
+from planner.profiling.measure import measure_peak, measure_step_in_loop, step_samples_ms
 
 FRACTIONS = (1.0, 0.8, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1, 0.0)
 """The ``activation_memory_budget`` fractions probed by default: 1.0 (compile's own partition, the
@@ -56,15 +57,17 @@ class Probe:
 
 
 def probe(model: nn.Module, fraction: float, inputs: Inputs, loss_fn: Callable[[Any], torch.Tensor] | None,
-          *, keep_output: bool, source: Source = Source.KNAPSACK, graphs: Graphs = Graphs.ONE
-          ) -> tuple[CompiledModule, Probe]:
-    """Compiles ``model`` at ``fraction`` (one warm step) and measures the peak of the next step."""
-    module = CompiledModule(model, fraction, graphs=graphs)
+          *, keep_output: bool, source: Source = Source.KNAPSACK, graphs: Graphs = Graphs.ONE,
+          backend: str = INDUCTOR, loop: TrainingLoop | None = None) -> tuple[CompiledModule, Probe]:
+    """Compiles ``model`` at ``fraction`` (one warm step; ``backend`` as ``CompiledModule`` takes it) and measures
+    the peak of the next step: alone, or a step of ``loop`` without its optimizer (``measure_step_in_loop``)."""
+    module = CompiledModule(model, fraction, graphs=graphs, backend=backend)
     start = time.perf_counter()
     with untouched(module), _recompile_room(1):
         backward((loss_fn or default_loss)(module(*inputs.args, **inputs.kwargs)))
     compile_s = time.perf_counter() - start
-    peak = measure_peak(module, inputs, loss_fn, keep_output=keep_output)
+    peak = (measure_peak(module, inputs, loss_fn, keep_output=keep_output) if loop is None
+            else measure_step_in_loop(module, inputs, loss_fn, loop=loop))
     return module, Probe(source=source, fraction=fraction, peak_bytes=peak, compile_s=compile_s, graphs=graphs)
 
 

@@ -20,11 +20,12 @@ import torch.distributed as dist
 from torch import nn
 from typing_extensions import Unpack
 
+from planner.api import optimize
 from planner.capture.fsdp_units import resolve_units
 from planner.distributed.tensor import tensor_parallel_degree
 from planner.errors import InfeasibleBudget, PlannerError
 from planner.options import OptionArgs, PlanOptions, resolve
-from planner.pipeline import optimize, plan_for, prepare
+from planner.pipeline import plan_for, prepare
 from planner.plan import Plan
 from planner.profiling.allocator import AllocatorTrace
 

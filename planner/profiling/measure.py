@@ -12,7 +12,7 @@ import contextlib
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -21,7 +21,7 @@ from torch import nn
 from planner.capture.inputs import Inputs
 from planner.capture.step import LossFn, backward, default_loss, untouched
 from planner.capture.step import sync as _sync
-from planner.common.loop import TrainingLoop, ZeroGrad
+from planner.common.loop import Gradients, TrainingLoop, ZeroGrad
 from planner.compat.torch_private import storage_id, tree_leaves
 from planner.profiling.allocator import AllocatorTrace
 from planner.profiling.memtrack import LiveStorages
@@ -155,6 +155,18 @@ def measure_loop_peak(module: nn.Module, batches: Sequence[Inputs], loss_fn: Los
         return trace.base_bytes + trace.peak_bytes
     before = _before(trace, [*module.parameters(), *module.buffers()])
     return before + max(w.peak_bytes + b for w, b in zip(trace.windows, batch_bytes))
+
+
+def measure_step_in_loop(module: nn.Module, inputs: Inputs, loss_fn: LossFn | None = None, *,
+                         loop: TrainingLoop) -> int:
+    """Peak bytes of a step of ``loop`` at the allocator, without its optimizer (no state, no step): as many
+    micro-steps on ``inputs`` as it takes for earlier gradients to be alive as the loop keeps them (two where the
+    last step's gradients live into the next forward or are zeroed in place, the micro-steps of an optimizer step
+    where they accumulate; one where each step starts without them). The module's gradients, buffers and RNG state
+    are restored afterwards."""
+    micro = 1 if loop.gradients is Gradients.NONE else max(2, loop.gradient_accumulation_steps)
+    with untouched(module):
+        return measure_loop_peak(module, [inputs] * micro, loss_fn, loop=replace(loop, optimizer=None))
 
 
 def run_step(module: nn.Module, inputs: Inputs, loss_fn: Callable[[Any], torch.Tensor] | None, *,

@@ -97,6 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compilable", action="store_true",
                    help="plan for torch.compile: a plan run by module hooks (Hugging Face models) gets segments of "
                         "one module call each, which compiled code runs (docs/compiled.md)")
+    p.add_argument("--compile-backend", metavar="NAME",
+                   help="the step runs under torch.compile with this backend (inductor, aot_eager): the plan "
+                        "compiles and is fitted to the compiled step, measured here (docs/compiled.md)")
     p.add_argument("--follow-batch", action=argparse.BooleanOptionalAction, default=None,
                    help="each training call runs the plan of its own shape's group: none where the step fits "
                         "(default: where the plan runs by module hooks and the loss is the model's own output)")

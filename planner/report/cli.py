@@ -25,10 +25,11 @@ from typing import Any
 import torch
 from rich.console import Console
 
+from planner.api import optimize
 from planner.capture.inputs import as_inputs
 from planner.errors import InfeasibleBudget, PlannerError
 from planner.options import PlanOptions
-from planner.pipeline import optimize, profile
+from planner.pipeline import profile
 from planner.plan import Plan
 from planner.profiling.measure import measure_peak, step_times_ms
 from planner.profiling.record import Profile, load_profile
@@ -131,7 +132,8 @@ def _options(args: argparse.Namespace, found: ModelFile, stage: Callable[[str], 
                        follow_batch=_follows(args), shapes=args.shapes,
                        offload={"auto": True, "off": False}.get(args.offload), host_budget=args.host_budget,
                        ranks_per_host=args.ranks_per_host,
-                       compilable=args.compilable, budget_bounds=args.budget_bounds,
+                       compilable=args.compilable, compile_backend=args.compile_backend,
+                       budget_bounds=args.budget_bounds,
                        device=args.device if isinstance(args.device, str) else None, progress=stage)
 
 
@@ -153,7 +155,7 @@ def _follows(args: argparse.Namespace) -> bool | None:
 _EAGER_ONLY = ("--save", "--emit", "--profile", "--save-profile", "--verify", "--explain", "--whole-segments",
                "--must-save", "--must-recompute", "--world-size", "--parallel", "--optimizer", "--mixed-precision",
                "--follow-batch", "--shapes", "--tensor-parallel", "--offload", "--host-budget", "--budget-bounds",
-               "--compilable", "--ranks-per-host")
+               "--compilable", "--compile-backend", "--ranks-per-host")
 
 
 def _compiled(args: argparse.Namespace, out: Console, err: Console) -> int:

@@ -115,19 +115,25 @@ def print_report(console: Console, plan: Plan, *, model_file: str, solver: str, 
 
 
 def header(plan: Plan, *, model_file: str, solver: str) -> Table:
-    """The model file, then baseline peak → predicted peak and the budget, the overhead, the solver."""
-    change = plan.predicted_peak_bytes / plan.baseline_peak_bytes - 1 if plan.baseline_peak_bytes else 0.0
-    share = plan.budget_bytes / plan.baseline_peak_bytes if plan.baseline_peak_bytes else math.nan
+    """The model file, then baseline peak → predicted peak (a compiled step's measured, the eager model's beside it)
+    and the budget, the overhead, the solver."""
+    compiled = plan.compiled_step
+    baseline, peak = ((plan.baseline_peak_bytes, plan.predicted_peak_bytes) if compiled is None
+                      else (compiled.baseline_peak_bytes, compiled.peak_bytes))
+    change = peak / baseline - 1 if baseline else 0.0
+    share = plan.budget_bytes / baseline if baseline else math.nan
     count = len(plan.segments)
     grid = Table.grid(padding=(0, 2))
     grid.add_column(style="dim")
     grid.add_column()
     grid.add_row(Text("ckplan", style="bold"), Text(model_file, style="bold cyan"))
-    grid.add_row("peak", Text.assemble(
-        (format_bytes(plan.baseline_peak_bytes), "bold"), " → ",
-        (format_bytes(plan.predicted_peak_bytes), "bold green"),
-        f" ({100 * change:+.1f}%)"))
-    grid.add_row("budget", f"{format_bytes(plan.budget_bytes)} ({100 * share:.0f}% of the un-checkpointed peak)")
+    grid.add_row("peak", Text.assemble((format_bytes(baseline), "bold"), " → ", (format_bytes(peak), "bold green"),
+                                       f" ({100 * change:+.1f}%)"))
+    if compiled is not None:
+        eager = f"{format_bytes(plan.baseline_peak_bytes)} → {format_bytes(plan.predicted_peak_bytes)}"
+        grid.add_row("compiled", f"{compiled.how}, the step measured at the allocator; the eager model: {eager}")
+    what = "compiled step" if compiled is not None else "peak"
+    grid.add_row("budget", f"{format_bytes(plan.budget_bytes)} ({100 * share:.0f}% of the un-checkpointed {what})")
     if plan.counted:
         grid.add_row("counted", "; ".join(plan.counted))
     reserve = reserve_text(plan)

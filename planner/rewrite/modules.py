@@ -25,7 +25,7 @@ from planner.capture.cache import install_no_cache, training_with_grad
 from planner.capture.frameworks import guard, unguard
 from planner.capture.inputs import bind
 from planner.common.budget import format_bytes
-from planner.compat.torch_private import forward_hooks
+from planner.compat.torch_private import forward_hooks, graph_breaker
 from planner.rewrite.chain_hooks import Installed, install
 from planner.rewrite.chains import Chain
 from planner.rewrite.segment import Segment
@@ -113,6 +113,22 @@ def remove_plan(root: nn.Module) -> bool:
         return False
     installed.remove()
     return True
+
+
+def break_graph_after(root: nn.Module, module: nn.Module) -> None:
+    """Ends dynamo's graph after each call of ``module``, a member of ``root`` (a forward hook; in eager code it
+    does nothing): part of the plan on ``root``, taken off with it by ``remove_plan``."""
+    handle = module.register_forward_hook(_graph_break_after)
+    installed = _plan_on(root)
+    if isinstance(installed, Installed):
+        installed.handles.append(handle)
+
+
+_graph_break = graph_breaker()
+
+
+def _graph_break_after(module: nn.Module, args: tuple, output: object) -> None:
+    _graph_break()
 
 
 def _plan_on(root: nn.Module) -> Installed | Switching | None:

@@ -6,8 +6,9 @@
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
 
 The helper reads the ``Accelerator``'s ``gradient_accumulation_steps``, ``mixed_precision`` (``bf16``/``fp16``:
-the step runs under ``torch.autocast``) and dynamo backend (``prepare`` compiles the model: a plan that compiles,
-``compilable``) and plans the model before ``prepare`` wraps it: on one process in place
+the step runs under ``torch.autocast``) and dynamo backend (``prepare`` compiles the model: on one process the plan
+is fitted to the step compiled with that backend, ``compile_backend``; on several, made to compile,
+``compilable``, for the eager step) and plans the model before ``prepare`` wraps it: on one process in place
 (``enable``: ``plan.module`` is ``model``, the optimizer's parameters are its own), on several with
 ``plan_on_rank0`` (one plan for every DDP rank, each with its own planned module sharing ``model``'s parameters).
 """
@@ -37,8 +38,11 @@ def plan_with(accelerator: Any, model: nn.Module, budget: int | str, *, inputs: 
     settings = {**overrides, "optimizer": optimizer,
                 "gradient_accumulation_steps": int(accelerator.gradient_accumulation_steps),
                 "autocast": _autocast(str(getattr(accelerator, "mixed_precision", "no")))}
-    if _compiles(accelerator):
+    backend = _backend(accelerator)
+    if backend is not None and accelerator.num_processes > 1:  # one plan for every rank: the eager step's
         settings["compilable"] = True
+    elif backend is not None:
+        settings["compile_backend"] = backend
     if accelerator.num_processes > 1:
         from planner.distributed.rank import plan_on_rank0
 
@@ -48,11 +52,13 @@ def plan_with(accelerator: Any, model: nn.Module, budget: int | str, *, inputs: 
     return enable(model, budget, inputs=inputs, options=options, **settings)
 
 
-def _compiles(accelerator: Any) -> bool:
-    """Whether ``accelerator.prepare`` compiles the model (a dynamo backend other than ``no``)."""
+def _backend(accelerator: Any) -> str | None:
+    """The torch.compile backend ``accelerator.prepare`` compiles the model with (its dynamo plugin's, by the name
+    torch.compile takes), None when it does not compile."""
     plugin = getattr(getattr(accelerator, "state", None), "dynamo_plugin", None)
     backend = getattr(plugin, "backend", None)
-    return backend is not None and str(getattr(backend, "value", backend)).upper() != "NO"
+    name = None if backend is None else str(getattr(backend, "value", backend)).lower()
+    return None if name in (None, "no") else name
 
 
 def _autocast(mixed_precision: str) -> str | None:

@@ -11,7 +11,8 @@ It plans ``module`` (by default the LightningModule's ``model`` attribute where 
 LightningModule itself) in place from the first batch of the training loader, mapped to the module's arguments by
 ``inputs`` (default: a dict batch as keyword arguments, a tuple as positional ones), with the module's own loss
 (``outputs.loss``) unless ``loss_fn=`` says otherwise. A LightningModule passed to ``fit`` compiled
-(``torch.compile(module)``, which Lightning unwraps and compiles again) gets a plan that compiles (``compilable``).
+(``torch.compile(module)``, which Lightning unwraps and compiles again) gets a plan fitted to the step compiled with
+the same backend (``compile_backend``), or, where the backend cannot be told, one that compiles (``compilable``).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 from pytorch_lightning import Callback
 
 from planner.common.log import get_logger
+from planner.compat.torch_private import compile_backend_of
 from planner.errors import OptionError
 from planner.inplace import enable
 from planner.options import PlanOptions
@@ -78,4 +80,12 @@ def lightning_step(trainer: Any, pl_module: Any) -> dict[str, Any]:
             "autocast": AUTOCAST.get(str(trainer.precision)),
             "gradient_accumulation_steps": int(trainer.accumulate_grad_batches),
             "zero_grad": "before_backward" if pl_module.automatic_optimization else "before_forward",
-            **({"compilable": True} if getattr(pl_module, "_compiler_ctx", None) else {})}
+            **_compiled(getattr(pl_module, "_compiler_ctx", None))}
+
+
+def _compiled(context: Any) -> dict[str, Any]:
+    """The options of a module Lightning compiles (``_compiler_ctx``, kept from ``torch.compile(module)``)."""
+    if not context:
+        return {}
+    backend = compile_backend_of(context.get("dynamo_ctx")) if isinstance(context, Mapping) else None
+    return {"compile_backend": backend} if backend is not None else {"compilable": True}

@@ -11,7 +11,8 @@ micro-batches Trainer takes from the loader together and holds through the optim
 (the random generators put back: training sees the same batches) and plans the model object in place
 (``planner.enable``), so the Trainer, its optimizer and its accelerate wrappers keep the object they hold.
 ``gradient_checkpointing=True`` (TRL's default) is left off with one warning: the plan replaces it. With
-``torch_compile=True`` the plan is made to compile (``compilable``), and the model Trainer compiles runs it.
+``torch_compile=True`` the plan is fitted to the step compiled with Trainer's ``torch_compile_backend``
+(``compile_backend``: compiled and measured here), and the model Trainer compiles runs it.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 from transformers import TrainerCallback
 
 from planner.common.log import get_logger
+from planner.compiled.backend import INDUCTOR
 from planner.inplace import enable
 from planner.options import PlanOptions
 from planner.stacks.batch import first_batch, to_device
@@ -62,14 +64,16 @@ class PlanCallback(TrainerCallback):
 def trainer_step(args: Any, optimizer: Any) -> dict[str, Any]:
     """The options of the step a Trainer with these ``TrainingArguments`` runs: its optimizer, its autocast, its
     micro-steps (whose batches it takes from the loader together and holds through the optimizer step), no
-    output kept through backward (``compute_loss`` returns the loss alone), and with ``torch_compile`` a plan
-    that compiles (``compilable``: every segment one module call)."""
+    output kept through backward (``compute_loss`` returns the loss alone), and with ``torch_compile`` the
+    backend it compiles with (``compile_backend``: the plan fitted to the compiled step)."""
     autocast = torch.bfloat16 if getattr(args, "bf16", False) else torch.float16 if getattr(args, "fp16", False) \
         else None
     steps = int(getattr(args, "gradient_accumulation_steps", 1) or 1)
     step = {"optimizer": _unwrapped(optimizer), "autocast": autocast, "keep_output": False,
             "gradient_accumulation_steps": steps, "batches_held": steps}
-    return {**step, "compilable": True} if getattr(args, "torch_compile", False) else step
+    if not getattr(args, "torch_compile", False):
+        return step
+    return {**step, "compile_backend": getattr(args, "torch_compile_backend", None) or INDUCTOR}
 
 
 def _unwrapped(optimizer: Any) -> Any:
