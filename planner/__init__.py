@@ -20,7 +20,7 @@ _PUBLIC = {
     "parse_budget": "planner.common.budget", "PlanOptions": "planner.options", "ShapeRange": "planner.follow.shapes",
     "PlannerError": "planner.errors", "CaptureError": "planner.errors", "InfeasibleBudget": "planner.errors",
     "OptionError": "planner.errors",
-    "OutOfTime": "planner.errors",
+    "OutOfTime": "planner.errors", "CompileError": "planner.errors",
     "ProfileError": "planner.errors", "ProfileMismatch": "planner.errors", "ProfileFileError": "planner.errors",
     "profile": "planner.pipeline", "Profile": "planner.profiling.record",
     "load_profile": "planner.profiling.record",

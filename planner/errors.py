@@ -43,6 +43,11 @@ class ProfileError(PlannerError):
     """The model failed while running one of its nodes on the example inputs."""
 
 
+class CompileError(PlannerError):
+    """The model, or ckplan's plan of it, does not compile with the ``torch.compile`` backend the step runs under
+    (``compile_backend``): raised while planning, before any training step."""
+
+
 class ProfileMismatch(PlannerError, ValueError):
     """A saved profile was given for a model or inputs it was not made from (says what differs)."""
 

@@ -214,9 +214,12 @@ class PlanOptions:
 
     def _for_compiled_step(self) -> None:
         """Checks ``compile_backend`` against the options it excludes, and sets those it implies."""
-        if not isinstance(self.compile_backend, str) or not self.compile_backend:
-            raise OptionError(f"compile_backend must be the name of a torch.compile backend ('inductor'), got "
-                              f"{self.compile_backend!r}")
+        import torch
+
+        if not isinstance(self.compile_backend, str) or \
+                self.compile_backend not in torch.compiler.list_backends(exclude_tags=()):
+            raise OptionError(f"compile_backend must be the name of a torch.compile backend (one of "
+                              f"{', '.join(torch.compiler.list_backends())}), got {self.compile_backend!r}")
         other = ("device" if self.device is not None else "world_size" if self.world_size > 1
                  else "tensor_parallel" if self.tensor_parallel > 1 else "follow_batch" if self.follow_batch
                  else "offload" if self.offload else None)

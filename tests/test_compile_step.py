@@ -13,7 +13,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from planner import OptionError, disable, enable, load_plan, optimize, optimize_compiled
+from planner import CompileError, OptionError, disable, enable, load_plan, optimize, optimize_compiled
 from planner.capture.inputs import as_inputs
 from planner.compiled.backend import Graphs
 from planner.plan import CompiledStep
@@ -114,7 +114,22 @@ def test_a_compiled_step_is_measured_here_for_one_shape_without_offloads(options
 
 
 def test_compile_backend_names_a_backend_and_is_not_an_option_of_optimize_compiled():
-    with pytest.raises(OptionError, match="name of a torch.compile backend"):
-        optimize(torch.nn.Linear(4, 4), "50%", inputs=(torch.ones(2, 4),), compile_backend="")
+    for wrong in ("", "inductr"):
+        with pytest.raises(OptionError, match="name of a torch.compile backend .*inductor"):
+            optimize(torch.nn.Linear(4, 4), "50%", inputs=(torch.ones(2, 4),), compile_backend=wrong)
     with pytest.raises(OptionError, match="compile_backend"):
         optimize_compiled(torch.nn.Linear(4, 4), "50%", inputs=(torch.ones(2, 4),), compile_backend="inductor")
+
+
+def test_a_model_that_does_not_compile_with_the_backend_is_one_line_while_planning():
+    """Before any training step: torch's test backend that fails on every graph with a relu."""
+    class Relu(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.relu(x)
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 64), Relu(), torch.nn.Linear(64, 8))
+    torch._dynamo.reset()
+    with pytest.raises(CompileError, match=r"^the model does not compile with torch.compile's "
+                                           r"'relu_compile_error_TESTING_ONLY' backend \(.+\): train it eagerly, "
+                                           r"or plan the eager step with compilable=True[^\n]*$"):
+        optimize(model, "50%", inputs=(torch.randn(16, 8),), compile_backend="relu_compile_error_TESTING_ONLY")

@@ -115,7 +115,7 @@ def test_trainers_gradient_checkpointing_flag_is_left_off_on_a_planned_module():
                                               per_device_train_batch_size=4, logging_steps=1, use_cpu=True,
                                               save_strategy="no", seed=0, gradient_checkpointing=flag)
         trainer = transformers.Trainer(model=module, args=args, train_dataset=data)
-        calls = Calls(trainer.model.get_submodule(counted))
+        calls = Calls(trainer.model.model.layers[0])
         trainer.train()
         calls.handle.remove()
         return [h["loss"] for h in trainer.state.log_history if "loss" in h], calls.count

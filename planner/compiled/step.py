@@ -19,6 +19,7 @@ planned module). Breaking the graph at each checkpointed layer is a process-wide
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from dataclasses import replace
 
 import torch
@@ -28,7 +29,7 @@ from planner.common.budget import is_device_budget, parse_budget
 from planner.compiled.backend import Graphs, input_embedding
 from planner.compiled.fit import fit_compiled
 from planner.compiled.search import probe
-from planner.errors import InfeasibleBudget
+from planner.errors import CompileError, InfeasibleBudget, PlannerError
 from planner.pipeline import plan_for
 from planner.plan import CompiledStep, Plan
 from planner.planning.prepared import Prepared, device_bytes
@@ -42,25 +43,27 @@ def fit_step(prepared: Prepared, budget: int | str, *, target: nn.Module | None 
     Raises:
         InfeasibleBudget: no plan's compiled step fits (carrying the least measured), or the optimizer's step
             alone does not.
+        CompileError: the model, or a plan of it, does not compile with the backend.
     """
     opts = prepared.options
     backend = opts.compile_backend
     if backend is None:
         raise ValueError("fit_step plans a step compiled with compile_backend=; plan_for plans the eager one")
     extra = loop_bytes(prepared)
-    with _as_trained(prepared):
+    with _as_trained(prepared), _compiles(backend, "the model"):
         _, plain = probe(prepared.model, 1.0, prepared.example, opts.loss_fn, keep_output=opts.keep_output,
                          backend=backend, loop=prepared.loop)
-        baseline_bytes = plain.peak_bytes + extra
-        budget_bytes = parse_budget(budget, baseline_peak_bytes=baseline_bytes,
-                                    device_bytes=device_bytes(prepared) if is_device_budget(budget) else None)
-        optimizer_bytes = prepared.memory.step_bytes
-        if optimizer_bytes > budget_bytes:
-            raise InfeasibleBudget(budget_bytes, optimizer_bytes, reason="the optimizer's step after backward")
-        if baseline_bytes <= budget_bytes:  # the un-checkpointed step compiled fits: nothing to re-run
-            plan = plan_for(prepared, prepared.baseline.peak_bytes, target=target, budget_bounds="allocated")
-            return replace(plan, budget_bytes=budget_bytes, compiled_step=CompiledStep(
-                backend=backend, peak_bytes=max(baseline_bytes, optimizer_bytes), baseline_peak_bytes=baseline_bytes))
+    baseline_bytes = plain.peak_bytes + extra
+    budget_bytes = parse_budget(budget, baseline_peak_bytes=baseline_bytes,
+                                device_bytes=device_bytes(prepared) if is_device_budget(budget) else None)
+    optimizer_bytes = prepared.memory.step_bytes
+    if optimizer_bytes > budget_bytes:
+        raise InfeasibleBudget(budget_bytes, optimizer_bytes, reason="the optimizer's step after backward")
+    if baseline_bytes <= budget_bytes:  # the un-checkpointed step compiled fits: nothing to re-run
+        plan = plan_for(prepared, prepared.baseline.peak_bytes, target=target, budget_bounds="allocated")
+        return replace(plan, budget_bytes=budget_bytes, compiled_step=CompiledStep(
+            backend=backend, peak_bytes=max(baseline_bytes, optimizer_bytes), baseline_peak_bytes=baseline_bytes))
+    with _as_trained(prepared), _compiles(backend, "ckplan's plan of the model"):
         fitted = fit_compiled(prepared, budget_bytes - extra, prepared.example, opts.loss_fn,
                               keep_output=opts.keep_output, compiled_plain_bytes=plain.peak_bytes,
                               progress=opts.progress, backend=backend, per_region=False, loop=prepared.loop)
@@ -88,6 +91,20 @@ def loop_bytes(prepared: Prepared) -> int:
     loop = prepared.loop
     state = loop.optimizer.state_bytes if loop.optimizer is not None else 0
     return state + (loop.batches_held - 1) * prepared.profile.input_bytes
+
+
+@contextlib.contextmanager
+def _compiles(backend: str, what: str) -> Iterator[None]:
+    """Turns a failure to compile (dynamo's, the backend's) into one line naming it and the ways out."""
+    try:
+        yield
+    except PlannerError:
+        raise
+    except Exception as exc:
+        first = (str(exc).strip().splitlines() or [""])[0][:200]
+        raise CompileError(f"{what} does not compile with torch.compile's {backend!r} backend ({type(exc).__name__}: "
+                           f"{first}): train it eagerly, or plan the eager step with compilable=True instead of "
+                           f"compile_backend") from exc
 
 
 def _as_trained(prepared: Prepared) -> contextlib.AbstractContextManager:
