@@ -19,6 +19,7 @@ from planner.common.budget import BudgetBounds
 from planner.common.loop import OptimizerState, TrainingLoop, ZeroGrad
 from planner.errors import OptionError
 from planner.follow.shapes import ShapeRange, check_spec
+from planner.memory.pipeline import Pipeline, Schedule
 from planner.profiling.record import Profile
 
 _ENABLE = {"enable": "it plans the model for this process and its own device (optimize() plans for another device "
@@ -141,6 +142,15 @@ class PlanOptions:
     batch) gets segments of one module call each (a layer, its MLP, its attention), which compiled code runs through
     ``torch.utils.checkpoint`` in one graph; a segment of several calls cannot be compiled. A rewritten graph
     (torch.fx) compiles either way (``docs/compiled.md``)."""
+    pipeline: Any = _option(None, prepared=False, refused={**_PLANNING, **_COMPILED})
+    """Plan one stage of a pipeline-parallel job (``planner.memory.pipeline``): a ``Pipeline`` or
+    ``"SCHEDULE:STAGES:MICROBATCHES[:CHUNKS]"`` (``"1f1b:4:8"``; schedules ``gpipe``, ``1f1b``,
+    ``interleaved_1f1b``). The model is the stage's module and ``inputs`` one microbatch of it; the budget bounds the
+    stage with every microbatch its schedule keeps in flight at ``pipeline_rank`` (the first stage holds the most
+    under 1F1B); from the first backward on, the microbatches' gradients accumulate in the parameters'. None: no
+    pipeline."""
+    pipeline_rank: int = _option(0, prepared=False, refused={**_PLANNING, **_COMPILED})
+    """The stage's place in the pipeline, 0 for the first (with ``pipeline``)."""
     compile_backend: str | None = _option(None, prepared=True, refused={**_PLANNING, **_COMPILED})
     """The ``torch.compile`` backend the training step runs under (``"inductor"``, its default; ``"aot_eager"``...),
     None for an eager step. The plan then compiles (``compilable``) and is fitted to the compiled step as measured
@@ -208,6 +218,8 @@ class PlanOptions:
             _check_count("ranks_per_host", self.ranks_per_host, "the ranks whose offloads share one host")
         if self.compile_backend is not None:
             self._for_compiled_step()
+        if self.pipeline is not None:
+            self._for_a_pipeline()
         limit = self.time_limit_s
         if isinstance(limit, bool) or not isinstance(limit, int | float) or not 0 <= limit < float("inf"):
             raise OptionError(f"time_limit_s must be a number of seconds >= 0 (got {limit!r}); e.g. time_limit_s=60")
@@ -230,6 +242,24 @@ class PlanOptions:
         for name, value in (("compilable", True), ("follow_batch", False), ("offload", False)):
             object.__setattr__(self, name, value)
 
+    def _for_a_pipeline(self) -> None:
+        """Reads ``pipeline`` (a ``Pipeline`` or its text form) and checks ``pipeline_rank`` against it."""
+        if isinstance(self.pipeline, str):
+            object.__setattr__(self, "pipeline", parse_pipeline(self.pipeline))
+        if not isinstance(self.pipeline, Pipeline):
+            raise OptionError(f"pipeline must be a planner.Pipeline or 'SCHEDULE:STAGES:MICROBATCHES[:CHUNKS]' "
+                              f"('1f1b:4:8'), got {self.pipeline!r}")
+        rank = self.pipeline_rank
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.pipeline.stages:
+            raise OptionError(f"pipeline_rank must be a stage of the pipeline, 0 to {self.pipeline.stages - 1}, got "
+                              f"{rank!r}")
+        if self.offload:
+            raise OptionError("offload= is not planned for a pipeline stage yet: drop one of them")
+        object.__setattr__(self, "offload", False)
+        if self.sharded:
+            raise OptionError("a pipeline stage's microbatches accumulate gradients, which is not modelled on the "
+                              "ranks of an FSDP job: plan the stage with parallel='ddp' or without world_size")
+
     def loop(self, *, optimizer: OptimizerState | None, autocast: Any) -> TrainingLoop:
         """The training loop these options describe, with the optimizer's state as measured for the model and the
         autocast dtype the step runs under (the option's, or the caller's own)."""
@@ -242,6 +272,25 @@ class PlanOptions:
     def sharded(self) -> bool:
         """Whether the plan is for the ranks of an FSDP job (``parallel="fsdp"``, the default past one rank)."""
         return self.parallel == "fsdp" or (self.parallel is None and self.world_size > 1)
+
+
+def parse_pipeline(text: str) -> Pipeline:
+    """``"SCHEDULE:STAGES:MICROBATCHES[:CHUNKS]"`` as a ``Pipeline``.
+
+    Raises:
+        OptionError: naming the form and the schedules."""
+    parts = text.split(":")
+    schedules = ", ".join(s.value for s in Schedule)
+    try:
+        schedule = Schedule(parts[0].lower())
+        numbers = [int(part) for part in parts[1:]]
+        if len(numbers) not in (2, 3):
+            raise ValueError("two or three numbers")
+        return Pipeline(schedule=schedule, stages=numbers[0], microbatches=numbers[1],
+                        chunks=numbers[2] if len(numbers) == 3 else 1)
+    except ValueError as exc:
+        raise OptionError(f"pipeline {text!r}: {exc}; give SCHEDULE:STAGES:MICROBATCHES[:CHUNKS], such as '1f1b:4:8' "
+                          f"(schedules: {schedules}; chunks per rank for interleaved_1f1b)") from None
 
 
 def _host_bytes(value: Any) -> int:
@@ -293,6 +342,8 @@ class OptionArgs(TypedDict, total=False):
     ranks_per_host: int | None
     budget_bounds: BudgetBounds | str
     compilable: bool
+    pipeline: Any
+    pipeline_rank: int
     compile_backend: str | None
     progress: Callable[[str], None] | None
 
@@ -345,4 +396,7 @@ def resolve(options: PlanOptions | None, overrides: Mapping[str, Any], *, where:
         value = getattr(resolved, name)
         if why is not None and value != named[name].default and value not in named[name].metadata["neutral"]:
             raise OptionError(f"{where}() does not take {name}=: {why}")
+    if resolved.pipeline is None and resolved.pipeline_rank != 0:
+        raise OptionError(f"pipeline_rank={resolved.pipeline_rank!r} places a stage in a pipeline: give pipeline= too "
+                          "(e.g. pipeline='1f1b:4:8')")
     return resolved

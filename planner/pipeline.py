@@ -30,6 +30,7 @@ from planner.options import PREPARED, OptionArgs, PlanOptions, resolve
 from planner.plan import MemoryTimeline, Plan
 from planner.planning.chunkings import save_options_for, solve_budget, solve_prepared
 from planner.planning.offloading import offload_limits, offload_spec, solve_offloaded
+from planner.planning.pipelined import solve_stage, unplanned_stage_peak
 from planner.planning.prepared import Prepared, chunked, device_bytes, prepared_from
 from planner.planning.reserve import reserve_predicted, reserved_for, within_reserve
 from planner.planning.step import captured_and_profiled
@@ -147,7 +148,9 @@ def plan_for(prepared: Prepared, budget: int | str, *, options: PlanOptions | No
     if opts.max_chunks != prepared.options.max_chunks:
         prepared = chunked(prepared, opts.max_chunks)
     stage = opts.progress or (lambda name: None)
-    budget_bytes = parse_budget(budget, baseline_peak_bytes=prepared.baseline.peak_bytes,
+    baseline_bytes = (prepared.baseline.peak_bytes if opts.pipeline is None  # a stage's "NN%" is of the stage's
+                      else unplanned_stage_peak(prepared, opts.pipeline, opts.pipeline_rank))
+    budget_bytes = parse_budget(budget, baseline_peak_bytes=baseline_bytes,
                                 device_bytes=device_bytes(prepared) if is_device_budget(budget) else None)
     stage("solve")
     started = time.perf_counter()
@@ -182,8 +185,14 @@ def plan_for(prepared: Prepared, budget: int | str, *, options: PlanOptions | No
         solution = replace(pair[1], solve_time_s=time.perf_counter() - started)  # the whole stage, widening included
         return plan_from_solution(pair[0], solution, budget_bytes, target=on, follow=opts if following else None)
 
-    pair = solved(budget_bytes)
+    stage_peak = None
+    if opts.pipeline is not None:  # one microbatch's step, with room for those the schedule keeps in flight
+        pair, stage_peak = solve_stage(prepared, budget_bytes, opts.pipeline, opts.pipeline_rank, solved)
+    else:
+        pair = solved(budget_bytes)
     stage("rewrite")
+    if stage_peak is not None:
+        return replace(built(pair, target), pipeline_stage=stage_peak)
     if (opts.budget_bounds is not BudgetBounds.RESERVED or not reserve_predicted(prepared)
             or not reads_budget):  # a fixed placement is what it is at any target
         return built(pair, target)

@@ -33,6 +33,7 @@ from planner.errors import PlanFileError
 from planner.follow.family import Family
 from planner.memory.breakdown import PeakBreakdown
 from planner.memory.caching import ReservedPeak
+from planner.memory.pipeline import StagePeak
 from planner.options import OptionArgs, PlanOptions, resolve
 from planner.profiling.devices import SacCostSource
 from planner.profiling.headroom import ALLOC_CONF, reserve_note
@@ -174,6 +175,9 @@ class Plan:
     planned_inputs: dict[str, tuple[int, ...]] = field(default_factory=dict, repr=False)
     """Shape of each tensor argument of the example call, by parameter name: a plan that runs the
     model's own forward warns once when a training call is larger (``planner.rewrite.modules``)."""
+    pipeline_stage: StagePeak | None = None
+    """For a stage of a pipeline-parallel job (``pipeline``): what the microbatches its schedule keeps in flight
+    add, and the stage's peak, which the budget bounds (``predicted_peak_bytes`` is one microbatch's step)."""
     compiled_step: CompiledStep | None = None
     """For a step run under torch.compile (``compile_backend``): the compiled step as measured, which the budget
     bounds (``predicted_peak_bytes`` is the eager step's); None for an eager step."""
@@ -231,6 +235,8 @@ class Plan:
         budget = f"budget {format_bytes(self.budget_bytes)}"
         if self.compiled_step is not None:  # the budget bounds the compiled step; the eager model's peak beside it
             peak, budget = self.compiled_step.text(), f"{budget}; eager model: {peak}"
+        if self.pipeline_stage is not None:  # the budget bounds the stage; one microbatch's step beside it
+            peak = f"{self.pipeline_stage.text()} (one microbatch's step: {peak})"
         lines = [
             f"ckplan: {len(self.segments)} checkpointed segment(s), solver {self.solver_status} "
             f"in {self.solve_time_s:.2f} s (capture: {self.capture_method.label}, device: {self.device})",
@@ -275,6 +281,7 @@ class Plan:
         data["family"] = None if self.family is None else self.family.to_dict()
         data["offload"] = None if self.offload is None else asdict(self.offload)
         data["reserved"] = None if self.reserved is None else asdict(self.reserved)
+        data["pipeline_stage"] = None if self.pipeline_stage is None else asdict(self.pipeline_stage)
         data["compiled_step"] = None if self.compiled_step is None else \
             {**asdict(self.compiled_step), "graphs": self.compiled_step.graphs.value}
         return data
@@ -404,6 +411,9 @@ def _plan_from_dict(data: dict[str, Any]) -> Plan:
     offload = data.get("offload")
     if offload is not None:
         values["offload"] = OffloadSpec.from_dict(offload, "plan.offload")
+    stage = data.get("pipeline_stage")
+    if stage is not None:
+        values["pipeline_stage"] = record_from_json(StagePeak, stage, "plan.pipeline_stage")
     compiled = data.get("compiled_step")
     if compiled is not None:
         values["compiled_step"] = record_from_json(CompiledStep, compiled, "plan.compiled_step",

@@ -120,7 +120,7 @@ NOT_DEFAULT = {"keep_output": False, "solver": "rotor", "time_limit_s": 5.0, "ma
                "set_to_none": False, "autocast": "bf16", "mixed_precision": object(), "follow_batch": True,
                "shapes": ((4, 8),), "offload": "auto", "host_budget": "1GB", "ranks_per_host": 8,
                "budget_bounds": "allocated", "compilable": True,
-               "compile_backend": "aot_eager"}
+               "compile_backend": "aot_eager", "pipeline": "1f1b:2:4", "pipeline_rank": 1}
 
 
 @pytest.mark.parametrize("name, where", REFUSED, ids=[f"{w}-{n}" for n, w in REFUSED])

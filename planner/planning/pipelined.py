@@ -1,0 +1,127 @@
+"""Plans for one stage of a pipeline-parallel job: the step of one microbatch, solved at a target that leaves room
+for the other microbatches its schedule keeps in flight (``planner.memory.pipeline``).
+
+What the other microbatches hold grows with the plan (the activations it keeps), so the target is searched from
+the outside, as ``planning/reserve.py`` searches the caching allocator's reserve: solve at a target, predict the
+stage's peak, lower the target by what it was over shared among the microbatches in flight (a byte the step no
+longer keeps is one fewer in each), until it fits; then one plan halfway back, kept when it fits and re-runs less.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+from planner.common.loop import Gradients
+from planner.errors import InfeasibleBudget, OutOfTime
+from planner.memory.pipeline import Pipeline, StagePeak, kept_bytes, stage_peak
+from planner.memory.simulate import Timeline, simulate
+from planner.planning.prepared import Prepared
+from planner.profiling.record import Profile
+from planner.solve.result import Solution
+
+TRIES = 8
+"""The most targets one stage is solved at."""
+
+Solved = tuple[Prepared, Solution]
+
+
+def output_bytes(profile: Profile) -> int:
+    """The stage's output, which the schedule keeps until its gradient comes back: what the step's end holds beyond
+    parameters, gradients and inputs (the profile keeps the output, ``keep_output``); 0 where unknown."""
+    if profile.end_bytes is None or not profile.keep_output:
+        return 0
+    return max(0, profile.end_bytes - profile.param_bytes - profile.grad_bytes - profile.input_bytes)
+
+
+def unplanned_stage_peak(prepared: Prepared, pipeline: Pipeline, rank: int) -> int:
+    """The stage's peak without checkpointing: what ``"NN%"`` budgets of a pipeline stage are of."""
+    per = kept_bytes(prepared.memory, ()) + output_bytes(prepared.profile)
+    after = stage_peak(_with_gradients(prepared, prepared.baseline), pipeline.in_flight_after_first_backward(rank), per)
+    before = stage_peak(prepared.baseline.peak_bytes, pipeline.in_flight(rank), per)
+    return max(before, after) + _buffers(prepared, pipeline, rank)
+
+
+def _buffers(prepared: Prepared, pipeline: Pipeline, rank: int) -> int:
+    m, output = pipeline.microbatches, output_bytes(prepared.profile)
+    return (m - 1) * prepared.profile.input_bytes + (0 if rank == pipeline.stages - 1 else m * output)
+
+
+def held_by_stage(prepared: Prepared, pair: Solved, pipeline: Pipeline, rank: int) -> StagePeak:
+    """The stage's peak under the solution ``pair`` (``planner.memory.pipeline``), with the buffers
+    ``torch.distributed.pipelining`` keeps for every microbatch of a step: the first stage's inputs are the whole
+    batch, split into microbatches up front; every other stage receives each microbatch's input into a buffer of its
+    own, and every stage but the last each microbatch's output gradient, all allocated once for the step's
+    microbatches. The profiled step counts one microbatch's input and no output gradient (its stand-in loss, the sum
+    of the outputs, has none)."""
+    solved, solution = pair
+    in_flight, buffers = pipeline.in_flight(rank), _buffers(prepared, pipeline, rank)
+    per = kept_bytes(solved.memory, solution.plan, solution.saves) + output_bytes(prepared.profile)
+    timeline = simulate(solved.memory, solution.plan, solution.saves, solution.offloads)
+    later = stage_peak(_with_gradients(prepared, timeline), pipeline.in_flight_after_first_backward(rank), per)
+    peak = max(stage_peak(timeline.peak_bytes, in_flight, per), later)
+    return StagePeak(rank=rank, in_flight=in_flight, per_microbatch_bytes=per, buffers_bytes=buffers,
+                     peak_bytes=peak + buffers)
+
+
+def _with_gradients(prepared: Prepared, timeline: Timeline) -> int:
+    """The step's peak with the gradients of earlier microbatches alive throughout, backward adding into them in
+    place (as ``planner.memory.offset`` counts accumulation): the whole gradients at every forward node, at each
+    backward node those the profiled step had not made yet. A loop that accumulates already counts them."""
+    if prepared.loop.gradients is Gradients.THROUGHOUT:
+        return timeline.peak_bytes
+    profile = prepared.profile
+    made = np.array([node.bwd_grad_bytes or 0 for node in profile.nodes], dtype=np.int64)
+    forward = timeline.fwd_bytes + profile.grad_bytes
+    backward = np.where(timeline.bwd_bytes >= 0, timeline.bwd_bytes + profile.grad_bytes - made, -1)
+    return int(max(forward.max(initial=0), backward.max(initial=0)))
+
+
+def solve_stage(prepared: Prepared, budget_bytes: int, pipeline: Pipeline, rank: int,
+                solved: Callable[[int], Solved]) -> tuple[Solved, StagePeak]:
+    """The least re-run solution whose stage peak fits ``budget_bytes`` (``solved(target)`` solves one
+    microbatch's step at a target), and that peak.
+
+    Raises:
+        InfeasibleBudget: no target tried gives a stage peak within the budget; carries the smallest found."""
+    tried: list[tuple[Solved, StagePeak, int]] = []
+    target, floor = budget_bytes, None
+    while len(tried) < TRIES:
+        try:
+            pair = solved(target)
+        except InfeasibleBudget as exc:  # below every plan's step: once more at the least step any plan reaches
+            if floor is not None or exc.min_peak_bytes is None or exc.min_peak_bytes <= target:
+                break
+            target = floor = exc.min_peak_bytes
+            continue
+        peak = held_by_stage(prepared, pair, pipeline, rank)
+        tried.append((pair, peak, target))
+        if peak.peak_bytes <= budget_bytes:
+            return _cheaper_between(prepared, tried, budget_bytes, pipeline, rank, solved)
+        # a byte the step no longer keeps is a byte fewer in each microbatch in flight: the excess over them
+        target -= max((peak.peak_bytes - budget_bytes) // peak.in_flight, 1)
+        target = min(target, prepared.baseline.peak_bytes - 1)  # above it every target plans nothing
+        if target <= 0:
+            break
+    smallest = min((peak.peak_bytes for _, peak, _ in tried), default=None)
+    raise InfeasibleBudget(budget_bytes, smallest, reason=f"counted as pipeline stage {rank} of {pipeline.stages} "
+                           f"holds it ({pipeline.in_flight(rank)} microbatches in flight under "
+                           f"{pipeline.schedule.value})")
+
+
+def _cheaper_between(prepared: Prepared, tried: list[tuple[Solved, StagePeak, int]], budget_bytes: int,
+                     pipeline: Pipeline, rank: int, solved: Callable[[int], Solved]) -> tuple[Solved, StagePeak]:
+    """The last (fitting) try, or the plan halfway back to the target before it, when that fits and re-runs
+    less (the target lowered by the whole excess can be lower than needed)."""
+    pair, peak, fits = tried[-1]
+    if len(tried) < 2:
+        return pair, peak
+    try:
+        candidate = solved((fits + tried[-2][2]) // 2)
+    except (InfeasibleBudget, OutOfTime):
+        return pair, peak
+    other = held_by_stage(prepared, candidate, pipeline, rank)
+    if other.peak_bytes <= budget_bytes and candidate[1].recompute_us < pair[1].recompute_us:
+        return candidate, other
+    return pair, peak

@@ -1,0 +1,228 @@
+"""Pipeline parallelism: each stage planned for the microbatches its schedule keeps in flight. The counts of
+``planner.memory.pipeline`` against torch.distributed.pipelining's own schedule tables."""
+
+from __future__ import annotations
+
+import pytest
+
+from planner.memory.pipeline import Pipeline, Schedule
+
+
+def _stub_stage(index: int, stages: int, rank: int, ranks: int):
+    """A stage object that schedules accept for building their tables (no process group, no module)."""
+    from torch.distributed.pipelining.stage import _PipelineStageBase
+
+    class Stub(_PipelineStageBase):
+        _create_grad_recv_info = _prepare_backward_infra = _prepare_forward_infra = lambda *a, **k: None
+
+        def __init__(self) -> None:  # no super().__init__: it needs a process group
+            self.stage_index, self.num_stages, self.group_rank, self.group_size = index, stages, rank, ranks
+            self.submod, self.device, self.group, self.dw_builder = None, "cpu", None, None
+
+    return Stub()
+
+
+def _most_in_flight(order) -> int:
+    """The most microbatches between their forward and their backward in a rank's action list."""
+    alive = most = 0
+    for action in order:
+        if action is None:
+            continue
+        kind = action.computation_type.name
+        alive += 1 if kind == "FORWARD" else -1 if kind in ("FULL_BACKWARD", "BACKWARD_INPUT") else 0
+        most = max(most, alive)
+    return most
+
+
+@pytest.mark.parametrize("schedule", [Schedule.GPIPE, Schedule.ONE_F_ONE_B, Schedule.INTERLEAVED_1F1B])
+def test_the_microbatches_in_flight_are_those_of_torchs_schedules(schedule):
+    from torch.distributed.pipelining import schedules
+
+    kind = {Schedule.GPIPE: schedules.ScheduleGPipe, Schedule.ONE_F_ONE_B: schedules.Schedule1F1B,
+            Schedule.INTERLEAVED_1F1B: schedules.ScheduleInterleaved1F1B}[schedule]
+    for stages in (2, 3, 4, 8):
+        for microbatches in sorted({stages, 2 * stages, 3 * stages}):
+            for chunks in ((1,) if schedule is not Schedule.INTERLEAVED_1F1B else (1, 2, 4)):
+                pipeline = Pipeline(schedule=schedule, stages=stages, microbatches=microbatches, chunks=chunks)
+                for rank in range(stages):
+                    if schedule is Schedule.INTERLEAVED_1F1B:
+                        local = [_stub_stage(rank + j * stages, stages * chunks, rank, stages) for j in range(chunks)]
+                        order = kind(local, microbatches).pipeline_order[rank]
+                    else:
+                        order = kind(_stub_stage(rank, stages, rank, stages), microbatches)._get_pipeline_order()[rank]
+                    assert pipeline.in_flight(rank) == _most_in_flight(order), (stages, microbatches, chunks, rank)
+
+
+# ---- 2 stages on gloo, torch.distributed.pipelining ---------------------------------------------------------------
+
+VOCAB, WIDTH, LAYERS, MICROBATCHES, ROWS, LENGTH = 256, 64, 4, 4, 8, 64
+
+
+def _gpt():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))
+    import torch
+    from gpt import GPT, Config
+
+    torch.manual_seed(0)
+    model = GPT(Config(vocab=VOCAB, context=LENGTH, width=WIDTH, heads=4, layers=LAYERS, dropout=0.0))
+    model.head.weight = torch.nn.Parameter(model.wte.weight.detach().clone())  # untied: the two are on two stages
+    return model
+
+
+def _stages(model):
+    """The GPT split by blocks, as torchtitan splits a decoder: embeddings and the first half, then the rest."""
+    import torch
+    from torch import nn
+
+    class First(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.wte, self.wpe, self.blocks = model.wte, model.wpe, model.blocks[:LAYERS // 2]
+
+        def forward(self, idx: torch.Tensor) -> torch.Tensor:
+            x = self.wte(idx) + self.wpe(torch.arange(idx.size(1), device=idx.device))
+            for block in self.blocks:
+                x = block(x)
+            return x
+
+    class Last(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks, self.ln_f, self.head = model.blocks[LAYERS // 2:], model.ln_f, model.head
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for block in self.blocks:
+                x = block(x)
+            return self.head(self.ln_f(x))
+
+    return First(), Last()
+
+
+def _data():
+    import torch
+
+    tokens = torch.randint(0, VOCAB, (ROWS, LENGTH + 1), generator=torch.Generator().manual_seed(1))
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+def _ce(logits, target):
+    import torch.nn.functional as F
+
+    return F.cross_entropy(logits.reshape(-1, VOCAB), target.reshape(-1))
+
+
+def _stage_worker(rank: int, world_size: int, port: int, out_dir: str, schedule: str, budget: int) -> None:
+    import torch
+    from test_distributed import _init, finish_rank
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    from planner import optimize
+    from planner.profiling.allocator import AllocatorTrace
+
+    _init(rank, world_size, port)
+    stage_module = _stages(_gpt())[rank]
+    x, y = _data()
+    rows = ROWS // MICROBATCHES
+    if rank == 0:
+        example, loss_fn = (x[:rows],), None  # the stand-in loss: the sum of the outputs (no output gradient buffer)
+    else:
+        hidden = torch.randn(rows, LENGTH, WIDTH, requires_grad=True)  # as received: its gradient is sent back
+        example, loss_fn = (hidden,), (lambda logits: _ce(logits, y[:rows]))
+    plan = optimize(stage_module, budget, inputs=example, loss_fn=loss_fn, pipeline=f"{schedule}:2:{MICROBATCHES}",
+                    pipeline_rank=rank, follow_batch=False, time_limit_s=10)
+    stage = PipelineStage(plan.module, stage_index=rank, num_stages=world_size, device=torch.device("cpu"))
+    kind = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}[schedule]
+    pipe = kind(stage, n_microbatches=MICROBATCHES, loss_fn=_ce)
+    losses: list = []
+    peaks, grads = [], None
+    for step in range(3):
+        for p in stage_module.parameters():
+            p.grad = None
+        buffers = [info.buffer for infos in [*stage.args_recv_info.values(), *stage.grad_recv_info.values()]
+                   for info in infos if getattr(info, "buffer", None) is not None]
+        resident = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                    for t in [*stage_module.parameters(), x, y, *buffers]}
+        with AllocatorTrace("cpu") as trace:
+            if rank == 0:
+                pipe.step(x)
+            else:
+                losses = []
+                pipe.step(target=y, losses=losses)
+        peaks.append(sum(resident.values()) + trace.peak_bytes)
+        if step == 0:
+            grads = [p.grad.clone() for p in stage_module.parameters()]
+    finish_rank(out_dir, rank, {"peak": max(peaks[1:]), "predicted": plan.pipeline_stage.peak_bytes,
+                                "budget": plan.budget_bytes, "segments": len(plan.segments),
+                                "in_flight": plan.pipeline_stage.in_flight, "losses": [float(v) for v in losses],
+                                "grads": [g.tolist() for g in grads]})
+
+
+def _reference() -> tuple[float, list[list]]:
+    """The un-pipelined model's loss and gradients on the whole batch, per stage's parameters."""
+
+    model = _gpt()
+    x, y = _data()
+    loss = _ce(model(x), y)
+    loss.backward()
+    first, last = _stages(model)
+    return float(loss), [[p.grad.tolist() for p in stage.parameters()] for stage in (first, last)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_two_stages_on_gloo_fit_their_budget_as_predicted_and_train_as_the_whole_model(tmp_path, schedule):
+    import functools
+
+    import torch
+    from test_distributed import run_ranks
+
+    budget = "75%"
+    results = run_ranks(functools.partial(_stage_worker, schedule=schedule, budget=budget), tmp_path, timeout_s=300)
+    loss, grads = _reference()
+    assert sum(results[1]["losses"]) / MICROBATCHES == pytest.approx(loss, rel=1e-5)
+    for rank, result in enumerate(results):
+        for got, expected in zip(result["grads"], grads[rank]):
+            torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), rtol=1e-4, atol=1e-6)
+        assert result["peak"] <= result["budget"], (rank, result["peak"], result["budget"])
+        # never under the prediction. Measured: the first stage within 1% of it (1F1B +0.5%, GPipe +0.8%); the last
+        # stage over-predicted (1F1B +4.3%, GPipe +14.5%: what its other microbatches hold is counted high)
+        peak, predicted = result["peak"], result["predicted"]
+        assert peak <= predicted <= peak * (1.02 if rank == 0 else 1.16), (rank, peak, predicted)
+
+
+def test_a_stage_early_in_the_pipeline_re_runs_more_than_the_last_at_one_budget():
+    """Under 1F1B on 4 stages, the second stage holds 3 microbatches at once and the last one: the same stage
+    planned at the same per-rank budget re-runs as the second where the last fits without, and each plan's stage
+    peak fits the budget."""
+    import torch
+
+    from planner import optimize
+
+    first = _stages(_gpt())[0]
+    x, _ = _data()
+    example = (x,)  # microbatches of 8 rows: activations outweigh this small stage's parameters
+    plans = [optimize(first, 12_000_000, inputs=example, pipeline=f"1f1b:4:{MICROBATCHES}", pipeline_rank=rank,
+                      follow_batch=False, time_limit_s=5) for rank in (1, 3)]
+    assert [p.pipeline_stage.in_flight for p in plans] == [3, 1]
+    assert all(p.pipeline_stage.peak_bytes <= p.budget_bytes for p in plans)
+    assert plans[0].recompute_ms > plans[1].recompute_ms
+    assert "pipeline stage 1: 3 microbatches in flight" in plans[0].summary()
+    assert torch.is_tensor(example[0])
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    ({"pipeline": "zigzag:4:8"}, "'zigzag' is not a valid Schedule"),
+    ({"pipeline": "1f1b:4"}, "two or three numbers"),
+    ({"pipeline": "1f1b:4:8:2"}, "2 chunks per rank need the interleaved schedule"),
+    ({"pipeline": "1f1b:4:8", "pipeline_rank": 4}, "pipeline_rank must be a stage of the pipeline, 0 to 3"),
+    ({"pipeline_rank": 1}, "give pipeline= too"),
+])
+def test_a_malformed_pipeline_is_one_line(options, message):
+    from planner import OptionError
+    from planner.options import resolve
+
+    with pytest.raises(OptionError, match=message):
+        resolve(None, options, where="optimize")
