@@ -329,6 +329,8 @@ IN_PROCESS_ERRORS = {
     "compiled-with-verify": (LINEAR, ["--compiled", "--verify"], "--verify applies to eager plans, and --compiled"),
     "compiled-with-solver": (LINEAR, ["--compiled", "--solver", "rotor"], "--solver applies to eager plans"),
     "fractions-alone": (LINEAR, ["--fractions", "0.5"], "--fractions applies to --compiled only"),
+    "bad-pipeline": (LINEAR, ["--pipeline", "1f1b:4"], "give SCHEDULE:STAGES:MICROBATCHES[:CHUNKS]"),
+    "pipeline-rank-alone": (LINEAR, ["--pipeline-rank", "2"], "give pipeline= too"),
     "compiled-with-backend": (LINEAR, ["--compiled", "--compile-backend", "inductor"],
                               "--compile-backend applies to eager plans, and --compiled"),
     "compile-backend-for-a-spec": (LINEAR, ["--compile-backend", "inductor", "--device", "h100"],

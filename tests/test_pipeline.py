@@ -132,7 +132,7 @@ def _stage_worker(rank: int, world_size: int, port: int, out_dir: str, schedule:
         hidden = torch.randn(rows, LENGTH, WIDTH, requires_grad=True)  # as received: its gradient is sent back
         example, loss_fn = (hidden,), (lambda logits: _ce(logits, y[:rows]))
     plan = optimize(stage_module, budget, inputs=example, loss_fn=loss_fn, pipeline=f"{schedule}:2:{MICROBATCHES}",
-                    pipeline_rank=rank, follow_batch=False, time_limit_s=10)
+                    pipeline_rank=rank, follow_batch=False, time_limit_s=20)
     stage = PipelineStage(plan.module, stage_index=rank, num_stages=world_size, device=torch.device("cpu"))
     kind = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}[schedule]
     pipe = kind(stage, n_microbatches=MICROBATCHES, loss_fn=_ce)
@@ -187,8 +187,8 @@ def test_two_stages_on_gloo_fit_their_budget_as_predicted_and_train_as_the_whole
         for got, expected in zip(result["grads"], grads[rank]):
             torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), rtol=1e-4, atol=1e-6)
         assert result["peak"] <= result["budget"], (rank, result["peak"], result["budget"])
-        # never under the prediction. Measured: the first stage within 1% of it (1F1B +0.5%, GPipe +0.8%); the last
-        # stage over-predicted (1F1B +4.3%, GPipe +14.5%: what its other microbatches hold is counted high)
+        # never under the prediction. Measured: the first stage within 1.2% of it (1F1B +0.5%, GPipe +1.2%); the last
+        # stage over-predicted (1F1B +4.3%, GPipe +13.6%: what its other microbatches hold is counted high)
         peak, predicted = result["peak"], result["predicted"]
         assert peak <= predicted <= peak * (1.02 if rank == 0 else 1.16), (rank, peak, predicted)
 
@@ -205,7 +205,7 @@ def test_a_stage_early_in_the_pipeline_re_runs_more_than_the_last_at_one_budget(
     x, _ = _data()
     example = (x,)  # microbatches of 8 rows: activations outweigh this small stage's parameters
     plans = [optimize(first, 12_000_000, inputs=example, pipeline=f"1f1b:4:{MICROBATCHES}", pipeline_rank=rank,
-                      follow_batch=False, time_limit_s=5) for rank in (1, 3)]
+                      follow_batch=False, time_limit_s=20) for rank in (1, 3)]
     assert [p.pipeline_stage.in_flight for p in plans] == [3, 1]
     assert all(p.pipeline_stage.peak_bytes <= p.budget_bytes for p in plans)
     assert plans[0].recompute_ms > plans[1].recompute_ms

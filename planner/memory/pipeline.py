@@ -96,10 +96,13 @@ class StagePeak:
     (received activations, or the batch split up front) and the output gradients it receives into."""
     peak_bytes: int
     """The stage's predicted peak."""
+    baseline_peak_bytes: int
+    """The stage's predicted peak without checkpointing (what ``"NN%"`` budgets of a stage are of)."""
 
     def text(self) -> str:
-        return (f"pipeline stage {self.rank}: {self.in_flight} microbatches in flight, each other one holding "
-                f"{format_bytes(self.per_microbatch_bytes)}; the stage peaks at {format_bytes(self.peak_bytes)}")
+        flight = f"{self.in_flight} microbatch{'es' if self.in_flight > 1 else ''} in flight"
+        others = f", each other one holding {format_bytes(self.per_microbatch_bytes)}" if self.in_flight > 1 else ""
+        return f"pipeline stage {self.rank}: {flight}{others}; the stage peaks at {format_bytes(self.peak_bytes)}"
 
 
 def kept_bytes(model: MemoryModel, plan: ChunkPlan, saves: Saves = frozenset()) -> int:

@@ -2,9 +2,7 @@
 for the other microbatches its schedule keeps in flight (``planner.memory.pipeline``).
 
 What the other microbatches hold grows with the plan (the activations it keeps), so the target is searched from
-the outside, as ``planning/reserve.py`` searches the caching allocator's reserve: solve at a target, predict the
-stage's peak, lower the target by what it was over shared among the microbatches in flight (a byte the step no
-longer keeps is one fewer in each), until it fits; then one plan halfway back, kept when it fits and re-runs less.
+the outside, as ``planning/reserve.py`` searches the caching allocator's reserve (``solve_stage``).
 """
 
 from __future__ import annotations
@@ -62,7 +60,7 @@ def held_by_stage(prepared: Prepared, pair: Solved, pipeline: Pipeline, rank: in
     later = stage_peak(_with_gradients(prepared, timeline), pipeline.in_flight_after_first_backward(rank), per)
     peak = max(stage_peak(timeline.peak_bytes, in_flight, per), later)
     return StagePeak(rank=rank, in_flight=in_flight, per_microbatch_bytes=per, buffers_bytes=buffers,
-                     peak_bytes=peak + buffers)
+                     peak_bytes=peak + buffers, baseline_peak_bytes=unplanned_stage_peak(prepared, pipeline, rank))
 
 
 def _with_gradients(prepared: Prepared, timeline: Timeline) -> int:
@@ -83,45 +81,49 @@ def solve_stage(prepared: Prepared, budget_bytes: int, pipeline: Pipeline, rank:
     """The least re-run solution whose stage peak fits ``budget_bytes`` (``solved(target)`` solves one
     microbatch's step at a target), and that peak.
 
+    The first target is the budget; an over one moves down by its excess shared among the microbatches in flight
+    (a byte the step no longer keeps is one fewer in each), twice as far each time the plan is still over, not below
+    the least step any plan reaches; once a target fits and one is over, halfway between them; at most ``TRIES``
+    solves. Of the fitting ones, the one that re-runs
+    least.
+
     Raises:
         InfeasibleBudget: no target tried gives a stage peak within the budget; carries the smallest found."""
-    tried: list[tuple[Solved, StagePeak, int]] = []
-    target, floor = budget_bytes, None
-    while len(tried) < TRIES:
+    fitting: list[tuple[Solved, StagePeak]] = []
+    smallest: int | None = None
+    target, stride = budget_bytes, 1  # the move doubles while the plans stay over (they change in whole tensors)
+    low, high, floor = 0, None, 0  # targets known to fit, to be over; the least step any plan reaches
+    for _ in range(TRIES):
         try:
             pair = solved(target)
-        except InfeasibleBudget as exc:  # below every plan's step: once more at the least step any plan reaches
-            if floor is not None or exc.min_peak_bytes is None or exc.min_peak_bytes <= target:
+        except OutOfTime:  # the solves share time_limit_s: the best so far, if any fits
+            if fitting:
+                break
+            raise
+        except InfeasibleBudget as exc:  # below every plan's step: the least step any plan reaches next
+            if exc.min_peak_bytes is None or exc.min_peak_bytes <= target or floor:
                 break
             target = floor = exc.min_peak_bytes
             continue
         peak = held_by_stage(prepared, pair, pipeline, rank)
-        tried.append((pair, peak, target))
+        smallest = peak.peak_bytes if smallest is None else min(smallest, peak.peak_bytes)
         if peak.peak_bytes <= budget_bytes:
-            return _cheaper_between(prepared, tried, budget_bytes, pipeline, rank, solved)
-        # a byte the step no longer keeps is a byte fewer in each microbatch in flight: the excess over them
-        target -= max((peak.peak_bytes - budget_bytes) // peak.in_flight, 1)
-        target = min(target, prepared.baseline.peak_bytes - 1)  # above it every target plans nothing
-        if target <= 0:
+            fitting.append((pair, peak))
+            low = target
+            if high is None:
+                break
+            following = (low + high) // 2
+        else:
+            high = target
+            move = max((peak.peak_bytes - budget_bytes) // peak.in_flight, 1) * stride
+            stride *= 2
+            following = (low + high) // 2 if low else \
+                max(min(target - move, prepared.baseline.peak_bytes - 1), floor)  # above it every target plans nothing
+        if following in (target, low, high) or following <= 0 or high - low <= budget_bytes // 1000:
             break
-    smallest = min((peak.peak_bytes for _, peak, _ in tried), default=None)
+        target = following
+    if fitting:
+        return min(fitting, key=lambda found: found[0][1].recompute_us)
     raise InfeasibleBudget(budget_bytes, smallest, reason=f"counted as pipeline stage {rank} of {pipeline.stages} "
                            f"holds it ({pipeline.in_flight(rank)} microbatches in flight under "
                            f"{pipeline.schedule.value})")
-
-
-def _cheaper_between(prepared: Prepared, tried: list[tuple[Solved, StagePeak, int]], budget_bytes: int,
-                     pipeline: Pipeline, rank: int, solved: Callable[[int], Solved]) -> tuple[Solved, StagePeak]:
-    """The last (fitting) try, or the plan halfway back to the target before it, when that fits and re-runs
-    less (the target lowered by the whole excess can be lower than needed)."""
-    pair, peak, fits = tried[-1]
-    if len(tried) < 2:
-        return pair, peak
-    try:
-        candidate = solved((fits + tried[-2][2]) // 2)
-    except (InfeasibleBudget, OutOfTime):
-        return pair, peak
-    other = held_by_stage(prepared, candidate, pipeline, rank)
-    if other.peak_bytes <= budget_bytes and candidate[1].recompute_us < pair[1].recompute_us:
-        return candidate, other
-    return pair, peak

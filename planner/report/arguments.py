@@ -97,6 +97,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compilable", action="store_true",
                    help="plan for torch.compile: a plan run by module hooks (Hugging Face models) gets segments of "
                         "one module call each, which compiled code runs (docs/compiled.md)")
+    p.add_argument("--pipeline", metavar="SCHEDULE:STAGES:MICROBATCHES[:CHUNKS]",
+                   help="plan one stage of a pipeline-parallel job (1f1b:4:8; schedules gpipe, 1f1b, "
+                        "interleaved_1f1b): the model file's model is the stage, its inputs one microbatch, and the "
+                        "budget bounds the stage with the microbatches its schedule keeps in flight "
+                        "(docs/distributed.md)")
+    p.add_argument("--pipeline-rank", type=int, default=0, metavar="R",
+                   help="the stage's place in the pipeline, 0 for the first (with --pipeline)")
     p.add_argument("--compile-backend", metavar="NAME",
                    help="the step runs under torch.compile with this backend (inductor, aot_eager): the plan "
                         "compiles and is fitted to the compiled step, measured here (docs/compiled.md)")

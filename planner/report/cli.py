@@ -133,6 +133,7 @@ def _options(args: argparse.Namespace, found: ModelFile, stage: Callable[[str], 
                        offload={"auto": True, "off": False}.get(args.offload), host_budget=args.host_budget,
                        ranks_per_host=args.ranks_per_host,
                        compilable=args.compilable, compile_backend=args.compile_backend,
+                       pipeline=args.pipeline, pipeline_rank=args.pipeline_rank,
                        budget_bounds=args.budget_bounds,
                        device=args.device if isinstance(args.device, str) else None, progress=stage)
 
@@ -155,7 +156,7 @@ def _follows(args: argparse.Namespace) -> bool | None:
 _EAGER_ONLY = ("--save", "--emit", "--profile", "--save-profile", "--verify", "--explain", "--whole-segments",
                "--must-save", "--must-recompute", "--world-size", "--parallel", "--optimizer", "--mixed-precision",
                "--follow-batch", "--shapes", "--tensor-parallel", "--offload", "--host-budget", "--budget-bounds",
-               "--compilable", "--compile-backend", "--ranks-per-host")
+               "--compilable", "--compile-backend", "--pipeline", "--pipeline-rank", "--ranks-per-host")
 
 
 def _compiled(args: argparse.Namespace, out: Console, err: Console) -> int:

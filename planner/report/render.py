@@ -117,9 +117,10 @@ def print_report(console: Console, plan: Plan, *, model_file: str, solver: str, 
 def header(plan: Plan, *, model_file: str, solver: str) -> Table:
     """The model file, then baseline peak → predicted peak (a compiled step's measured, the eager model's beside it)
     and the budget, the overhead, the solver."""
-    compiled = plan.compiled_step
-    baseline, peak = ((plan.baseline_peak_bytes, plan.predicted_peak_bytes) if compiled is None
-                      else (compiled.baseline_peak_bytes, compiled.peak_bytes))
+    compiled, stage = plan.compiled_step, plan.pipeline_stage
+    baseline, peak = ((compiled.baseline_peak_bytes, compiled.peak_bytes) if compiled is not None
+                      else (stage.baseline_peak_bytes, stage.peak_bytes) if stage is not None
+                      else (plan.baseline_peak_bytes, plan.predicted_peak_bytes))
     change = peak / baseline - 1 if baseline else 0.0
     share = plan.budget_bytes / baseline if baseline else math.nan
     count = len(plan.segments)
@@ -132,7 +133,11 @@ def header(plan: Plan, *, model_file: str, solver: str) -> Table:
     if compiled is not None:
         eager = f"{format_bytes(plan.baseline_peak_bytes)} → {format_bytes(plan.predicted_peak_bytes)}"
         grid.add_row("compiled", f"{compiled.how}, the step measured at the allocator; the eager model: {eager}")
-    what = "compiled step" if compiled is not None else "peak"
+    if stage is not None:
+        step = f"{format_bytes(plan.baseline_peak_bytes)} → {format_bytes(plan.predicted_peak_bytes)}"
+        grid.add_row("pipeline", f"stage {stage.rank}, {stage.in_flight} microbatches in flight, each other one "
+                                 f"holding {format_bytes(stage.per_microbatch_bytes)}; one microbatch's step: {step}")
+    what = "compiled step" if compiled is not None else "stage's peak" if stage is not None else "peak"
     grid.add_row("budget", f"{format_bytes(plan.budget_bytes)} ({100 * share:.0f}% of the un-checkpointed {what})")
     if plan.counted:
         grid.add_row("counted", "; ".join(plan.counted))
