@@ -28,6 +28,7 @@ _PUBLIC = {
     "sweep": "planner.report.explore", "Tradeoff": "planner.report.explore",
     "plot_timeline": "planner.report.plotting", "plot_shapes": "planner.report.plotting",
     "optimize_compiled": "planner.compiled.api", "CompiledPlan": "planner.compiled.api",
+    "Pipeline": "planner.memory.pipeline", "Schedule": "planner.memory.pipeline", "CompiledStep": "planner.plan",
 }
 __all__ = list(_PUBLIC)
 __version__ = "0.1.0"
