@@ -10,13 +10,14 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import numpy as np
+import torch
 
 from planner.common.loop import Gradients
+from planner.compat.torch_private import tree_leaves
 from planner.errors import InfeasibleBudget, OutOfTime
 from planner.memory.pipeline import Pipeline, StagePeak, kept_bytes, stage_peak
 from planner.memory.simulate import Timeline, simulate
 from planner.planning.prepared import Prepared
-from planner.profiling.record import Profile
 from planner.solve.result import Solution
 
 TRIES = 8
@@ -25,42 +26,50 @@ TRIES = 8
 Solved = tuple[Prepared, Solution]
 
 
-def output_bytes(profile: Profile) -> int:
-    """The stage's output, which the schedule keeps until its gradient comes back: what the step's end holds beyond
-    parameters, gradients and inputs (the profile keeps the output, ``keep_output``); 0 where unknown."""
+def output_bytes(prepared: Prepared) -> int:
+    """The stage's output: what the step's end holds beyond parameters, gradients, the inputs and the gradients of
+    inputs that require them (a stage after the first: the activations it receives); the profile keeps the output
+    (``keep_output``). 0 where unknown."""
+    profile = prepared.profile
     if profile.end_bytes is None or not profile.keep_output:
         return 0
-    return max(0, profile.end_bytes - profile.param_bytes - profile.grad_bytes - profile.input_bytes)
+    graded = sum(t.untyped_storage().nbytes() for t in tree_leaves((prepared.example.args, prepared.example.kwargs))
+                 if isinstance(t, torch.Tensor) and t.requires_grad)
+    return max(0, profile.end_bytes - profile.param_bytes - profile.grad_bytes - profile.input_bytes - graded)
 
 
 def unplanned_stage_peak(prepared: Prepared, pipeline: Pipeline, rank: int) -> int:
     """The stage's peak without checkpointing: what ``"NN%"`` budgets of a pipeline stage are of."""
-    per = kept_bytes(prepared.memory, ()) + output_bytes(prepared.profile)
-    after = stage_peak(_with_gradients(prepared, prepared.baseline), pipeline.in_flight_after_first_backward(rank), per)
-    before = stage_peak(prepared.baseline.peak_bytes, pipeline.in_flight(rank), per)
-    return max(before, after) + _buffers(prepared, pipeline, rank)
-
-
-def _buffers(prepared: Prepared, pipeline: Pipeline, rank: int) -> int:
-    m, output = pipeline.microbatches, output_bytes(prepared.profile)
-    return (m - 1) * prepared.profile.input_bytes + (0 if rank == pipeline.stages - 1 else m * output)
+    return _stage(prepared, prepared.baseline, kept_bytes(prepared.memory, ()), pipeline, rank)[0]
 
 
 def held_by_stage(prepared: Prepared, pair: Solved, pipeline: Pipeline, rank: int) -> StagePeak:
-    """The stage's peak under the solution ``pair`` (``planner.memory.pipeline``), with the buffers
-    ``torch.distributed.pipelining`` keeps for every microbatch of a step: the first stage's inputs are the whole
-    batch, split into microbatches up front; every other stage receives each microbatch's input into a buffer of its
-    own, and every stage but the last each microbatch's output gradient, all allocated once for the step's
-    microbatches. The profiled step counts one microbatch's input and no output gradient (its stand-in loss, the sum
-    of the outputs, has none)."""
+    """The stage's peak under the solution ``pair`` (``planner.memory.pipeline``, ``_stage``)."""
     solved, solution = pair
-    in_flight, buffers = pipeline.in_flight(rank), _buffers(prepared, pipeline, rank)
-    per = kept_bytes(solved.memory, solution.plan, solution.saves) + output_bytes(prepared.profile)
     timeline = simulate(solved.memory, solution.plan, solution.saves, solution.offloads)
+    kept = kept_bytes(solved.memory, solution.plan, solution.saves)
+    peak, per, buffers = _stage(prepared, timeline, kept, pipeline, rank)
+    return StagePeak(rank=rank, in_flight=pipeline.in_flight(rank), per_microbatch_bytes=per, buffers_bytes=buffers,
+                     peak_bytes=peak, baseline_peak_bytes=unplanned_stage_peak(prepared, pipeline, rank))
+
+
+def _stage(prepared: Prepared, timeline: Timeline, kept: int, pipeline: Pipeline, rank: int) -> tuple[int, int, int]:
+    """The stage's peak, what each other microbatch in flight holds, and what torch.distributed.pipelining's runtime
+    holds for the step's other microbatches whatever the plan, for one microbatch's step ``timeline`` keeping
+    ``kept`` bytes for its backward.
+
+    The runtime's: the first stage's inputs are the whole batch, split into microbatches up front; every other stage
+    receives each microbatch's input into a buffer of its own, and every stage but the last each microbatch's output
+    gradient, all allocated once for the step's microbatches (the profiled step counts one input and no output
+    gradient: its stand-in loss, the sum of the outputs, has none); the last stage keeps every microbatch's output
+    until the step ends, to return them merged (``output_chunks``). A stage before the last keeps an output until its
+    gradient comes back: in each microbatch in flight."""
+    m, output = pipeline.microbatches, output_bytes(prepared)
+    last = rank == pipeline.stages - 1
+    buffers = (m - 1) * prepared.profile.input_bytes + ((m - 1) * output if last else m * output)
+    per = kept + (0 if last else output)
     later = stage_peak(_with_gradients(prepared, timeline), pipeline.in_flight_after_first_backward(rank), per)
-    peak = max(stage_peak(timeline.peak_bytes, in_flight, per), later)
-    return StagePeak(rank=rank, in_flight=in_flight, per_microbatch_bytes=per, buffers_bytes=buffers,
-                     peak_bytes=peak + buffers, baseline_peak_bytes=unplanned_stage_peak(prepared, pipeline, rank))
+    return max(stage_peak(timeline.peak_bytes, pipeline.in_flight(rank), per), later) + buffers, per, buffers
 
 
 def _with_gradients(prepared: Prepared, timeline: Timeline) -> int:
