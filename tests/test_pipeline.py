@@ -144,9 +144,11 @@ def _stage_worker(rank: int, world_size: int, port: int, out_dir: str, schedule:
             p.grad = None
         buffers = [info.buffer for infos in [*stage.args_recv_info.values(), *stage.grad_recv_info.values()]
                    for info in infos if getattr(info, "buffer", None) is not None]
-        left = [t for t in tree_leaves(stage.output_chunks) if isinstance(t, torch.Tensor)]  # the last step's, freed
-        resident = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()   # as this one starts
+        # the last step's outputs are alive as this one starts, and freed when it clears them: counted, not held
+        left = [t for t in tree_leaves(stage.output_chunks) if isinstance(t, torch.Tensor)]
+        resident = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
                     for t in [*stage_module.parameters(), x, y, *buffers, *left]}
+        del left
         with AllocatorTrace("cpu") as trace:
             if rank == 0:
                 pipe.step(x)
@@ -175,7 +177,7 @@ def _reference() -> tuple[float, list[list]]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
-def test_two_stages_on_gloo_train_as_the_whole_model_and_the_first_fits_its_budget_as_predicted(tmp_path, schedule):
+def test_two_stages_on_gloo_fit_their_budget_as_predicted_and_train_as_the_whole_model(tmp_path, schedule):
     import functools
 
     import torch
@@ -188,9 +190,10 @@ def test_two_stages_on_gloo_train_as_the_whole_model_and_the_first_fits_its_budg
     for rank, result in enumerate(results):
         for got, expected in zip(result["grads"], grads[rank]):
             torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), rtol=1e-4, atol=1e-6)
-    first = results[0]  # the last stage's peak is not predicted yet (docs/distributed.md): about the step's outputs
-    assert first["peak"] <= first["budget"], (first["peak"], first["budget"])  # once more (m x its logits) low
-    assert first["peak"] <= first["predicted"] <= first["peak"] * 1.02, (first["peak"], first["predicted"])
+    for rank, result in enumerate(results):  # measured: predicted +0.4% (1F1B) and +1.0% (GPipe) over the first
+        peak, predicted = result["peak"], result["predicted"]  # stage's peak, -1.0% and +0.3% off the last's
+        assert peak <= result["budget"], (rank, peak, result["budget"])
+        assert abs(predicted / peak - 1) <= 0.02, (rank, peak, predicted)
 
 
 def test_a_stage_early_in_the_pipeline_re_runs_more_than_the_last_at_one_budget():
