@@ -33,9 +33,14 @@ def output_bytes(prepared: Prepared) -> int:
     profile = prepared.profile
     if profile.end_bytes is None or not profile.keep_output:
         return 0
-    graded = sum(t.untyped_storage().nbytes() for t in tree_leaves((prepared.example.args, prepared.example.kwargs))
-                 if isinstance(t, torch.Tensor) and t.requires_grad)
-    return max(0, profile.end_bytes - profile.param_bytes - profile.grad_bytes - profile.input_bytes - graded)
+    return max(0, profile.end_bytes - profile.param_bytes - profile.grad_bytes - profile.input_bytes
+               - _graded_inputs(prepared))
+
+
+def _graded_inputs(prepared: Prepared) -> int:
+    """Bytes of the step's inputs that require gradients (a stage after the first: the activations it receives)."""
+    return sum(t.untyped_storage().nbytes() for t in tree_leaves((prepared.example.args, prepared.example.kwargs))
+               if isinstance(t, torch.Tensor) and t.requires_grad)
 
 
 def unplanned_stage_peak(prepared: Prepared, pipeline: Pipeline, rank: int) -> int:
@@ -62,11 +67,13 @@ def _stage(prepared: Prepared, timeline: Timeline, kept: int, pipeline: Pipeline
     receives each microbatch's input into a buffer of its own, and every stage but the last each microbatch's output
     gradient, all allocated once for the step's microbatches (the profiled step counts one input and no output
     gradient: its stand-in loss, the sum of the outputs, has none); the last stage keeps every microbatch's output
-    until the step ends, to return them merged (``output_chunks``). A stage before the last keeps an output until its
-    gradient comes back: in each microbatch in flight."""
+    until the step ends, to return them merged (``output_chunks``); a stage after the first sends each input gradient
+    back asynchronously and holds it until the send completes, which the schedule waits for at its next exchange. A
+    stage before the last keeps an output until its gradient comes back: in each microbatch in flight."""
     m, output = pipeline.microbatches, output_bytes(prepared)
     last = rank == pipeline.stages - 1
-    buffers = (m - 1) * prepared.profile.input_bytes + ((m - 1) * output if last else m * output)
+    buffers = (m - 1) * prepared.profile.input_bytes + ((m - 1) * output if last else m * output) \
+        + _graded_inputs(prepared)  # the last input gradient sent back, held until its send completes
     per = kept + (0 if last else output)
     later = stage_peak(_with_gradients(prepared, timeline), pipeline.in_flight_after_first_backward(rank), per)
     return max(stage_peak(timeline.peak_bytes, pipeline.in_flight(rank), per), later) + buffers, per, buffers
