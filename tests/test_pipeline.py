@@ -230,3 +230,25 @@ def test_a_malformed_pipeline_is_one_line(options, message):
 
     with pytest.raises(OptionError, match=message):
         resolve(None, options, where="optimize")
+
+
+@pytest.mark.slow
+def test_plan_stages_plans_every_stage_of_a_split_model_from_the_first_stages_microbatch():
+    """The second stage's example is what the first makes of the microbatch (requiring gradients, as received); the
+    last is planned with the loss, the others with the sum of their outputs."""
+    from planner import OptionError
+    from planner.distributed import plan_stages
+
+    stages = _stages(_gpt())
+    x, y = _data()
+    rows = ROWS // MICROBATCHES
+    plans = plan_stages(stages, "85%", inputs=(x[:rows],), pipeline=f"1f1b:2:{MICROBATCHES}",
+                        loss_fn=lambda logits: _ce(logits, y[:rows]), follow_batch=False, time_limit_s=20)
+    assert [p.pipeline_stage.in_flight for p in plans] == [2, 1]
+    assert [p.pipeline_stage.rank for p in plans] == [0, 1]
+    assert all(p.pipeline_stage.peak_bytes <= p.budget_bytes for p in plans)
+    assert list(plans[1].planned_inputs.values()) == [(rows, LENGTH, WIDTH)]
+    with pytest.raises(OptionError, match="one stage module per pipeline rank: 2 given for 4 stages"):
+        plan_stages(stages, "85%", inputs=(x[:rows],), pipeline="1f1b:4:8")
+    with pytest.raises(OptionError, match="give pipeline="):
+        plan_stages(stages, "85%", inputs=(x[:rows],))
