@@ -43,7 +43,7 @@ def worker(config: dict) -> dict:
     from planner.capture.inputs import as_inputs
     from planner.capture.step import backward, default_loss, untouched
     from planner.compiled.search import probe
-    from planner.plan import load_plan
+    from planner.plan_file import load_plan
     from planner.profiling.measure import measure_peak, step_samples_ms
 
     torch.set_num_threads(1)

@@ -16,7 +16,7 @@ import importlib
 _PUBLIC = {
     "optimize": "planner.api", "prepare": "planner.pipeline", "plan_for": "planner.pipeline",
     "Prepared": "planner.pipeline", "enable": "planner.inplace", "disable": "planner.inplace",
-    "Plan": "planner.plan", "Segment": "planner.plan", "load_plan": "planner.plan",
+    "Plan": "planner.plan", "Segment": "planner.plan", "load_plan": "planner.plan_file",
     "parse_budget": "planner.common.budget", "PlanOptions": "planner.options", "ShapeRange": "planner.follow.shapes",
     "PlannerError": "planner.errors", "CaptureError": "planner.errors", "InfeasibleBudget": "planner.errors",
     "OptionError": "planner.errors",

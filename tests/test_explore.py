@@ -17,7 +17,7 @@ from models import tower, tower_inputs
 
 import planner
 from planner.pipeline import plan_for
-from planner.plan import load_plan
+from planner.plan_file import load_plan
 from planner.report import explore
 from planner.report.explore import Tradeoff, TradeoffRow, knee_index, monotone, pareto_front, sweep
 
