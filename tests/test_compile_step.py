@@ -12,6 +12,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from test_compile_hooks import _step
 
 from planner import CompileError, OptionError, disable, enable, load_plan, optimize, optimize_compiled
 from planner.capture.inputs import as_inputs
@@ -30,15 +31,6 @@ def _decoder():
                                       num_attention_heads=4, num_key_value_heads=2, use_cache=False)
     ids = torch.randint(0, 2000, (4, 128), generator=torch.Generator().manual_seed(1))
     return transformers.Qwen2ForCausalLM(config), {"input_ids": ids, "labels": ids}
-
-
-def _step(module, batch) -> tuple[float, list[torch.Tensor]]:
-    loss = module(**batch).loss
-    loss.backward()
-    grads = [p.grad.clone() for p in module.parameters()]
-    for p in module.parameters():
-        p.grad = None
-    return loss.item(), grads
 
 
 def _graphs(module, batch) -> int:
