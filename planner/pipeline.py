@@ -187,7 +187,8 @@ def plan_for(prepared: Prepared, budget: int | str, *, options: PlanOptions | No
 
     stage_peak = None
     if opts.pipeline is not None:  # one microbatch's step, with room for those the schedule keeps in flight
-        pair, stage_peak = solve_stage(prepared, budget_bytes, opts.pipeline, opts.pipeline_rank, solved)
+        pair, stage_peak = solve_stage(prepared, budget_bytes, opts.pipeline, opts.pipeline_rank, baseline_bytes,
+                                       solved)
     else:
         pair = solved(budget_bytes)
     stage("rewrite")

@@ -48,14 +48,14 @@ def unplanned_stage_peak(prepared: Prepared, pipeline: Pipeline, rank: int) -> i
     return _stage(prepared, prepared.baseline, kept_bytes(prepared.memory, ()), pipeline, rank)[0]
 
 
-def held_by_stage(prepared: Prepared, pair: Solved, pipeline: Pipeline, rank: int) -> StagePeak:
+def held_by_stage(prepared: Prepared, pair: Solved, pipeline: Pipeline, rank: int, baseline_bytes: int) -> StagePeak:
     """The stage's peak under the solution ``pair`` (``planner.memory.pipeline``, ``_stage``)."""
     solved, solution = pair
     timeline = simulate(solved.memory, solution.plan, solution.saves, solution.offloads)
     kept = kept_bytes(solved.memory, solution.plan, solution.saves)
     peak, per, buffers = _stage(prepared, timeline, kept, pipeline, rank)
     return StagePeak(rank=rank, in_flight=pipeline.in_flight(rank), per_microbatch_bytes=per, buffers_bytes=buffers,
-                     peak_bytes=peak, baseline_peak_bytes=unplanned_stage_peak(prepared, pipeline, rank))
+                     peak_bytes=peak, baseline_peak_bytes=baseline_bytes)
 
 
 def _stage(prepared: Prepared, timeline: Timeline, kept: int, pipeline: Pipeline, rank: int) -> tuple[int, int, int]:
@@ -92,16 +92,16 @@ def _with_gradients(prepared: Prepared, timeline: Timeline) -> int:
     return int(max(forward.max(initial=0), backward.max(initial=0)))
 
 
-def solve_stage(prepared: Prepared, budget_bytes: int, pipeline: Pipeline, rank: int,
+def solve_stage(prepared: Prepared, budget_bytes: int, pipeline: Pipeline, rank: int, baseline_bytes: int,
                 solved: Callable[[int], Solved]) -> tuple[Solved, StagePeak]:
     """The least re-run solution whose stage peak fits ``budget_bytes`` (``solved(target)`` solves one
     microbatch's step at a target), and that peak.
 
-    The first target is the budget; an over one moves down by its excess shared among the microbatches in flight
-    (a byte the step no longer keeps is one fewer in each), twice as far each time the plan is still over, not below
-    the least step any plan reaches; once a target fits and one is over, halfway between them; at most ``TRIES``
-    solves. Of the fitting ones, the one that re-runs
-    least.
+    ``baseline_bytes``: the stage's un-checkpointed peak (``unplanned_stage_peak``), which the returned peak
+    carries. The first target is the budget; an over one moves down by its excess shared among the microbatches in
+    flight (a byte the step no longer keeps is one fewer in each), twice as far each time the plan is still over, not
+    below the least step any plan reaches; once a target fits and one is over, halfway between them; at most
+    ``TRIES`` solves. Of the fitting ones, the one that re-runs least.
 
     Raises:
         InfeasibleBudget: no target tried gives a stage peak within the budget; carries the smallest found."""
@@ -121,7 +121,7 @@ def solve_stage(prepared: Prepared, budget_bytes: int, pipeline: Pipeline, rank:
                 break
             target = floor = exc.min_peak_bytes
             continue
-        peak = held_by_stage(prepared, pair, pipeline, rank)
+        peak = held_by_stage(prepared, pair, pipeline, rank, baseline_bytes)
         smallest = peak.peak_bytes if smallest is None else min(smallest, peak.peak_bytes)
         if peak.peak_bytes <= budget_bytes:
             fitting.append((pair, peak))
