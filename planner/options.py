@@ -147,8 +147,9 @@ class PlanOptions:
     ``"SCHEDULE:STAGES:MICROBATCHES[:CHUNKS]"`` (``"1f1b:4:8"``; schedules ``gpipe``, ``1f1b``,
     ``interleaved_1f1b``). The model is the stage's module and ``inputs`` one microbatch of it; the budget bounds the
     stage with every microbatch its schedule keeps in flight at ``pipeline_rank`` (the first stage holds the most
-    under 1F1B); from the first backward on, the microbatches' gradients accumulate in the parameters'. None: no
-    pipeline."""
+    under 1F1B); from the first backward on, the microbatches' gradients accumulate in the parameters'. On the
+    ranks of an FSDP job (``world_size``), every unit stays gathered through the stage's microbatches and their
+    gradients accumulate un-sharded, as torch.distributed.pipelining runs FSDP2. None: no pipeline."""
     pipeline_rank: int = _option(0, prepared=False, refused={**_PLANNING, **_COMPILED})
     """The stage's place in the pipeline, 0 for the first (with ``pipeline``)."""
     compile_backend: str | None = _option(None, prepared=True, refused={**_PLANNING, **_COMPILED})
@@ -256,9 +257,6 @@ class PlanOptions:
         if self.offload:
             raise OptionError("offload= is not planned for a pipeline stage yet: drop one of them")
         object.__setattr__(self, "offload", False)
-        if self.sharded:
-            raise OptionError("a pipeline stage's microbatches accumulate gradients, which is not modelled on the "
-                              "ranks of an FSDP job: plan the stage with parallel='ddp' or without world_size")
 
     def loop(self, *, optimizer: OptimizerState | None, autocast: Any) -> TrainingLoop:
         """The training loop these options describe, with the optimizer's state as measured for the model and the

@@ -86,7 +86,7 @@ def prepare(model: nn.Module, *, inputs: UserInputs = None, options: PlanOptions
                               "ranks with plan_on_rank0")
         model, tensor = local_model(model, opts.tensor_parallel)
     dist = setup(model, world_size=opts.world_size, parallel=opts.parallel, units=opts.units,
-                 mixed_precision=opts.mixed_precision)
+                 mixed_precision=opts.mixed_precision, in_pipeline=opts.pipeline is not None)
     check_shapes(opts, bind(model, example.args, example.kwargs) or {})
     shards = dist.world_size if dist is not None and dist.parallel == "fsdp" else 1
     loop = opts.loop(optimizer=optimizer_state(opts.optimizer, model, device_type=step_device_type(model, opts.device),
@@ -145,7 +145,11 @@ def plan_for(prepared: Prepared, budget: int | str, *, options: PlanOptions | No
     if changed:
         raise OptionError(f"{changed[0]}= is fixed when the model is prepared; prepare it again with it "
                           f"(planner.prepare(model, {changed[0]}=...))")
-    if opts.max_chunks != prepared.options.max_chunks:
+    dist = prepared.distributed
+    if dist is not None and dist.in_pipeline != (opts.pipeline is not None):  # units gathered through the stage
+        prepared = chunked(replace(prepared, distributed=replace(dist, in_pipeline=not dist.in_pipeline)),
+                           opts.max_chunks)
+    elif opts.max_chunks != prepared.options.max_chunks:
         prepared = chunked(prepared, opts.max_chunks)
     stage = opts.progress or (lambda name: None)
     baseline_bytes = (prepared.baseline.peak_bytes if opts.pipeline is None  # a stage's "NN%" is of the stage's
@@ -163,7 +167,8 @@ def plan_for(prepared: Prepared, budget: int | str, *, options: PlanOptions | No
         options = opts if selective else replace(opts, selective=False)
         solved, solution = solve_prepared(prepared, budget_bytes, options, deadline)
         memory, baseline = solved.memory, solved.baseline
-        if solved.distributed is not None and not solution.interrupted:  # FSDP: one unit per segment
+        if (solved.distributed is not None and not solved.distributed.in_pipeline
+                and not solution.interrupted):  # FSDP: one unit per segment
             solution = split_at_units(
                 memory, solution, budget_bytes, solved.distributed, solved.profile, deadline=deadline,
                 resolve=lambda b: solve_budget(opts.solver, memory, b, baseline.peak_bytes, deadline,

@@ -197,6 +197,88 @@ def test_two_stages_on_gloo_fit_their_budget_as_predicted_and_train_as_the_whole
         assert abs(predicted / peak - 1) <= 0.02, (rank, peak, predicted)
 
 
+def _fsdp_stage_worker(rank: int, world_size: int, port: int, out_dir: str, budget: str) -> None:
+    """One rank of 2 pipeline stages x 2 FSDP2 ranks (a ("pp", "dp") mesh, both data ranks given the same batch):
+    each stage planned on its first data rank for its FSDP ranks (``plan_on_rank0`` over the data group), sharded
+    by blocks with ``reshard_after_forward=False`` as torchtitan shards under pipeline parallelism, run by
+    ``Schedule1F1B``; the gathered gradients of step 1 and the median peak of steps 2-4."""
+    import torch
+    from test_distributed import _init, finish_rank
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    from planner.compat.torch_private import tree_leaves
+    from planner.distributed import fully_shard_units, plan_on_rank0, resident_bytes
+    from planner.profiling.allocator import AllocatorTrace
+
+    _init(rank, world_size, port)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    pp = mesh["pp"].get_local_rank()
+    stage_module = _stages(_gpt())[pp]
+    x, y = _data()
+    rows = ROWS // MICROBATCHES
+    if pp == 0:
+        example, loss_fn = (x[:rows],), None
+    else:
+        hidden = torch.randn(rows, LENGTH, WIDTH, requires_grad=True)
+        example, loss_fn = (hidden,), (lambda logits: _ce(logits, y[:rows]))
+    plan = plan_on_rank0(stage_module, budget, src=2 * pp, group=mesh["dp"].get_group(), inputs=example,
+                         loss_fn=loss_fn, pipeline=f"1f1b:2:{MICROBATCHES}", pipeline_rank=pp, follow_batch=False,
+                         time_limit_s=20)
+    module = fully_shard_units(plan.module, mesh=mesh["dp"], reshard_after_forward=False)
+    stage = PipelineStage(module, stage_index=pp, num_stages=2, device=torch.device("cpu"),
+                          group=mesh["pp"].get_group())
+    pipe = Schedule1F1B(stage, n_microbatches=MICROBATCHES, loss_fn=_ce)
+    losses: list = []
+    peaks, grads = [], None
+    for step in range(4):
+        for p in module.parameters():
+            p.grad = None
+        buffers = [info.buffer for infos in [*stage.args_recv_info.values(), *stage.grad_recv_info.values()]
+                   for info in infos if getattr(info, "buffer", None) is not None]
+        left = [t for t in tree_leaves(stage.output_chunks) if isinstance(t, torch.Tensor)]
+        resident = resident_bytes(module, x, y, buffers, left)
+        del left
+        with AllocatorTrace("cpu") as trace:
+            if pp == 0:
+                pipe.step(x)
+            else:
+                losses = []
+                pipe.step(target=y, losses=losses)
+        peaks.append(resident + trace.peak_bytes)
+        if step == 0:
+            grads = [p.grad.full_tensor() for p in module.parameters()]
+    peak = sorted(peaks[1:])[1]
+    finish_rank(out_dir, rank, {"peak": peak, "predicted": plan.pipeline_stage.peak_bytes,
+                                "budget": plan.budget_bytes, "segments": len(plan.segments), "stage": pp,
+                                "losses": [float(v) for v in losses], "grads": [g.tolist() for g in grads]})
+
+
+@pytest.mark.slow
+def test_fsdp_ranks_inside_two_stages_fit_their_budget_as_predicted_and_train_as_the_whole_model(tmp_path):
+    """Each stage's parameters stay gathered and its gradients un-sharded through the microbatches (FSDP2 under
+    torch.distributed.pipelining): each of the 4 ranks within its budget and 2% of the prediction, the gradients
+    the whole model's."""
+    import functools
+
+    import torch
+    from test_distributed import run_ranks
+
+    results = run_ranks(functools.partial(_fsdp_stage_worker, budget="85%"), tmp_path, world_size=4,
+                        timeout_s=400)
+    loss, grads = _reference()
+    assert all(r["segments"] for r in results)
+    for result in results:
+        if result["stage"] == 1:
+            assert sum(result["losses"]) / MICROBATCHES == pytest.approx(loss, rel=1e-5)
+        for got, expected in zip(result["grads"], grads[result["stage"]]):
+            torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), rtol=1e-4, atol=1e-6)
+    for result in results:
+        peak, predicted = result["peak"], result["predicted"]
+        assert peak <= result["budget"], result
+        assert abs(predicted / peak - 1) <= 0.02, (result["stage"], peak, predicted)
+
+
 def test_a_stage_early_in_the_pipeline_re_runs_more_than_the_last_at_one_budget():
     """Under 1F1B on 4 stages, the second stage holds 3 microbatches at once and the last one: the same stage
     planned at the same per-rank budget re-runs as the second where the last fits without, and each plan's stage

@@ -68,6 +68,9 @@ class Distributed:
     profile is measured with them cast to it); None: their own dtype."""
     cast_forward_inputs: bool = True
     """Whether floating inputs are cast to ``param_dtype`` too (``MixedPrecisionPolicy.cast_forward_inputs``)."""
+    in_pipeline: bool = False
+    """Whether the rank runs a pipeline stage's microbatches (``pipeline=``): there every unit stays gathered and
+    its gradients un-sharded from its first microbatch to the step's end (``memory_offset``)."""
 
     @property
     def opaque(self) -> frozenset[str]:
@@ -76,12 +79,14 @@ class Distributed:
 
 
 def setup(model: nn.Module, *, world_size: int = 1, parallel: str | None = None,
-          units: Sequence[str] | None = None, mixed_precision: Any = None) -> Distributed | None:
+          units: Sequence[str] | None = None, mixed_precision: Any = None,
+          in_pipeline: bool = False) -> Distributed | None:
     """Checks the distributed arguments of ``optimize`` and measures the model's parameters.
 
     ``mixed_precision``: FSDP2's ``MixedPrecisionPolicy`` (``param_dtype``, ``reduce_dtype``,
     ``cast_forward_inputs``): shards and optimizer state stay in the parameters' dtype, parameters are
-    gathered and computed in ``param_dtype``, gradients reduce-scattered in ``reduce_dtype``.
+    gathered and computed in ``param_dtype``, gradients reduce-scattered in ``reduce_dtype``. ``in_pipeline``:
+    the rank runs a pipeline stage (``Distributed.in_pipeline``).
 
     Returns None for a plain single-device plan (world_size 1, no parallel engine). The optimizer's state is the
     training loop's (``planner.profiling.optimizer``, sharded there).
@@ -128,7 +133,8 @@ def setup(model: nn.Module, *, world_size: int = 1, parallel: str | None = None,
     return Distributed(world_size=world_size, parallel=parallel, units=found, unit_bytes=sizes["unit"],
                        shard_bytes=sizes["shard"], grad_bytes=sizes["grad"], sharded_grad_bytes=sizes["sharded_grad"],
                        reduce_bytes=sizes["reduce"], param_bytes=counted, param_dtype=param_dtype,
-                       cast_forward_inputs=getattr(mixed_precision, "cast_forward_inputs", True))
+                       cast_forward_inputs=getattr(mixed_precision, "cast_forward_inputs", True),
+                       in_pipeline=in_pipeline)
 
 
 _SIZES = ("unit", "shard", "grad", "sharded_grad", "reduce")
@@ -159,9 +165,18 @@ def unit_of_nodes(profile: Profile, units: Sequence[str]) -> list[str]:
 
 
 def memory_offset(profile: Profile, dist: Distributed) -> MemoryOffset:
-    """One rank's memory minus the profiled un-sharded step's, per node (docs/distributed.md)."""
+    """One rank's memory minus the profiled un-sharded step's, per node (docs/distributed.md).
+
+    In a pipeline stage (``Distributed.in_pipeline``) torch.distributed.pipelining runs every microbatch's
+    backward with FSDP2's gradient sync and its resharding after backward off, and torchtitan shards with
+    ``reshard_after_forward=False``: every unit stays gathered, at every node (``accumulated_grad_bytes`` counts
+    the gradients the microbatches add up)."""
     n_nodes = len(profile.nodes)
     resident = sum(dist.shard_bytes.values()) - dist.param_bytes
+    if dist.parallel == "fsdp" and dist.in_pipeline:
+        every_unit = np.full(n_nodes, resident + sum(dist.unit_bytes.values()), dtype=np.int64)
+        return MemoryOffset(fwd_bytes=every_unit, bwd_bytes=every_unit.copy(),
+                            param_bytes=profile.param_bytes - dist.param_bytes + sum(dist.shard_bytes.values()))
     if dist.parallel != "fsdp":  # DDP: full replicas, and its flat gradient buckets
         extra = resident + (sum(dist.grad_bytes.values()) if dist.parallel == "ddp" else 0)
         return MemoryOffset(fwd_bytes=np.full(n_nodes, extra, dtype=np.int64),
@@ -187,6 +202,13 @@ def memory_offset(profile: Profile, dist: Distributed) -> MemoryOffset:
         bwd[t] = resident + _in_flight(gathered, u, prev, n if cast else 0) - shrink + in_flight_rs
     return MemoryOffset(fwd_bytes=fwd, bwd_bytes=bwd,
                         param_bytes=profile.param_bytes - dist.param_bytes + sum(dist.shard_bytes.values()))
+
+
+def accumulated_grad_bytes(dist: Distributed) -> int:
+    """Bytes of the un-sharded gradients a pipeline stage's microbatches accumulate between reductions: in the
+    reduce dtype where it differs from the compute dtype (FSDP2 upcasts each unit's gradient into its
+    accumulator), padded as reduce-scattered."""
+    return sum(dist.reduce_bytes.values())
 
 
 def _in_flight(gathered: dict[str, int], unit: str, neighbour: str | None, cast_shards: int = 0) -> int:

@@ -14,6 +14,7 @@ import torch
 
 from planner.common.loop import Gradients
 from planner.compat.torch_private import tree_leaves
+from planner.distributed.memory import accumulated_grad_bytes
 from planner.errors import InfeasibleBudget, OutOfTime
 from planner.memory.pipeline import Pipeline, StagePeak, kept_bytes, stage_peak
 from planner.memory.simulate import Timeline, simulate
@@ -82,13 +83,16 @@ def _stage(prepared: Prepared, timeline: Timeline, kept: int, pipeline: Pipeline
 def _with_gradients(prepared: Prepared, timeline: Timeline) -> int:
     """The step's peak with the gradients of earlier microbatches alive throughout, backward adding into them in
     place (as ``planner.memory.offset`` counts accumulation): the whole gradients at every forward node, at each
-    backward node those the profiled step had not made yet. A loop that accumulates already counts them."""
+    backward node those the profiled step had not made yet. A loop that accumulates already counts them. On the
+    ranks of an FSDP job, the un-sharded gradients each unit accumulates (``accumulated_grad_bytes``: in the
+    reduce dtype); the profiled step makes its own in the compute dtype."""
     if prepared.loop.gradients is Gradients.THROUGHOUT:
         return timeline.peak_bytes
-    profile = prepared.profile
+    profile, dist = prepared.profile, prepared.distributed
+    whole = accumulated_grad_bytes(dist) if dist is not None and dist.parallel == "fsdp" else profile.grad_bytes
     made = np.array([node.bwd_grad_bytes or 0 for node in profile.nodes], dtype=np.int64)
-    forward = timeline.fwd_bytes + profile.grad_bytes
-    backward = np.where(timeline.bwd_bytes >= 0, timeline.bwd_bytes + profile.grad_bytes - made, -1)
+    forward = timeline.fwd_bytes + whole
+    backward = np.where(timeline.bwd_bytes >= 0, timeline.bwd_bytes + whole - made, -1)
     return int(max(forward.max(initial=0), backward.max(initial=0)))
 
 
