@@ -66,13 +66,15 @@ STACKS = {  # script: (the stack it needs, the command after ``python``)
     "accelerate_train-2ranks": ("accelerate", ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                                                "examples/accelerate_train.py"]),
     "lightning_train": ("pytorch_lightning", ["examples/lightning_train.py"]),
+    "llama_pipeline": ("transformers", ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                                        "examples/llama_pipeline.py"]),  # the last stage prints the losses
 }
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(STACKS))
 def test_the_fine_tuning_stack_examples_run_as_scripts(name):
-    """Each script plans a tiny random Qwen2 and trains it 4 steps with its stack: the plan's summary, then each
+    """Each script plans a tiny random Qwen2 (a Llama split in 2 stages for the pipeline) and trains it 4 steps with its stack: the plan's summary, then each
     process's losses, all finite."""
     stack, command = STACKS[name]
     pytest.importorskip(stack)
