@@ -74,8 +74,8 @@ STACKS = {  # script: (the stack it needs, the command after ``python``)
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(STACKS))
 def test_the_fine_tuning_stack_examples_run_as_scripts(name):
-    """Each script plans a tiny random Qwen2 (a Llama split in 2 stages for the pipeline) and trains it 4 steps with its stack: the plan's summary, then each
-    process's losses, all finite."""
+    """Each script plans a tiny random Qwen2 (a Llama split in 2 stages for the pipeline) and trains it 4 steps with
+    its stack: the plan's summary, then each process's losses, all finite."""
     stack, command = STACKS[name]
     pytest.importorskip(stack)
     root = FOLDER.parent
