@@ -53,7 +53,10 @@ class PlanOptions:
     """``output -> scalar`` differentiated by a step; default ``output.loss`` or the sum of the floating outputs."""
     keep_output: bool = _option(True, prepared=True, refused=_APPLY)
     """Whether the training loop keeps the model's output referenced through backward (a plain loop);
-    False for loops that drop it first, as Hugging Face ``Trainer`` does."""
+    False for loops that drop it first, as Hugging Face ``Trainer`` does. In a pipeline stage (``pipeline``) the
+    schedule holds each microbatch's output until its backward either way; on the last stage False means the
+    schedule returns no outputs (``step(..., return_outputs=False)``, as torchtitan calls it), True that it keeps
+    every microbatch's to return them merged."""
     solver: str = _option("cpsat", prepared=False, refused=_PLANNING)
     """Planning strategy, one of ``planner.solve.registry.SOLVERS``."""
     time_limit_s: float = _option(30.0, prepared=False, refused=_PLANNING)

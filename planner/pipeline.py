@@ -145,6 +145,9 @@ def plan_for(prepared: Prepared, budget: int | str, *, options: PlanOptions | No
     if changed:
         raise OptionError(f"{changed[0]}= is fixed when the model is prepared; prepare it again with it "
                           f"(planner.prepare(model, {changed[0]}=...))")
+    if opts.pipeline is not None and not prepared.profile.keep_output:
+        raise OptionError("a pipeline stage's schedule holds each microbatch's output until its backward, which this "
+                          "profile (keep_output=False) does not count: prepare the stage with pipeline= too")
     dist = prepared.distributed
     if dist is not None and dist.in_pipeline != (opts.pipeline is not None):  # units gathered through the stage
         prepared = chunked(replace(prepared, distributed=replace(dist, in_pipeline=not dist.in_pipeline)),

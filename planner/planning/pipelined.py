@@ -68,12 +68,15 @@ def _stage(prepared: Prepared, timeline: Timeline, kept: int, pipeline: Pipeline
     receives each microbatch's input into a buffer of its own, and every stage but the last each microbatch's output
     gradient, all allocated once for the step's microbatches (the profiled step counts one input and no output
     gradient: its stand-in loss, the sum of the outputs, has none); the last stage keeps every microbatch's output
-    until the step ends, to return them merged (``output_chunks``); a stage after the first sends each input gradient
+    until the step ends, to return them merged (``output_chunks``), unless the loop drops them (``keep_output=False``:
+    ``step(..., return_outputs=False)``); every stage holds each microbatch's output until its backward
+    (``fwd_cache``: the profiled step keeps its output); a stage after the first sends each input gradient
     back asynchronously and holds it until the send completes, which the schedule waits for at its next exchange. A
     stage before the last keeps an output until its gradient comes back: in each microbatch in flight."""
     m, output = pipeline.microbatches, output_bytes(prepared)
     last = rank == pipeline.stages - 1
-    buffers = (m - 1) * prepared.profile.input_bytes + ((m - 1) * output if last else m * output) \
+    returned = (m - 1) * output if prepared.options.keep_output else 0  # the last stage's outputs, returned merged
+    buffers = (m - 1) * prepared.profile.input_bytes + (returned if last else m * output) \
         + _graded_inputs(prepared)  # the last input gradient sent back, held until its send completes
     per = kept + (0 if last else output)
     later = stage_peak(_with_gradients(prepared, timeline), pipeline.in_flight_after_first_backward(rank), per)

@@ -40,6 +40,6 @@ def captured_and_profiled(model: nn.Module, example: Inputs, opts: PlanOptions, 
         stage("profile")
         measured = profile_for(captured, model, step_inputs, loss_fn=opts.loss_fn,  # one real step node by node,
                                device=opts.device, saved=opts.profile,              # or a saved, estimated or
-                               keep_output=opts.keep_output, budget=budget,         # scaled profile; in pieces
-                               scaled_from=scaled_from)                             # if it does not fit here
-    return captured, measured
+                               keep_output=opts.keep_output or opts.pipeline is not None,  # scaled profile; in
+                               budget=budget, scaled_from=scaled_from)  # pieces if it does not fit here; a pipeline
+    return captured, measured  # stage's schedule holds each microbatch's output until its backward
