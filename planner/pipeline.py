@@ -166,9 +166,10 @@ def plan_for(prepared: Prepared, budget: int | str, *, options: PlanOptions | No
     reads_budget = capabilities(opts.solver).reads_budget
     limits = offload_limits(prepared, opts) if reads_budget else None
 
-    def solve_at(budget_bytes: int, deadline: Deadline, selective: bool = True) -> tuple[Prepared, Solution]:
+    def solve_at(budget_bytes: int, deadline: Deadline, selective: bool = True,
+                 on: Prepared = prepared, explain: bool = True) -> tuple[Prepared, Solution]:
         options = opts if selective else replace(opts, selective=False)
-        solved, solution = solve_prepared(prepared, budget_bytes, options, deadline)
+        solved, solution = solve_prepared(on, budget_bytes, options, deadline, explain=explain)
         memory, baseline = solved.memory, solved.baseline
         if (solved.distributed is not None and not solved.distributed.in_pipeline
                 and not solution.interrupted):  # FSDP: one unit per segment
@@ -196,7 +197,8 @@ def plan_for(prepared: Prepared, budget: int | str, *, options: PlanOptions | No
     stage_peak = None
     if opts.pipeline is not None:  # one microbatch's step, with room for those the schedule keeps in flight
         pair, stage_peak = solve_stage(prepared, budget_bytes, opts.pipeline, opts.pipeline_rank, baseline_bytes,
-                                       solved)
+                                       lambda room, target, within: solve_at(target, within, on=room, explain=False),
+                                       deadline)
     else:
         pair = solved(budget_bytes)
     stage("rewrite")

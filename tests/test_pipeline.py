@@ -214,8 +214,9 @@ def _reference(name: str) -> tuple[float, list[list]]:
     return loss.item(), [[p.grad.tolist() for p in stage.parameters()] for stage in stages]
 
 
-def _check(results: list[dict], name: str) -> None:
-    """Losses and gradients the whole model's; every rank within its budget and 2% of its prediction."""
+def _check(results: list[dict], name: str, late: int = 0) -> None:
+    """Losses and gradients the whole model's; every rank within its budget and 2% of its prediction, give or take
+    ``late`` bytes (what an FSDP2 collective gloo completes late holds: ``test_distributed.in_flight_bytes``)."""
     import torch
 
     loss, grads = _reference(name)
@@ -227,8 +228,8 @@ def _check(results: list[dict], name: str) -> None:
             torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), rtol=1e-4, atol=1e-6)
     for result in results:
         peak, predicted = result["peak"], result["predicted"]
-        assert peak <= result["budget"], result
-        assert abs(predicted / peak - 1) <= 0.02, (result["stage"], peak, predicted)
+        assert peak <= result["budget"] + late, result
+        assert abs(predicted - peak) <= 0.02 * peak + late, (result["stage"], peak, predicted)
 
 
 @pytest.mark.slow
@@ -276,13 +277,15 @@ def _fsdp_stage_worker(rank: int, world_size: int, port: int, out_dir: str, budg
 def test_fsdp_ranks_inside_two_stages_fit_their_budget_as_predicted_and_train_as_the_whole_model(tmp_path):
     """Each stage's parameters stay gathered and its gradients un-sharded through the microbatches (FSDP2 under
     torch.distributed.pipelining): each of the 4 ranks within its budget and 2% of the prediction (measured +0.3%
-    on the first stage's ranks, +0.1% on the last's), the gradients the whole model's."""
+    on the first stage's ranks, +0.1% on the last's), the gradients the whole model's. Give or take one block's
+    gradients: one step in four or so read a block's parameter bytes higher on the first stage's ranks, as gloo
+    completes a collective late (as ``test_distributed``'s FSDP2 runs allow)."""
     import functools
 
-    from test_distributed import run_ranks
+    from test_distributed import in_flight_bytes, run_ranks
 
     _check(run_ranks(functools.partial(_fsdp_stage_worker, budget="85%"), tmp_path, world_size=4, timeout_s=400),
-           "gpt")
+           "gpt", late=in_flight_bytes(_gpt(), ["blocks.*"]))
 
 
 def test_a_stage_early_in_the_pipeline_re_runs_more_than_the_last_at_one_budget():
@@ -353,3 +356,37 @@ def test_a_stage_planned_from_a_profile_that_dropped_its_output_is_refused_in_on
     prepared = prepare(model, inputs=(torch.randn(8, 32),), keep_output=False, follow_batch=False)
     with pytest.raises(OptionError, match="prepare the stage with pipeline= too"):
         plan_for(prepared, "90%", pipeline="1f1b:2:4")
+
+
+@pytest.mark.slow
+def test_a_stage_re_runs_no_more_than_the_best_placement_of_whole_blocks_that_fits():
+    """Exact reference: every subset of the GPT's 4 blocks checkpointed, each subset's stage peak simulated as the
+    runtime holds it (4 microbatches in flight). At the tightest budget (every block) ckplan's plan fits and re-runs
+    no more than it; at looser ones, within 5% of the cheapest subset that fits (the step's target is searched, not
+    solved for: measured from 1.3% over to 19% under it)."""
+    import itertools
+
+    from planner import plan_for, prepare
+    from planner.planning.pipelined import held_by_stage, unplanned_stage_peak
+    from planner.planning.prepared import chunked
+    from planner.solve.baselines import _fixed
+
+    x, y = _data()
+    rows = ROWS // MICROBATCHES
+    pipeline = Pipeline(schedule=Schedule.ONE_F_ONE_B, stages=4, microbatches=8)
+    prepared = prepare(_gpt(), inputs=(x[:rows],), loss_fn=lambda logits: _ce(logits, y[:rows]), pipeline=pipeline,
+                       follow_batch=False)
+    unplanned = unplanned_stage_peak(prepared, pipeline, 0)
+    wide = chunked(prepared, 4 * LAYERS)
+    blocks = list(wide.regions.blocks)
+    assert len(blocks) == LAYERS
+    placements = [_fixed(wide.memory, tuple(chosen)) for n in range(1, LAYERS + 1)
+                  for chosen in itertools.combinations(blocks, n)]
+    peaks = [(held_by_stage(prepared, (wide, p), pipeline, 0, unplanned).peak_bytes, p.recompute_us)
+             for p in placements]
+    for i, budget in enumerate(sorted({peak for peak, _ in peaks})[::3]):  # the tightest (every block), 2 looser
+        cheapest = min(cost for peak, cost in peaks if peak <= budget)
+        plan = plan_for(prepared, budget, pipeline_rank=0, time_limit_s=20)
+        assert plan.pipeline_stage.peak_bytes <= budget
+        assert plan.recompute_ms * 1000 <= cheapest * (1 if i == 0 else 1.05) + 1, (budget, plan.recompute_ms,
+                                                                                    cheapest / 1000)

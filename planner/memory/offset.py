@@ -33,17 +33,21 @@ class MemoryOffset:
     """Live bytes while the optimizer steps after backward (0: that moment is not modelled)."""
 
 
-def loop_offset(profile: Profile, loop: TrainingLoop) -> MemoryOffset:
-    """What ``loop`` adds to the profiled step at each node (the module docstring says what)."""
+def loop_offset(profile: Profile, loop: TrainingLoop, *, accumulated_bytes: int | None = None) -> MemoryOffset:
+    """What ``loop`` adds to the profiled step at each node (the module docstring says what).
+
+    ``accumulated_bytes``: earlier gradients held throughout whatever the loop, that many bytes of them (a pipeline
+    stage's microbatches accumulate theirs: ``planner.planning.pipelined``); None: the loop's."""
     n = len(profile.nodes)
     state = loop.optimizer.state_bytes if loop.optimizer is not None else 0
-    grads = profile.grad_bytes
+    grads = profile.grad_bytes if accumulated_bytes is None else accumulated_bytes
+    gradients = loop.gradients if accumulated_bytes is None else Gradients.THROUGHOUT
     held = (loop.batches_held - 1) * profile.input_bytes
     fwd = np.full(n, state + held, dtype=np.int64)
     bwd = np.full(n, state + held, dtype=np.int64)
-    if loop.gradients in (Gradients.IN_FORWARD, Gradients.THROUGHOUT):
+    if gradients in (Gradients.IN_FORWARD, Gradients.THROUGHOUT):
         fwd += grads
-    if loop.gradients is Gradients.THROUGHOUT:  # unknown: as if the profile had made none yet (never under)
+    if gradients is Gradients.THROUGHOUT:  # unknown: as if the profile had made none yet (never under)
         bwd += np.array([grads - (node.bwd_grad_bytes or 0) for node in profile.nodes], dtype=np.int64)
     step = 0
     if loop.optimizer is not None and profile.end_bytes is not None:

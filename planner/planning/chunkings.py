@@ -42,12 +42,13 @@ limit (``solve.default.POLISH_SHARE``)."""
 
 
 def solve_prepared(prepared: Prepared, budget_bytes: int, options: PlanOptions,
-                   deadline: Deadline) -> tuple[Prepared, Solution]:
+                   deadline: Deadline, *, explain: bool = True) -> tuple[Prepared, Solution]:
     """The plan for ``budget_bytes`` with the ``Prepared`` it belongs to: the chunking chosen by ``refine``,
-    solved there, or at finer chunkings when none fits (``widen``), all before ``deadline``."""
+    solved there, or at finer chunkings when none fits (``widen``), all before ``deadline``. Without ``explain``,
+    no plan is ``InfeasibleBudget`` without the smallest peak, which takes a search of its own."""
     if capabilities(options.solver).reads_budget:
         prepared = refine(prepared, budget_bytes, deadline)
-    return widen(prepared, budget_bytes, options, deadline)
+    return widen(prepared, budget_bytes, options, deadline, explain=explain)
 
 
 def refine(prepared: Prepared, budget_bytes: int, deadline: Deadline) -> Prepared:
@@ -87,19 +88,20 @@ def refine(prepared: Prepared, budget_bytes: int, deadline: Deadline) -> Prepare
 
 
 def widen(prepared: Prepared, budget_bytes: int, options: PlanOptions,
-          deadline: Deadline) -> tuple[Prepared, Solution]:
+          deadline: Deadline, *, explain: bool = True) -> tuple[Prepared, Solution]:
     """The solution at the prepared chunking, else at finer ones (see ``plan_for``), with the
-    ``Prepared`` it belongs to."""
+    ``Prepared`` it belongs to (``explain`` as for ``solve_prepared``)."""
     overrides = bool(options.must_save or options.must_recompute)
     first: InfeasibleBudget | None = None
     try:  # unexplained while finer chunkings may hold a plan: the smallest peak's search would take the time
         return prepared, solve_budget(options.solver, prepared.memory, budget_bytes, prepared.baseline.peak_bytes,
                                       deadline, save_options_for(prepared, options),
-                                      explain=overrides or not prepared.regions.capped)
+                                      explain=explain and (overrides or not prepared.regions.capped))
     except InfeasibleBudget as exc:
         first = exc
     except _NoPlan:
-        pass
+        if not explain:
+            first = InfeasibleBudget(budget_bytes, None)
     memory = prepared.memory
     dist = prepared.distributed
     grads = prepared.profile.grad_bytes if dist is None or dist.parallel != "fsdp" else \
@@ -125,7 +127,7 @@ def widen(prepared: Prepared, budget_bytes: int, options: PlanOptions,
                 prepared = refine(prepared, budget_bytes, deadline)  # plans exist here: finer may re-run less
             return prepared, solve_budget(options.solver, prepared.memory, budget_bytes,
                                           prepared.baseline.peak_bytes, deadline, save_options_for(prepared, options),
-                                          explain=not prepared.regions.capped)  # else a finer chunking is next
+                                          explain=explain and not prepared.regions.capped)  # else a finer one
         except (NoSolution, OutOfTime):  # the DP screen or the solve ran out of time at this chunking
             out_of_time = True
             break
@@ -134,6 +136,8 @@ def widen(prepared: Prepared, budget_bytes: int, options: PlanOptions,
     found = _every_block(first_prepared, budget_bytes, deadline)
     if found is not None:
         return found
+    if not explain:
+        raise InfeasibleBudget(budget_bytes, None)
     if out_of_time:  # the smallest peak at the prepared chunking
         return _smallest_fitting(first_prepared, first, budget_bytes, deadline, searched=searched, out_of_time=True)
     # the smallest peak at the finest chunking searched

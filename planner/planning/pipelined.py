@@ -1,13 +1,17 @@
-"""Plans for one stage of a pipeline-parallel job: the step of one microbatch, solved at a target that leaves room
-for the other microbatches its schedule keeps in flight (``planner.memory.pipeline``).
+"""Plans for one stage of a pipeline-parallel job: the step of one microbatch, solved so that the stage, with
+every microbatch its schedule keeps in flight (``planner.memory.pipeline``), fits the budget.
 
-What the other microbatches hold grows with the plan (the activations it keeps), so the target is searched from
-the outside, as ``planning/reserve.py`` searches the caching allocator's reserve (``solve_stage``).
+A stage peaks at one microbatch's step plus what each other microbatch in flight keeps for its backward, which
+grows with the plan. Its solves bound both at once (``solve_stage``): the step at a target T, with the
+microbatches' gradients accumulating throughout, and what its forward keeps at what the budget leaves the others
+beside T, by a constant at the forward's end (``StageRoom``). T is searched from the outside; each plan's stage
+peak is then simulated as the runtime holds it (``held_by_stage``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -16,13 +20,20 @@ from planner.common.loop import Gradients
 from planner.compat.torch_private import tree_leaves
 from planner.distributed.memory import accumulated_grad_bytes
 from planner.errors import InfeasibleBudget, OutOfTime
+from planner.memory.model import ChunkPlan
 from planner.memory.pipeline import Pipeline, StagePeak, kept_bytes, stage_peak
 from planner.memory.simulate import Timeline, simulate
-from planner.planning.prepared import Prepared
-from planner.solve.result import Solution
+from planner.planning.prepared import Prepared, StageRoom, chunked, over_regions
+from planner.solve.baselines import hand_placements
+from planner.solve.deadline import Deadline
+from planner.solve.peaks import min_peak
+from planner.solve.result import Solution, SolverStatus
 
 TRIES = 8
-"""The most targets one stage is solved at."""
+"""The most solves one stage gets."""
+SCAN = (0.85, 0.6, 0.35, 0.15, 0.0)
+"""Where between the least step any plan reaches and the most the budget allows the step target T is tried
+first (fractions of that range, highest first); then halfway from the best to its neighbours."""
 
 Solved = tuple[Prepared, Solution]
 
@@ -73,14 +84,21 @@ def _stage(prepared: Prepared, timeline: Timeline, kept: int, pipeline: Pipeline
     (``fwd_cache``: the profiled step keeps its output); a stage after the first sends each input gradient
     back asynchronously and holds it until the send completes, which the schedule waits for at its next exchange. A
     stage before the last keeps an output until its gradient comes back: in each microbatch in flight."""
+    buffers, output = _runtime(prepared, pipeline, rank)
+    per = kept + output
+    later = stage_peak(_with_gradients(prepared, timeline), pipeline.in_flight_after_first_backward(rank), per)
+    return max(stage_peak(timeline.peak_bytes, pipeline.in_flight(rank), per), later) + buffers, per, buffers
+
+
+def _runtime(prepared: Prepared, pipeline: Pipeline, rank: int) -> tuple[int, int]:
+    """What the runtime holds for the step's other microbatches (``_stage``), and the output each microbatch in
+    flight holds (0 on the last stage)."""
     m, output = pipeline.microbatches, output_bytes(prepared)
     last = rank == pipeline.stages - 1
     returned = (m - 1) * output if prepared.options.keep_output else 0  # the last stage's outputs, returned merged
     buffers = (m - 1) * prepared.profile.input_bytes + (returned if last else m * output) \
         + _graded_inputs(prepared)  # the last input gradient sent back, held until its send completes
-    per = kept + (0 if last else output)
-    later = stage_peak(_with_gradients(prepared, timeline), pipeline.in_flight_after_first_backward(rank), per)
-    return max(stage_peak(timeline.peak_bytes, pipeline.in_flight(rank), per), later) + buffers, per, buffers
+    return buffers, 0 if last else output
 
 
 def _with_gradients(prepared: Prepared, timeline: Timeline) -> int:
@@ -91,62 +109,116 @@ def _with_gradients(prepared: Prepared, timeline: Timeline) -> int:
     reduce dtype); the profiled step makes its own in the compute dtype."""
     if prepared.loop.gradients is Gradients.THROUGHOUT:
         return timeline.peak_bytes
-    profile, dist = prepared.profile, prepared.distributed
-    whole = accumulated_grad_bytes(dist) if dist is not None and dist.parallel == "fsdp" else profile.grad_bytes
+    profile, whole = prepared.profile, _accumulated(prepared)
     made = np.array([node.bwd_grad_bytes or 0 for node in profile.nodes], dtype=np.int64)
     forward = timeline.fwd_bytes + whole
     backward = np.where(timeline.bwd_bytes >= 0, timeline.bwd_bytes + whole - made, -1)
     return int(max(forward.max(initial=0), backward.max(initial=0)))
 
 
-def solve_stage(prepared: Prepared, budget_bytes: int, pipeline: Pipeline, rank: int, baseline_bytes: int,
-                solved: Callable[[int], Solved]) -> tuple[Solved, StagePeak]:
-    """The least re-run solution whose stage peak fits ``budget_bytes`` (``solved(target)`` solves one
-    microbatch's step at a target), and that peak.
+def _by_hand(prepared: Prepared) -> list[tuple[Prepared, ChunkPlan]]:
+    """The placements people make by hand over the stage's blocks (``baselines.hand_placements``: every block,
+    torchtitan's full checkpointing, and ``checkpoint_sequential``'s groups), at a cut per block edge; none when
+    the stage has no repeated blocks or that chunking does not cut at their edges."""
+    if not prepared.regions.block_count or not prepared.rules.refinable:
+        return []
+    fine = chunked(prepared, prepared.regions.block_cuts + 1)
+    if len(fine.regions.blocks) != prepared.regions.block_count:
+        return []
+    return [(fine, plan) for plan in hand_placements(fine.memory)]
 
-    ``baseline_bytes``: the stage's un-checkpointed peak (``unplanned_stage_peak``), which the returned peak
-    carries. The first target is the budget; an over one moves down by its excess shared among the microbatches in
-    flight (a byte the step no longer keeps is one fewer in each), twice as far each time the plan is still over, not
-    below the least step any plan reaches; once a target fits and one is over, halfway between them; at most
-    ``TRIES`` solves. Of the fitting ones, the one that re-runs least.
+
+def _accumulated(prepared: Prepared) -> int:
+    """Bytes of the gradients a stage's microbatches accumulate (``_with_gradients``)."""
+    dist = prepared.distributed
+    return accumulated_grad_bytes(dist) if dist is not None and dist.parallel == "fsdp" else prepared.profile.grad_bytes
+
+
+def solve_stage(prepared: Prepared, budget_bytes: int, pipeline: Pipeline, rank: int, baseline_bytes: int,
+                solved: Callable[[Prepared, int, Deadline], Solved], deadline: Deadline) -> tuple[Solved, StagePeak]:
+    """The least re-run solution whose stage peak fits ``budget_bytes``, and that peak; ``solved(room, target,
+    deadline)`` solves one microbatch's step on the cost model ``room`` at ``target``.
+
+    The step, with the microbatches' gradients accumulating, is solved at a target T; what its forward keeps is
+    held to what the budget leaves each other microbatch in flight beside T, by a constant at the forward's end
+    (``StageRoom``) that brings the forward's last node to T when the kept bytes reach that share. T is tried at
+    ``SCAN``'s points between the least step any plan reaches and the most the budget allows, then halfway from
+    the best to its neighbours; each solve gets an equal share of the time left. Each solution's stage peak is
+    simulated without the room (``held_by_stage``), so a plan is kept only if the stage really fits. With one
+    microbatch in flight, T is the budget less the runtime's buffers, lowered by what is over while it is.
 
     Raises:
-        InfeasibleBudget: no target tried gives a stage peak within the budget; carries the smallest found."""
+        InfeasibleBudget: no target tried gives a stage peak within the budget; carries the smallest found.
+        OutOfTime: the time ran out before any plan fitted."""
+    k = pipeline.in_flight(rank)
+    buffers, output = _runtime(prepared, pipeline, rank)
+    whole = _accumulated(prepared)
+    room = over_regions(replace(prepared, stage=StageRoom(accumulated_bytes=whole)), prepared.regions)
+    top = budget_bytes - buffers - (k - 1) * output  # the step's most, its forward keeping nothing
     fitting: list[tuple[Solved, StagePeak]] = []
     smallest: int | None = None
-    target, stride = budget_bytes, 1  # the move doubles while the plans stay over (they change in whole tensors)
-    low, high, floor = 0, None, 0  # targets known to fit, to be over; the least step any plan reaches
-    for _ in range(TRIES):
+    tried: dict[int, int | None] = {}  # target -> re-run time of its fitting plan (None: none fits)
+
+    def attempt(target: int, tries_left: int) -> StagePeak | None:
+        share = (budget_bytes - buffers - target) // (k - 1) - output if k > 1 else None  # each other's room
+        end = 0 if share is None else max(0, target - share - forward_end)
+        trial = room if not end else over_regions(replace(room, stage=StageRoom(accumulated_bytes=whole,
+                                                                                 end_bytes=end)), room.regions)
         try:
-            pair = solved(target)
-        except OutOfTime:  # the solves share time_limit_s: the best so far, if any fits
-            if fitting:
-                break
+            on, solution = solved(trial, target, deadline.within(deadline.left_s() / max(tries_left, 1)))
+        except InfeasibleBudget:
+            tried[target] = None
+            return None
+        except OutOfTime:
+            if fitting or deadline.passed:
+                tried[target] = None
+                return None
             raise
-        except InfeasibleBudget as exc:  # below every plan's step: the least step any plan reaches next
-            if exc.min_peak_bytes is None or exc.min_peak_bytes <= target or floor:
-                break
-            target = floor = exc.min_peak_bytes
-            continue
+        peak = candidate(solution, on)
+        tried[target] = solution.recompute_us if peak.peak_bytes <= budget_bytes else None
+        return peak
+
+    def candidate(solution: Solution, on: Prepared) -> StagePeak:
+        """``solution``'s stage peak, without the room; kept if it fits."""
+        nonlocal smallest
+        pair = (over_regions(replace(on, stage=None), on.regions), solution)
         peak = held_by_stage(prepared, pair, pipeline, rank, baseline_bytes)
         smallest = peak.peak_bytes if smallest is None else min(smallest, peak.peak_bytes)
         if peak.peak_bytes <= budget_bytes:
             fitting.append((pair, peak))
-            low = target
-            if high is None:
+        return peak
+
+    forward_end = int(room.baseline.fwd_bytes[-1]) - kept_bytes(room.memory, ()) if len(room.baseline.fwd_bytes) \
+        else 0  # the forward's last node, less what it keeps
+    if k == 1:
+        target = top
+        for left in range(TRIES, 0, -1):
+            peak = attempt(target, left)
+            if peak is None or peak.peak_bytes <= budget_bytes or deadline.passed:
                 break
-            following = (low + high) // 2
-        else:
-            high = target
-            move = max((peak.peak_bytes - budget_bytes) // peak.in_flight, 1) * stride
-            stride *= 2
-            following = (low + high) // 2 if low else \
-                max(min(target - move, prepared.baseline.peak_bytes - 1), floor)  # above it every target plans nothing
-        if following in (target, low, high) or following <= 0 or high - low <= budget_bytes // 1000:
-            break
-        target = following
+            target -= peak.peak_bytes - budget_bytes
+    else:  # plans of a small step first: where the budget is tight, one of them may be the only one that fits
+        smallest_step = min_peak(room.memory, deadline=deadline)
+        least = int(simulate(room.memory, smallest_step).peak_bytes)
+        for on, plan in [(room, smallest_step), *_by_hand(room)]:
+            candidate(Solution(plan=plan, status=SolverStatus.FEASIBLE, bound_us=None, solve_time_s=0.0,
+                               recompute_us=simulate(on.memory, plan).recompute_us), on)
+        span = top - least
+        points = [least + int(span * x) for x in SCAN] if span > 0 else []
+        for i, target in enumerate(points):
+            attempt(target, TRIES - i)
+        ranked = sorted((cost, t) for t, cost in tried.items() if cost is not None)
+        if ranked:
+            best = ranked[0][1]
+            near = sorted(tried)
+            at = near.index(best)
+            for j, neighbour in enumerate((near[at - 1] if at else None, near[at + 1] if at + 1 < len(near) else None)):
+                if neighbour is not None and (best + neighbour) // 2 not in tried:
+                    attempt((best + neighbour) // 2, 2 - j)
     if fitting:
         return min(fitting, key=lambda found: found[0][1].recompute_us)
+    if deadline.passed and smallest is None:
+        raise OutOfTime("no plan for the stage was found before the time limit; raise time_limit_s")
     raise InfeasibleBudget(budget_bytes, smallest, reason=f"counted as pipeline stage {rank} of {pipeline.stages} "
                            f"holds it ({pipeline.in_flight(rank)} microbatches in flight under "
                            f"{pipeline.schedule.value})")

@@ -38,6 +38,18 @@ class Chunked:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class StageRoom:
+    """What a pipeline stage's solves count beyond one microbatch's step (``planner.planning.pipelined``): the
+    gradients its microbatches accumulate, alive throughout, and at the forward's end ``end_bytes`` more, so that
+    a plan fits only if what its forward keeps leaves room for the copies the other microbatches in flight hold."""
+
+    accumulated_bytes: int
+    """The accumulated gradients' bytes."""
+    end_bytes: int = 0
+    """Bytes added to the last forward node's constant."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class Prepared:
     """A model captured and profiled once, ready to be planned for any budget."""
 
@@ -62,6 +74,8 @@ class Prepared:
     """The cost model at the chunking searched first (``chunked`` gives others)."""
     compiled_loss: bool = False
     """Whether the cost model counts the loss as inductor runs it (``for_compiled_loss``)."""
+    stage: StageRoom | None = None
+    """Set while a pipeline stage is solved: what its cost model counts beyond the step (``StageRoom``)."""
 
     @property
     def regions(self) -> Regions:
@@ -77,15 +91,29 @@ class Prepared:
 
 
 def cost_model(profile: Profile, rules: SegmentRules, *, max_chunks: int | None, sac: SacCost,
-               distributed: Distributed | None, loop: TrainingLoop, compiled_loss: bool = False) -> Chunked:
+               distributed: Distributed | None, loop: TrainingLoop, compiled_loss: bool = False,
+               stage: StageRoom | None = None) -> Chunked:
     """The regions (at most ``max_chunks`` chunks) of ``profile`` and the cost model over them; ``compiled_loss``:
-    the loss counted as inductor runs it (``planner.memory.offset.fused_loss``)."""
+    the loss counted as inductor runs it (``planner.memory.offset.fused_loss``); ``stage``: a pipeline stage's
+    room (``StageRoom``)."""
     regions = find_regions(profile, max_chunks=max_chunks, rules=rules)  # where segments may start and end
+    return _over(profile, regions, sac=sac, distributed=distributed, loop=loop, compiled_loss=compiled_loss,
+                 stage=stage)
+
+
+def _over(profile: Profile, regions: Regions, *, sac: SacCost, distributed: Distributed | None, loop: TrainingLoop,
+          compiled_loss: bool, stage: StageRoom | None) -> Chunked:
+    """The cost model over ``regions`` (``cost_model``)."""
     has_bwd = np.array([node.bwd_peak_bytes is not None for node in profile.nodes], dtype=bool)
     rank = memory_offset(profile, distributed) if distributed is not None else None  # one rank's share of a job
-    offset = combined(loop_offset(profile, loop), rank, has_bwd)        # and what the loop keeps alive
+    accumulated = stage.accumulated_bytes if stage is not None else None
+    offset = combined(loop_offset(profile, loop, accumulated_bytes=accumulated), rank, has_bwd)  # and the loop's
     if compiled_loss:
         offset = fused_loss(profile, offset)
+    if stage is not None and stage.end_bytes and len(profile.nodes):
+        fwd = offset.fwd_bytes.copy()
+        fwd[-1] += stage.end_bytes
+        offset = replace(offset, fwd_bytes=fwd)
     memory = build_model(profile, regions, offset=offset,                # the cost model the solver optimises
                          sac_op_us=sac.op_us, sac_host_us=sac.host_us)
     return Chunked(regions=regions, memory=memory, baseline=simulate(memory, ()))
@@ -95,7 +123,16 @@ def chunked(prepared: Prepared, max_chunks: int | None) -> Prepared:
     """``prepared`` with its cost model at ``max_chunks`` chunks."""
     return replace(prepared, chunks=cost_model(prepared.profile, prepared.rules, max_chunks=max_chunks,
                                                sac=prepared.sac_cost, distributed=prepared.distributed,
-                                               loop=prepared.loop, compiled_loss=prepared.compiled_loss))
+                                               loop=prepared.loop, compiled_loss=prepared.compiled_loss,
+                                               stage=prepared.stage))
+
+
+def over_regions(prepared: Prepared, regions: Regions) -> Prepared:
+    """``prepared`` with its cost model over ``regions`` (another chunking of the same profile), as its fields say
+    (a pipeline stage's room, ``Prepared.stage``, among them)."""
+    return replace(prepared, chunks=_over(prepared.profile, regions, sac=prepared.sac_cost,
+                                          distributed=prepared.distributed, loop=prepared.loop,
+                                          compiled_loss=prepared.compiled_loss, stage=prepared.stage))
 
 
 def for_compiled_loss(prepared: Prepared) -> Prepared:
