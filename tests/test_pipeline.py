@@ -78,33 +78,32 @@ def _gpt():
     return model
 
 
-def _stages(model):
-    """The GPT split by blocks, as torchtitan splits a decoder: embeddings and the first half, then the rest."""
+def _stages(model, n: int = 2):
+    """The GPT split by blocks into ``n`` stages, as torchtitan splits a decoder: the embeddings on the first, the
+    final norm and the head on the last."""
     import torch
     from torch import nn
 
-    class First(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.wte, self.wpe, self.blocks = model.wte, model.wpe, model.blocks[:LAYERS // 2]
+    per = LAYERS // n
 
-        def forward(self, idx: torch.Tensor) -> torch.Tensor:
-            x = self.wte(idx) + self.wpe(torch.arange(idx.size(1), device=idx.device))
-            for block in self.blocks:
-                x = block(x)
-            return x
-
-    class Last(nn.Module):
-        def __init__(self) -> None:
+    class Stage(nn.Module):
+        def __init__(self, index: int) -> None:
             super().__init__()
-            self.blocks, self.ln_f, self.head = model.blocks[LAYERS // 2:], model.ln_f, model.head
+            self.first, self.last = index == 0, index == n - 1
+            self.blocks = model.blocks[index * per:(index + 1) * per]
+            if self.first:
+                self.wte, self.wpe = model.wte, model.wpe
+            if self.last:
+                self.ln_f, self.head = model.ln_f, model.head
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if self.first:
+                x = self.wte(x) + self.wpe(torch.arange(x.size(1), device=x.device))
             for block in self.blocks:
                 x = block(x)
-            return self.head(self.ln_f(x))
+            return self.head(self.ln_f(x)) if self.last else x
 
-    return First(), Last()
+    return tuple(Stage(i) for i in range(n))
 
 
 def _data(vocab: int = VOCAB):
@@ -120,31 +119,30 @@ def _ce(logits, target):
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
 
 
-def _split(name: str):
-    """The whole model, its 2 stage modules (sharing its parameters), its vocabulary and width: the GPT example, or
-    a Hugging Face Llama split by its decoder layers (``examples/llama_pipeline.py``)."""
+def _split(name: str, n: int = 2):
+    """The whole model, its ``n`` stage modules (sharing its parameters), its vocabulary and width: the GPT example,
+    or a Hugging Face Llama split by its decoder layers (``examples/llama_pipeline.py``)."""
     if name == "gpt":
         model = _gpt()
-        return model, _stages(model), VOCAB, WIDTH
+        return model, _stages(model, n), VOCAB, WIDTH
     _on_path()
     import llama_pipeline
 
     model = llama_pipeline.small_llama()
-    return model, llama_pipeline.split(model, 2), model.config.vocab_size, model.config.hidden_size
+    return model, llama_pipeline.split(model, n), model.config.vocab_size, model.config.hidden_size
 
 
-def _example(name: str, stage: int):
-    """One microbatch of the stage's input, and the loss it is planned with: the first stage's token ids and the sum
-    of its outputs (no output gradient buffer), or hidden states as received (their gradient is sent back) and the
-    cross entropy on the last."""
+def _example(name: str, stage: int, n: int = 2):
+    """One microbatch of stage ``stage``'s input (of ``n``), and the loss it is planned with: the first stage's token
+    ids, or hidden states as received (their gradient is sent back); the cross entropy on the last, the sum of the
+    outputs on the others (no output gradient buffer)."""
     import torch
 
-    _, _, vocab, width = _split(name)
+    _, _, vocab, width = _split(name, n)
     x, y = _data(vocab)
     rows = ROWS // MICROBATCHES
-    if stage == 0:
-        return (x[:rows],), None
-    return (torch.randn(rows, LENGTH, width, requires_grad=True),), (lambda logits: _ce(logits, y[:rows]))
+    given = (x[:rows],) if stage == 0 else (torch.randn(rows, LENGTH, width, requires_grad=True),)
+    return given, (lambda logits: _ce(logits, y[:rows])) if stage == n - 1 else None
 
 
 def _train(pipe, stage, module, first: bool, x, y, gathered=lambda grad: grad, return_outputs: bool = True) -> dict:
@@ -191,11 +189,12 @@ def _stage_worker(rank: int, world_size: int, port: int, out_dir: str, name: str
     from planner import optimize
 
     _init(rank, world_size, port)
-    _, stages, vocab, _ = _split(name)
-    example, loss_fn = _example(name, rank)
+    _, stages, vocab, _ = _split(name, world_size)
+    example, loss_fn = _example(name, rank, world_size)
     outputs = name == "gpt"  # the Llama's last stage returns no outputs (keep_output=False), as torchtitan runs it
-    plan = optimize(stages[rank], budget, inputs=example, loss_fn=loss_fn, pipeline=f"{schedule}:2:{MICROBATCHES}",
-                    pipeline_rank=rank, follow_batch=False, time_limit_s=20, keep_output=outputs or rank == 0)
+    plan = optimize(stages[rank], budget, inputs=example, loss_fn=loss_fn,
+                    pipeline=f"{schedule}:{world_size}:{MICROBATCHES}", pipeline_rank=rank, follow_batch=False,
+                    time_limit_s=20, keep_output=outputs or rank < world_size - 1)
     stage = PipelineStage(plan.module, stage_index=rank, num_stages=world_size, device=torch.device("cpu"))
     kind = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}[schedule]
     run = _train(kind(stage, n_microbatches=MICROBATCHES, loss_fn=_ce), stage, stages[rank], rank == 0,
@@ -204,9 +203,9 @@ def _stage_worker(rank: int, world_size: int, port: int, out_dir: str, name: str
                                 "segments": len(plan.segments), "stage": rank})
 
 
-def _reference(name: str) -> tuple[float, list[list]]:
-    """The un-pipelined model's loss and gradients on the whole batch, per stage's parameters."""
-    model, stages, vocab, _ = _split(name)
+def _reference(name: str, n: int = 2) -> tuple[float, list[list]]:
+    """The un-pipelined model's loss and gradients on the whole batch, per stage's parameters (``n`` stages)."""
+    model, stages, vocab, _ = _split(name, n)
     x, y = _data(vocab)
     logits = model(x) if name == "gpt" else model(input_ids=x).logits
     loss = _ce(logits, y)
@@ -214,15 +213,15 @@ def _reference(name: str) -> tuple[float, list[list]]:
     return loss.item(), [[p.grad.tolist() for p in stage.parameters()] for stage in stages]
 
 
-def _check(results: list[dict], name: str, late: int = 0) -> None:
+def _check(results: list[dict], name: str, late: int = 0, n: int = 2) -> None:
     """Losses and gradients the whole model's; every rank within its budget and 2% of its prediction, give or take
     ``late`` bytes (what an FSDP2 collective gloo completes late holds: ``test_distributed.in_flight_bytes``)."""
     import torch
 
-    loss, grads = _reference(name)
+    loss, grads = _reference(name, n)
     assert all(r["segments"] for r in results)
     for result in results:
-        if result["stage"] == 1:
+        if result["stage"] == n - 1:
             assert sum(result["losses"]) / MICROBATCHES == pytest.approx(loss, rel=1e-5)
         for got, expected in zip(result["grads"], grads[result["stage"]]):
             torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), rtol=1e-4, atol=1e-6)
