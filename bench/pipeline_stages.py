@@ -24,13 +24,13 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import resource
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import torch
+from large_models import gib, rss_gib  # bench/ is on the path when run as a script
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "examples"))
@@ -63,11 +63,6 @@ def stage_of(shape: dict, place: str, layers: int):
     loss = ((lambda logits: F.cross_entropy(logits.float().view(-1, VOCAB), labels.view(-1)))
             if place == llama_pipeline.LAST else None)
     return stage, (x,), loss
-
-
-def rss_gib() -> float:
-    """Peak resident memory of this process so far, GiB (Linux reports KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
 def one_shape(name: str, time_limit_s: float) -> dict:
@@ -147,10 +142,6 @@ def main() -> None:
     print(text)
     if args.out != "-":
         Path(args.out).write_text(text)
-
-
-def gib(value: int) -> str:
-    return f"{value / 2**30:.2f} GiB"
 
 
 POLICIES = (("full", "uniform full AC (every decoder layer, torchtitan's `full`)"),
