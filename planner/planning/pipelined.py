@@ -86,7 +86,8 @@ def _stage(prepared: Prepared, timeline: Timeline, kept: int, pipeline: Pipeline
     stage before the last keeps an output until its gradient comes back: in each microbatch in flight."""
     buffers, output = _runtime(prepared, pipeline, rank)
     per = kept + output
-    later = stage_peak(_with_gradients(prepared, timeline), pipeline.in_flight_after_first_backward(rank), per)
+    later = stage_peak(_with_gradients(prepared, timeline), pipeline.in_flight_after_first_backward(rank), per) \
+        + pipeline.sends_held(rank) * output  # a sent output the schedule's send work keeps past its backward
     return max(stage_peak(timeline.peak_bytes, pipeline.in_flight(rank), per), later) + buffers, per, buffers
 
 
