@@ -151,75 +151,95 @@ def solve_stage(prepared: Prepared, budget_bytes: int, pipeline: Pipeline, rank:
     Raises:
         InfeasibleBudget: no target tried gives a stage peak within the budget; carries the smallest found.
         OutOfTime: the time ran out before any plan fitted."""
-    k = pipeline.in_flight(rank)
-    buffers, output = _runtime(prepared, pipeline, rank)
-    whole = _accumulated(prepared)
-    room = over_regions(replace(prepared, stage=StageRoom(accumulated_bytes=whole)), prepared.regions)
-    top = budget_bytes - buffers - (k - 1) * output  # the step's most, its forward keeping nothing
-    fitting: list[tuple[Solved, StagePeak]] = []
-    smallest: int | None = None
-    tried: dict[int, int | None] = {}  # target -> re-run time of its fitting plan (None: none fits)
+    search = _StageSearch(prepared, budget_bytes, pipeline, rank, baseline_bytes, solved, deadline)
+    if search.in_flight == 1:
+        search.lowered()
+    else:
+        search.scanned()
+    if search.fitting:
+        return min(search.fitting, key=lambda found: found[0][1].recompute_us)
+    if deadline.passed and search.smallest is None:
+        raise OutOfTime("no plan for the stage was found before the time limit; raise time_limit_s")
+    raise InfeasibleBudget(budget_bytes, search.smallest, reason=f"counted as pipeline stage {rank} of "
+                           f"{pipeline.stages} holds it ({search.in_flight} microbatches in flight under "
+                           f"{pipeline.schedule.value})")
 
-    def attempt(target: int, tries_left: int) -> StagePeak | None:
-        share = (budget_bytes - buffers - target) // (k - 1) - output if k > 1 else None  # each other's room
-        end = 0 if share is None else max(0, target - share - forward_end)
-        trial = room if not end else over_regions(replace(room, stage=StageRoom(accumulated_bytes=whole,
-                                                                                 end_bytes=end)), room.regions)
-        try:
-            on, solution = solved(trial, target, deadline.within(deadline.left_s() / max(tries_left, 1)))
-        except InfeasibleBudget:
-            tried[target] = None
-            return None
-        except OutOfTime:
-            if fitting or deadline.passed:
-                tried[target] = None
-                return None
-            raise
-        peak = candidate(solution, on)
-        tried[target] = solution.recompute_us if peak.peak_bytes <= budget_bytes else None
-        return peak
 
-    def candidate(solution: Solution, on: Prepared) -> StagePeak:
-        """``solution``'s stage peak, without the room; kept if it fits."""
-        nonlocal smallest
-        pair = (over_regions(replace(on, stage=None), on.regions), solution)
-        peak = held_by_stage(prepared, pair, pipeline, rank, baseline_bytes)
-        smallest = peak.peak_bytes if smallest is None else min(smallest, peak.peak_bytes)
-        if peak.peak_bytes <= budget_bytes:
-            fitting.append((pair, peak))
-        return peak
+class _StageSearch:
+    """``solve_stage``'s tries: the targets solved, the plans that fit, the smallest stage peak seen."""
 
-    forward_end = int(room.baseline.fwd_bytes[-1]) - kept_bytes(room.memory, ()) if len(room.baseline.fwd_bytes) \
-        else 0  # the forward's last node, less what it keeps
-    if k == 1:
-        target = top
+    def __init__(self, prepared: Prepared, budget_bytes: int, pipeline: Pipeline, rank: int, baseline_bytes: int,
+                 solved: Callable[[Prepared, int, Deadline], Solved], deadline: Deadline) -> None:
+        self.prepared, self.budget_bytes, self.pipeline, self.rank = prepared, budget_bytes, pipeline, rank
+        self.baseline_bytes, self.solved, self.deadline = baseline_bytes, solved, deadline
+        self.in_flight = pipeline.in_flight(rank)
+        self.buffers, self.output = _runtime(prepared, pipeline, rank)
+        self.whole = _accumulated(prepared)
+        self.room = over_regions(replace(prepared, stage=StageRoom(accumulated_bytes=self.whole)), prepared.regions)
+        self.top = budget_bytes - self.buffers - (self.in_flight - 1) * self.output  # the step's most
+        fwd = self.room.baseline.fwd_bytes
+        self.forward_end = int(fwd[-1]) - kept_bytes(self.room.memory, ()) if len(fwd) else 0  # less what it keeps
+        self.fitting: list[tuple[Solved, StagePeak]] = []
+        self.smallest: int | None = None
+        self.tried: dict[int, int | None] = {}  # target -> re-run time of its fitting plan (None: none fits)
+
+    def lowered(self) -> None:
+        """One microbatch in flight: the step at the most the budget allows, lowered by what is over."""
+        target = self.top
         for left in range(TRIES, 0, -1):
-            peak = attempt(target, left)
-            if peak is None or peak.peak_bytes <= budget_bytes or deadline.passed:
+            peak = self.attempt(target, left)
+            if peak is None or peak.peak_bytes <= self.budget_bytes or self.deadline.passed:
                 break
-            target -= peak.peak_bytes - budget_bytes
-    else:  # plans of a small step first: where the budget is tight, one of them may be the only one that fits
-        smallest_step = min_peak(room.memory, deadline=deadline)
+            target -= peak.peak_bytes - self.budget_bytes
+
+    def scanned(self) -> None:
+        """Plans of a small step first (where the budget is tight, one of them may be the only one that fits),
+        then the targets at ``SCAN``'s points and halfway from the best to its neighbours."""
+        room = self.room
+        smallest_step = min_peak(room.memory, deadline=self.deadline)
         least = int(simulate(room.memory, smallest_step).peak_bytes)
         for on, plan in [(room, smallest_step), *_by_hand(room)]:
-            candidate(Solution(plan=plan, status=SolverStatus.FEASIBLE, bound_us=None, solve_time_s=0.0,
-                               recompute_us=simulate(on.memory, plan).recompute_us), on)
-        span = top - least
-        points = [least + int(span * x) for x in SCAN] if span > 0 else []
-        for i, target in enumerate(points):
-            attempt(target, TRIES - i)
-        ranked = sorted((cost, t) for t, cost in tried.items() if cost is not None)
-        if ranked:
-            best = ranked[0][1]
-            near = sorted(tried)
-            at = near.index(best)
-            for j, neighbour in enumerate((near[at - 1] if at else None, near[at + 1] if at + 1 < len(near) else None)):
-                if neighbour is not None and (best + neighbour) // 2 not in tried:
-                    attempt((best + neighbour) // 2, 2 - j)
-    if fitting:
-        return min(fitting, key=lambda found: found[0][1].recompute_us)
-    if deadline.passed and smallest is None:
-        raise OutOfTime("no plan for the stage was found before the time limit; raise time_limit_s")
-    raise InfeasibleBudget(budget_bytes, smallest, reason=f"counted as pipeline stage {rank} of {pipeline.stages} "
-                           f"holds it ({pipeline.in_flight(rank)} microbatches in flight under "
-                           f"{pipeline.schedule.value})")
+            self.candidate(Solution(plan=plan, status=SolverStatus.FEASIBLE, bound_us=None, solve_time_s=0.0,
+                                    recompute_us=simulate(on.memory, plan).recompute_us), on)
+        span = self.top - least
+        for i, target in enumerate([least + int(span * x) for x in SCAN] if span > 0 else []):
+            self.attempt(target, TRIES - i)
+        ranked = sorted((cost, t) for t, cost in self.tried.items() if cost is not None)
+        if not ranked:
+            return
+        best, near = ranked[0][1], sorted(self.tried)
+        at = near.index(best)
+        for j, neighbour in enumerate((near[at - 1] if at else None, near[at + 1] if at + 1 < len(near) else None)):
+            if neighbour is not None and (best + neighbour) // 2 not in self.tried:
+                self.attempt((best + neighbour) // 2, 2 - j)
+
+    def attempt(self, target: int, tries_left: int) -> StagePeak | None:
+        """The step solved at ``target`` with room for the others (an equal share of the time left among
+        ``tries_left``); its stage peak, or None when no plan was found."""
+        k = self.in_flight
+        share = (self.budget_bytes - self.buffers - target) // (k - 1) - self.output if k > 1 else None
+        end = 0 if share is None else max(0, target - share - self.forward_end)
+        trial = self.room if not end else over_regions(
+            replace(self.room, stage=StageRoom(accumulated_bytes=self.whole, end_bytes=end)), self.room.regions)
+        try:
+            on, solution = self.solved(trial, target, self.deadline.within(self.deadline.left_s() / max(tries_left, 1)))
+        except InfeasibleBudget:
+            self.tried[target] = None
+            return None
+        except OutOfTime:
+            if self.fitting or self.deadline.passed:
+                self.tried[target] = None
+                return None
+            raise
+        peak = self.candidate(solution, on)
+        self.tried[target] = solution.recompute_us if peak.peak_bytes <= self.budget_bytes else None
+        return peak
+
+    def candidate(self, solution: Solution, on: Prepared) -> StagePeak:
+        """``solution``'s stage peak, without the room; kept if it fits."""
+        pair = (over_regions(replace(on, stage=None), on.regions), solution)
+        peak = held_by_stage(self.prepared, pair, self.pipeline, self.rank, self.baseline_bytes)
+        self.smallest = peak.peak_bytes if self.smallest is None else min(self.smallest, peak.peak_bytes)
+        if peak.peak_bytes <= self.budget_bytes:
+            self.fitting.append((pair, peak))
+        return peak
