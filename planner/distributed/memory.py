@@ -176,12 +176,12 @@ def memory_offset(profile: Profile, dist: Distributed) -> MemoryOffset:
     if dist.parallel == "fsdp" and dist.in_pipeline:
         every_unit = np.full(n_nodes, resident + sum(dist.unit_bytes.values()), dtype=np.int64)
         return MemoryOffset(fwd_bytes=every_unit, bwd_bytes=every_unit.copy(),
-                            param_bytes=profile.param_bytes - dist.param_bytes + sum(dist.shard_bytes.values()))
+                            param_bytes=profile.param_bytes + resident)
     if dist.parallel != "fsdp":  # DDP: full replicas, and its flat gradient buckets
         extra = resident + (sum(dist.grad_bytes.values()) if dist.parallel == "ddp" else 0)
         return MemoryOffset(fwd_bytes=np.full(n_nodes, extra, dtype=np.int64),
                             bwd_bytes=np.full(n_nodes, extra, dtype=np.int64),
-                            param_bytes=profile.param_bytes - dist.param_bytes + sum(dist.shard_bytes.values()))
+                            param_bytes=profile.param_bytes + resident)
     owner = unit_of_nodes(profile, dist.units)
     gathered, n = dist.unit_bytes, dist.world_size
     first = {u: owner.index(u) for u in dist.units if u in owner}
@@ -201,7 +201,7 @@ def memory_offset(profile: Profile, dist: Distributed) -> MemoryOffset:
         in_flight_rs = dist.reduce_bytes[done[0]] if done else 0
         bwd[t] = resident + _in_flight(gathered, u, prev, n if cast else 0) - shrink + in_flight_rs
     return MemoryOffset(fwd_bytes=fwd, bwd_bytes=bwd,
-                        param_bytes=profile.param_bytes - dist.param_bytes + sum(dist.shard_bytes.values()))
+                        param_bytes=profile.param_bytes + resident)
 
 
 def accumulated_grad_bytes(dist: Distributed) -> int:

@@ -48,11 +48,17 @@ def loop_offset(profile: Profile, loop: TrainingLoop, *, accumulated_bytes: int 
     if gradients in (Gradients.IN_FORWARD, Gradients.THROUGHOUT):
         fwd += grads
     if gradients is Gradients.THROUGHOUT:  # unknown: as if the profile had made none yet (never under)
-        bwd += np.array([grads - (node.bwd_grad_bytes or 0) for node in profile.nodes], dtype=np.int64)
+        bwd += not_yet_made(profile, grads)
     step = 0
     if loop.optimizer is not None and profile.end_bytes is not None:
         step = profile.end_bytes + state + held + loop.optimizer.step_bytes
     return MemoryOffset(fwd_bytes=fwd, bwd_bytes=bwd, param_bytes=profile.param_bytes, step_bytes=step)
+
+
+def not_yet_made(profile: Profile, grads: int) -> np.ndarray:
+    """Per node, ``grads`` bytes of earlier gradients less those the profiled step has made by that node's backward:
+    what accumulation adds at each backward node, backward adding into the earlier gradients in place."""
+    return np.array([grads - (node.bwd_grad_bytes or 0) for node in profile.nodes], dtype=np.int64)
 
 
 def combined(loop: MemoryOffset, rank: MemoryOffset | None, has_bwd: np.ndarray) -> MemoryOffset:

@@ -21,6 +21,7 @@ from planner.compat.torch_private import tree_leaves
 from planner.distributed.memory import accumulated_grad_bytes
 from planner.errors import InfeasibleBudget, OutOfTime
 from planner.memory.model import ChunkPlan
+from planner.memory.offset import not_yet_made
 from planner.memory.pipeline import Pipeline, StagePeak, kept_bytes, stage_peak
 from planner.memory.simulate import Timeline, simulate
 from planner.planning.prepared import Prepared, StageRoom, chunked, over_regions
@@ -110,10 +111,9 @@ def _with_gradients(prepared: Prepared, timeline: Timeline) -> int:
     reduce dtype); the profiled step makes its own in the compute dtype."""
     if prepared.loop.gradients is Gradients.THROUGHOUT:
         return timeline.peak_bytes
-    profile, whole = prepared.profile, _accumulated(prepared)
-    made = np.array([node.bwd_grad_bytes or 0 for node in profile.nodes], dtype=np.int64)
+    whole = _accumulated(prepared)
     forward = timeline.fwd_bytes + whole
-    backward = np.where(timeline.bwd_bytes >= 0, timeline.bwd_bytes + whole - made, -1)
+    backward = np.where(timeline.bwd_bytes >= 0, timeline.bwd_bytes + not_yet_made(prepared.profile, whole), -1)
     return int(max(forward.max(initial=0), backward.max(initial=0)))
 
 
@@ -180,6 +180,7 @@ class _StageSearch:
         fwd = self.room.baseline.fwd_bytes
         self.forward_end = int(fwd[-1]) - kept_bytes(self.room.memory, ()) if len(fwd) else 0  # less what it keeps
         self.fitting: list[tuple[Solved, StagePeak]] = []
+        self.plain: dict[int, Prepared] = {}  # id of a chunking's regions -> its cost model without the room
         self.smallest: int | None = None
         self.tried: dict[int, int | None] = {}  # target -> re-run time of its fitting plan (None: none fits)
 
@@ -237,7 +238,10 @@ class _StageSearch:
 
     def candidate(self, solution: Solution, on: Prepared) -> StagePeak:
         """``solution``'s stage peak, without the room; kept if it fits."""
-        pair = (over_regions(replace(on, stage=None), on.regions), solution)
+        plain = self.plain.get(id(on.regions))
+        if plain is None or plain.regions is not on.regions:
+            plain = self.plain[id(on.regions)] = over_regions(replace(on, stage=None), on.regions)
+        pair = (plain, solution)
         peak = held_by_stage(self.prepared, pair, self.pipeline, self.rank, self.baseline_bytes)
         self.smallest = peak.peak_bytes if self.smallest is None else min(self.smallest, peak.peak_bytes)
         if peak.peak_bytes <= self.budget_bytes:

@@ -121,10 +121,7 @@ def _over(profile: Profile, regions: Regions, *, sac: SacCost, distributed: Dist
 
 def chunked(prepared: Prepared, max_chunks: int | None) -> Prepared:
     """``prepared`` with its cost model at ``max_chunks`` chunks."""
-    return replace(prepared, chunks=cost_model(prepared.profile, prepared.rules, max_chunks=max_chunks,
-                                               sac=prepared.sac_cost, distributed=prepared.distributed,
-                                               loop=prepared.loop, compiled_loss=prepared.compiled_loss,
-                                               stage=prepared.stage))
+    return over_regions(prepared, find_regions(prepared.profile, max_chunks=max_chunks, rules=prepared.rules))
 
 
 def over_regions(prepared: Prepared, regions: Regions) -> Prepared:
