@@ -257,9 +257,6 @@ class PlanOptions:
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.pipeline.stages:
             raise OptionError(f"pipeline_rank must be a stage of the pipeline, 0 to {self.pipeline.stages - 1}, got "
                               f"{rank!r}")
-        if self.offload:
-            raise OptionError("offload= is not planned for a pipeline stage yet: drop one of them")
-        object.__setattr__(self, "offload", False)
 
     def loop(self, *, optimizer: OptimizerState | None, autocast: Any) -> TrainingLoop:
         """The training loop these options describe, with the optimizer's state as measured for the model and the

@@ -30,7 +30,7 @@ from planner.options import PREPARED, OptionArgs, PlanOptions, resolve
 from planner.plan import MemoryTimeline, Plan
 from planner.planning.chunkings import save_options_for, solve_budget, solve_prepared
 from planner.planning.offloading import offload_limits, offload_spec, solve_offloaded
-from planner.planning.pipelined import solve_stage, unplanned_stage_peak
+from planner.planning.pipelined import held_by_stage, solve_pipelined, unplanned_stage_peak
 from planner.planning.prepared import Prepared, chunked, device_bytes, prepared_from
 from planner.planning.reserve import reserve_predicted, reserved_for, within_reserve
 from planner.planning.step import captured_and_profiled
@@ -194,16 +194,15 @@ def plan_for(prepared: Prepared, budget: int | str, *, options: PlanOptions | No
         solution = replace(pair[1], solve_time_s=time.perf_counter() - started)  # the whole stage, widening included
         return plan_from_solution(pair[0], solution, budget_bytes, target=on, follow=opts if following else None)
 
-    stage_peak = None
     if opts.pipeline is not None:  # one microbatch's step, with room for those the schedule keeps in flight
-        pair, stage_peak = solve_stage(prepared, budget_bytes, opts.pipeline, opts.pipeline_rank, baseline_bytes,
-                                       lambda room, target, within: solve_at(target, within, on=room, explain=False),
-                                       deadline)
-    else:
-        pair = solved(budget_bytes)
+        pair = solve_pipelined(prepared, budget_bytes, opts.pipeline, opts.pipeline_rank, baseline_bytes, limits,
+                               lambda room, target, within: solve_at(target, within, on=room, explain=False),
+                               deadline)
+        stage("rewrite")
+        return replace(built(pair, target), pipeline_stage=held_by_stage(prepared, pair, opts.pipeline,
+                                                                         opts.pipeline_rank, baseline_bytes))
+    pair = solved(budget_bytes)
     stage("rewrite")
-    if stage_peak is not None:
-        return replace(built(pair, target), pipeline_stage=stage_peak)
     if (opts.budget_bounds is not BudgetBounds.RESERVED or not reserve_predicted(prepared)
             or not reads_budget):  # a fixed placement is what it is at any target
         return built(pair, target)

@@ -137,7 +137,7 @@ def offloaded_bytes(model: MemoryModel, offloads: Offloads) -> int:
 
 
 @dataclass(frozen=True, slots=True)
-class _Holding:
+class Holding:
     """Where the executor can take each kept storage off the device under one plan, and bring it back."""
 
     release: np.ndarray
@@ -164,7 +164,7 @@ class _Holding:
     """Per node: its chunk (``Regions.chunk_of``)."""
 
 
-def holding(model: MemoryModel, plan: ChunkPlan, saves: Saves = frozenset()) -> _Holding:
+def holding(model: MemoryModel, plan: ChunkPlan, saves: Saves = frozenset()) -> Holding:
     """Pack and first-unpack nodes of every storage under ``plan``: a saver outside every segment packs it at
     its node and unpacks it in its backward; a segment holding it as input packs it where the segment starts
     and unpacks it where the segment is re-run; a segment caching it (selective checkpointing) copies it from
@@ -205,7 +205,7 @@ def holding(model: MemoryModel, plan: ChunkPlan, saves: Saves = frozenset()) -> 
                 & (release < NEVER))
     bwd = model.bwd_cost_us if len(model.bwd_cost_us) else 2 * model.node_cost_us
     per_node = bwd + _rerun_us(model, plan, saves)
-    return _Holding(release=release, pack=pack, last=last_node, need=need, cached=cached, eligible=eligible,
+    return Holding(release=release, pack=pack, last=last_node, need=need, cached=cached, eligible=eligible,
                     fwd_end=np.cumsum(model.node_cost_us), bwd_elapsed=np.concatenate([[0], np.cumsum(per_node[::-1])]),
                     owner=owner)
 
@@ -231,7 +231,7 @@ def _outside(u: int, owner: list[int], start: np.ndarray) -> bool:
 
 
 def candidates(model: MemoryModel, plan: ChunkPlan, saves: Saves = frozenset(), *,
-               min_bytes: int = MIN_OFFLOAD_BYTES, held: _Holding | None = None) -> np.ndarray:
+               min_bytes: int = MIN_OFFLOAD_BYTES, held: Holding | None = None) -> np.ndarray:
     """Storages the plan could offload: held through the hooks or in a segment's cache, at least ``min_bytes``,
     produced by a node the executor can find at run time (``MemoryModel.markable``), largest first (``held``: the
     plan's ``holding``, when the caller has it)."""
@@ -254,7 +254,7 @@ def _rerun_us(model: MemoryModel, plan: ChunkPlan, saves: Saves) -> np.ndarray:
 
 
 def schedule(model: MemoryModel, plan: ChunkPlan, saves: Saves, storages, link: HostLink,
-             held: _Holding | None = None) -> Offloads | None:
+             held: Holding | None = None) -> Offloads | None:
     """The schedule of offloading ``storages`` under ``plan``, or None when a copy to the host cannot finish
     within the forward (the storage would never leave the device)."""
     if not len(storages):
@@ -273,7 +273,7 @@ def schedule(model: MemoryModel, plan: ChunkPlan, saves: Saves, storages, link: 
         h2d_busy_us=round(back.busy), fwd_us=int(model.node_cost_us.sum()), bwd_us=back.bwd_us, link=link.source)
 
 
-def _copies_out(model: MemoryModel, held: _Holding, chosen: list[int],
+def _copies_out(model: MemoryModel, held: Holding, chosen: list[int],
                 link: HostLink) -> tuple[list[int], float, float] | None:
     """``(gone, busy, exposed)`` of the copies to the host, queued in pack order: the node each storage is gone
     from, the link's busy time and the time the step waits for it (all of it on a link that does not overlap
@@ -303,7 +303,7 @@ class _Back:
     bwd_us: int
 
 
-def _reloads(model: MemoryModel, held: _Holding, chosen: list[int], link: HostLink) -> _Back:
+def _reloads(model: MemoryModel, held: Holding, chosen: list[int], link: HostLink) -> _Back:
     """The reloads in backward: groups by the chunk of each storage's first unpack, the last chunk's first; the first
     unpack of group g issues g's reloads (if not yet) and g + 1's, and waits for g's, stalling the step while the
     link is behind (every reload stalls it on a link that does not overlap compute)."""

@@ -109,11 +109,15 @@ class StagePeak:
     """The stage's predicted peak."""
     baseline_peak_bytes: int
     """The stage's predicted peak without checkpointing (what ``"NN%"`` budgets of a stage are of)."""
+    host_bytes: int = 0
+    """Host memory the plan's offloads hold at the stage's peak: a copy for each microbatch in flight."""
 
     def text(self) -> str:
         flight = f"{self.in_flight} microbatch{'es' if self.in_flight > 1 else ''} in flight"
         others = f", each other one holding {format_bytes(self.per_microbatch_bytes)}" if self.in_flight > 1 else ""
-        return f"pipeline stage {self.rank}: {flight}{others}; the stage peaks at {format_bytes(self.peak_bytes)}"
+        host = f" ({format_bytes(self.host_bytes)} offloaded to host memory)" if self.host_bytes else ""
+        return (f"pipeline stage {self.rank}: {flight}{others}; the stage peaks at "
+                f"{format_bytes(self.peak_bytes)}{host}")
 
 
 def kept_bytes(model: MemoryModel, plan: ChunkPlan, saves: Saves = frozenset()) -> int:

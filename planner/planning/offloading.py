@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from planner.errors import InfeasibleBudget, OptionError, OutOfTime
 from planner.memory.model import MemoryModel
@@ -37,13 +37,36 @@ FIRST_SHARE = 0.4
 SolveAt = Callable[[int, Deadline, bool], tuple[Prepared, Solution]]
 """Plans a budget in bytes before a deadline, with op-level saves or without (``plan_for``'s strategy, FSDP's unit
 split included)."""
+Choose = Callable[[Prepared, Solution, int, OffloadLimits], Offloads | None]
+"""The offloads that bring a solution (planned on its ``Prepared``) under a budget, or None when none do."""
 
 
-def rungs_above(budget_bytes: int, top_bytes: int, limits: OffloadLimits, memory: MemoryModel) -> list[int]:
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Ladder:
+    """The rungs ``solve_offloaded`` climbs and how it brings each down: for one training step, the step's peak
+    (``for_step``); for a pipeline stage, the stage's (``planner.planning.pipelined.stage_ladder``)."""
+
+    top_bytes: int
+    """The peak without checkpointing, where the rungs end."""
+    copies: int = 1
+    """How many copies of a plan's offloads are off the device at once (a stage's microbatches in flight)."""
+    choose: Choose
+    bounded: bool = True
+    """Whether ``_offload_bound`` holds: the solves at each budget are the step's own (a stage's search proves
+    nothing)."""
+
+    @classmethod
+    def for_step(cls, prepared: Prepared) -> Ladder:
+        return cls(top_bytes=prepared.baseline.peak_bytes, choose=lambda on, solution, budget, limits: choose_offloads(
+            on.memory, solution.plan, solution.saves, budget, limits))
+
+
+def rungs_above(budget_bytes: int, top_bytes: int, limits: OffloadLimits, memory: MemoryModel,
+                copies: int = 1) -> list[int]:
     """The budgets above ``budget_bytes`` worth planning and offloading down to it: ``RUNGS`` of them, closer
     together near the budget (1/32 of the way to the un-checkpointed peak ``top_bytes``, then 1/16, ... 1), and
-    none further than offloads can take off the device (``carried_bytes``)."""
-    reach = min(top_bytes, budget_bytes + carried_bytes(limits, memory, top_bytes - budget_bytes))
+    none further than offloads can take off the device (``carried_bytes``, for each of ``copies``)."""
+    reach = min(top_bytes, budget_bytes + copies * carried_bytes(limits, memory, top_bytes - budget_bytes))
     rungs = sorted({budget_bytes + (reach - budget_bytes) // 2 ** (RUNGS - 1 - i) for i in range(RUNGS)})
     return [r for r in rungs if r > budget_bytes]
 
@@ -116,15 +139,16 @@ def host_of(prepared: Prepared, options: PlanOptions) -> Host:
 
 
 def solve_offloaded(prepared: Prepared, budget_bytes: int, limits: OffloadLimits, deadline: Deadline,
-                    solve_at: SolveAt) -> tuple[Prepared, Solution]:
+                    solve_at: SolveAt, ladder: Ladder | None = None) -> tuple[Prepared, Solution]:
     """The cheapest of: the plan for ``budget_bytes`` itself, and the plans for each rung above it offloaded
-    down to it. At the first rung offloads cannot bring down (those above keep more), the budgets between it and
-    the rung below are bisected ``BISECT`` times. A plan with offloads is ``FEASIBLE`` (its re-runs are optimal
-    for the rung's budget only).
+    down to it (``ladder``: default the step's, ``Ladder.for_step``). At the first rung offloads cannot bring down
+    (those above keep more), the budgets between it and the rung below are bisected ``BISECT`` times. A plan with
+    offloads is ``FEASIBLE`` (its re-runs are optimal for the rung's budget only).
 
     Raises:
         InfeasibleBudget / OutOfTime: as the plain solve, when no plan fits even with offloads.
     """
+    ladder = ladder or Ladder.for_step(prepared)
     best: tuple[int, Prepared, Solution] | None = None
     failure: InfeasibleBudget | OutOfTime | None = None
     solved: dict[int, Solution] = {}  # by budget, the rungs planned
@@ -133,7 +157,7 @@ def solve_offloaded(prepared: Prepared, budget_bytes: int, limits: OffloadLimits
         best = (solution.recompute_us, plain, solution)
     except (InfeasibleBudget, OutOfTime) as exc:
         failure = exc
-    rungs = rungs_above(budget_bytes, prepared.baseline.peak_bytes, limits, prepared.memory)
+    rungs = rungs_above(budget_bytes, ladder.top_bytes, limits, prepared.memory, ladder.copies)
     floor = getattr(failure, "min_peak_bytes", None)
     if floor is not None and budget_bytes < floor < (rungs[0] if rungs else floor + 1):
         rungs.insert(0, floor)  # the smallest peak checkpointing reaches, offloaded down to the budget
@@ -149,7 +173,7 @@ def solve_offloaded(prepared: Prepared, budget_bytes: int, limits: OffloadLimits
         solved[higher] = solution
         if best is not None and solution.recompute_us >= best[0]:
             return True  # re-runs as much as the best plan so far: offloads cannot make it cheaper
-        offloads = choose_offloads(rung_prepared.memory, solution.plan, solution.saves, budget_bytes, limits)
+        offloads = ladder.choose(rung_prepared, solution, budget_bytes, limits)
         if offloads is None:
             return False
         cost = solution.recompute_us + offloads.exposed_us
@@ -177,7 +201,7 @@ def solve_offloaded(prepared: Prepared, budget_bytes: int, limits: OffloadLimits
     if best is None:
         assert failure is not None
         raise failure
-    if best[2].offloads.n:
+    if best[2].offloads.n and ladder.bounded:
         best = (best[0], best[1], replace(best[2], bound_us=_offload_bound(prepared, budget_bytes, limits, deadline,
                                                                            solve_at, solved)))
     return best[1], best[2]

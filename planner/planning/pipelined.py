@@ -21,12 +21,15 @@ from planner.compat.torch_private import tree_leaves
 from planner.distributed.memory import accumulated_grad_bytes
 from planner.errors import InfeasibleBudget, OutOfTime
 from planner.memory.model import ChunkPlan
+from planner.memory.offload import Offloads, holding, offloaded_bytes, relief
 from planner.memory.offset import not_yet_made
 from planner.memory.pipeline import Pipeline, StagePeak, kept_bytes, stage_peak
 from planner.memory.simulate import Timeline, simulate
+from planner.planning.offloading import Ladder, solve_offloaded
 from planner.planning.prepared import Prepared, StageRoom, chunked, over_regions
 from planner.solve.baselines import hand_placements
 from planner.solve.deadline import Deadline
+from planner.solve.offload import OffloadLimits, Peak, StepRuler, choose_offloads
 from planner.solve.peaks import min_peak
 from planner.solve.result import Solution, SolverStatus
 
@@ -62,13 +65,58 @@ def unplanned_stage_peak(prepared: Prepared, pipeline: Pipeline, rank: int) -> i
 
 
 def held_by_stage(prepared: Prepared, pair: Solved, pipeline: Pipeline, rank: int, baseline_bytes: int) -> StagePeak:
-    """The stage's peak under the solution ``pair`` (``planner.memory.pipeline``, ``_stage``)."""
+    """The stage's peak under the solution ``pair`` (``planner.memory.pipeline``, ``_stage``): each other microbatch
+    in flight holds what its forward kept less what it offloaded, which waits in host memory for its backward."""
     solved, solution = pair
     timeline = simulate(solved.memory, solution.plan, solution.saves, solution.offloads)
-    kept = kept_bytes(solved.memory, solution.plan, solution.saves)
+    away = offloaded_bytes(solved.memory, solution.offloads)
+    kept = kept_bytes(solved.memory, solution.plan, solution.saves) - away
     peak, per, buffers = _stage(prepared, timeline, kept, pipeline, rank)
     return StagePeak(rank=rank, in_flight=pipeline.in_flight(rank), per_microbatch_bytes=per, buffers_bytes=buffers,
-                     peak_bytes=peak, baseline_peak_bytes=baseline_bytes)
+                     peak_bytes=peak, baseline_peak_bytes=baseline_bytes,
+                     host_bytes=away * pipeline.in_flight(rank))
+
+
+class StageRuler:
+    """A stage's peak under one plan with offloads (``solve.offload.Ruler``): the step's timeline with the
+    offloaded storages away where the copies take them, and each other microbatch in flight holding what its
+    forward kept less what it offloaded. Past one microbatch in flight every offload lowers the stage's peak."""
+
+    def __init__(self, prepared: Prepared, pair: Solved, pipeline: Pipeline, rank: int) -> None:
+        solved, solution = pair
+        self.prepared, self.pipeline, self.rank, self.memory = prepared, pipeline, rank, solved.memory
+        self.base = simulate(solved.memory, solution.plan, solution.saves)
+        self.kept = kept_bytes(solved.memory, solution.plan, solution.saves)
+        self.step = StepRuler(solved.memory, self.base, holding(solved.memory, solution.plan, solution.saves))
+
+    def peak(self, offloads: Offloads) -> Peak:
+        fwd_away, bwd_away = relief(self.memory, offloads)
+        fwd = self.base.fwd_bytes - fwd_away
+        bwd = np.where(self.memory.has_bwd, self.base.bwd_bytes - bwd_away, -1)
+        forward = int(fwd.max(initial=0)) >= int(bwd.max(initial=0))
+        timeline = replace(self.base, fwd_bytes=fwd, bwd_bytes=bwd, peak_bytes=max(
+            int(fwd.max(initial=0)), int(bwd.max(initial=0)), self.memory.step_bytes))
+        kept = self.kept - offloaded_bytes(self.memory, offloads)
+        peak = _stage(self.prepared, timeline, kept, self.pipeline, self.rank)[0]
+        return ("forward", int(fwd.argmax()), peak) if forward else ("backward", int(bwd.argmax()), peak)
+
+    def lowers(self, s: int, phase: str, node: int) -> bool:
+        return self.pipeline.in_flight(self.rank) > 1 or self.step.lowers(s, phase, node)
+
+
+def stage_ladder(prepared: Prepared, pipeline: Pipeline, rank: int, baseline_bytes: int) -> Ladder:
+    """``solve_offloaded``'s rungs for a stage: up to its un-checkpointed peak, each rung's plan offloaded down
+    to the budget as the stage holds it (``StageRuler``), its microbatches in flight each holding a copy of its
+    offloads in host memory (the host budget shared among them)."""
+    k = pipeline.in_flight(rank)
+
+    def choose(on: Prepared, solution: Solution, budget_bytes: int, limits: OffloadLimits) -> Offloads | None:
+        host = limits.host_budget_bytes
+        share = limits if host is None else replace(limits, host_budget_bytes=host // k)
+        return choose_offloads(on.memory, solution.plan, solution.saves, budget_bytes, share,
+                               StageRuler(prepared, (on, solution), pipeline, rank))
+
+    return Ladder(top_bytes=baseline_bytes, copies=k, choose=choose, bounded=False)
 
 
 def _stage(prepared: Prepared, timeline: Timeline, kept: int, pipeline: Pipeline, rank: int) -> tuple[int, int, int]:
@@ -135,6 +183,23 @@ def _accumulated(prepared: Prepared) -> int:
     return accumulated_grad_bytes(dist) if dist is not None and dist.parallel == "fsdp" else prepared.profile.grad_bytes
 
 
+def solve_pipelined(prepared: Prepared, budget_bytes: int, pipeline: Pipeline, rank: int, baseline_bytes: int,
+                    limits: OffloadLimits | None, solved: Callable[[Prepared, int, Deadline], Solved],
+                    deadline: Deadline) -> Solved:
+    """The plan for pipeline stage ``rank`` at ``budget_bytes`` (``solve_stage``); where ``limits`` allow offloads,
+    the cheapest of it and the plans for budgets above offloaded down to it (``solve_offloaded``, ``stage_ladder``).
+
+    Raises:
+        InfeasibleBudget / OutOfTime: as ``solve_stage``, when no plan fits even with offloads."""
+    def at(budget: int, within: Deadline, selective: bool = True) -> Solved:
+        return solve_stage(prepared, budget, pipeline, rank, baseline_bytes, solved, within)[0]
+
+    if limits is None:
+        return at(budget_bytes, deadline)
+    return solve_offloaded(prepared, budget_bytes, limits, deadline, at,
+                           stage_ladder(prepared, pipeline, rank, baseline_bytes))
+
+
 def solve_stage(prepared: Prepared, budget_bytes: int, pipeline: Pipeline, rank: int, baseline_bytes: int,
                 solved: Callable[[Prepared, int, Deadline], Solved], deadline: Deadline) -> tuple[Solved, StagePeak]:
     """The least re-run solution whose stage peak fits ``budget_bytes``, and that peak; ``solved(room, target,
@@ -161,7 +226,8 @@ def solve_stage(prepared: Prepared, budget_bytes: int, pipeline: Pipeline, rank:
     if deadline.passed and search.smallest is None:
         raise OutOfTime("no plan for the stage was found before the time limit; raise time_limit_s")
     raise InfeasibleBudget(budget_bytes, search.smallest, reason=f"counted as pipeline stage {rank} of "
-                           f"{pipeline.stages} holds it ({search.in_flight} microbatches in flight under "
+                           f"{pipeline.stages} holds it ({search.in_flight} microbatch"
+                           f"{'es' if search.in_flight > 1 else ''} in flight under "
                            f"{pipeline.schedule.value})")
 
 
@@ -185,23 +251,31 @@ class _StageSearch:
         self.tried: dict[int, int | None] = {}  # target -> re-run time of its fitting plan (None: none fits)
 
     def lowered(self) -> None:
-        """One microbatch in flight: the step at the most the budget allows, lowered by what is over."""
+        """One microbatch in flight: the step at the most the budget allows, lowered by what is over; where no
+        plan fits, the plans of a small step (``least``), for the smallest peak the error reports."""
         target = self.top
         for left in range(TRIES, 0, -1):
             peak = self.attempt(target, left)
             if peak is None or peak.peak_bytes <= self.budget_bytes or self.deadline.passed:
                 break
             target -= peak.peak_bytes - self.budget_bytes
+        if not self.fitting and not self.deadline.passed:
+            self.least()
 
-    def scanned(self) -> None:
-        """Plans of a small step first (where the budget is tight, one of them may be the only one that fits),
-        then the targets at ``SCAN``'s points and halfway from the best to its neighbours."""
+    def least(self) -> int:
+        """The least step peak any plan reaches; that plan and the placements by hand are candidates (where the
+        budget is tight, one of them may be the only one that fits)."""
         room = self.room
         smallest_step = min_peak(room.memory, deadline=self.deadline)
-        least = int(simulate(room.memory, smallest_step).peak_bytes)
         for on, plan in [(room, smallest_step), *_by_hand(room)]:
             self.candidate(Solution(plan=plan, status=SolverStatus.FEASIBLE, bound_us=None, solve_time_s=0.0,
                                     recompute_us=simulate(on.memory, plan).recompute_us), on)
+        return int(simulate(room.memory, smallest_step).peak_bytes)
+
+    def scanned(self) -> None:
+        """Plans of a small step first (``least``), then the targets at ``SCAN``'s points and halfway from the best
+        to its neighbours."""
+        least = self.least()
         span = self.top - least
         for i, target in enumerate([least + int(span * x) for x in SCAN] if span > 0 else []):
             self.attempt(target, TRIES - i)

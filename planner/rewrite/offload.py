@@ -223,15 +223,17 @@ class _Step:
         self.groups: dict[int, list[weakref.ref[_Handle]]] = {}
         self.copying: list[_Handle] = []
         self.reached: set[int] = set()
-        self.copied_bytes = 0
-        """Bytes copied to the host this step: all of them are still there when the forward ends (copies go in
-        backward), so the most ``Offloader.host_bytes`` reaches."""
 
     def add(self, handle: _Handle) -> None:
         self.groups.setdefault(handle.group, []).append(weakref.ref(handle))
         handle.copy_out()
-        self.copied_bytes += handle.host.numel() if handle.host is not None else 0
-        self.offloader.host_peak_bytes = max(self.offloader.host_peak_bytes, self.copied_bytes)
+        self.offloader.host_peak_bytes = max(self.offloader.host_peak_bytes, self.offloader.host_bytes)
+
+    def host_bytes(self) -> int:
+        """Bytes of this step's copies the host store holds: those autograd or a segment's cache still holds (a
+        copy goes when the last saved tensor over it does, in backward)."""
+        return sum(h.host.numel() for refs in self.groups.values() for ref in refs
+                   if (h := ref()) is not None and h.host is not None)
 
     def poll(self) -> None:
         if self.copying:
@@ -288,12 +290,16 @@ class Offloader:
         self.segment: _Segment | None = None
         """The checkpointed segment whose forward runs now (its cached offloads are freed where it ends)."""
         self.host_peak_bytes = 0
-        """Most bytes the host store held at once (the last steps')."""
+        """Most bytes the host store held at once (the last steps', a pipeline stage's microbatches in flight
+        together)."""
         self.missed = 0
         """Targets not found by the last forward (the model ran other ops than the plan's)."""
         self._streams: dict[torch.device, Any] = {}
         self._active: list[tuple[Any, ...]] = []
         self._step: _Step | None = None
+        self._steps: weakref.WeakSet[_Step] = weakref.WeakSet()
+        """Every forward whose offloads are still held (its handles hold it): more than one in a pipeline stage,
+        which runs the forwards of several microbatches before their backwards."""
         self._marked: dict[int, tuple[weakref.ref, OffloadTarget]] = {}
         self._handles: dict[int, tuple[weakref.ref, weakref.ref[_Handle]]] = {}
 
@@ -311,12 +317,15 @@ class Offloader:
 
     @property
     def host_bytes(self) -> int:
-        """Bytes the host store holds now: the copies of the running step's offloaded storages that autograd or a
-        segment's cache still holds (a copy goes when the last saved tensor over it does, in backward)."""
-        if self._step is None:
-            return 0
-        return sum(h.host.numel() for refs in self._step.groups.values() for ref in refs
-                   if (h := ref()) is not None and h.host is not None)
+        """Bytes the host store holds now: the copies of every forward's offloaded storages that autograd or a
+        segment's cache still holds (``_Step.host_bytes``)."""
+        return sum(step.host_bytes() for step in list(self._steps))
+
+    def poll(self) -> None:
+        """Lets go of the device storages whose copies to the host are done, of every forward still held: a
+        microbatch in flight (a pipeline stage's) lets its copies go while the next one runs."""
+        for step in list(self._steps):
+            step.poll()
 
     def side_stream(self, device: torch.device) -> Any:
         if device not in self._streams:
@@ -326,7 +335,9 @@ class Offloader:
     def begin(self, module: nn.Module, args: Any, kwargs: Any = None) -> None:
         if not (module.training and torch.is_grad_enabled()) or self._active or not self.wanted:
             return
+        self.poll()
         self._step, self._marked, self._handles = _Step(self), {}, {}
+        self._steps.add(self._step)
         marking = _Marking(self)
         hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         marking.__enter__()
@@ -350,12 +361,10 @@ class Offloader:
                           "and the step may exceed the predicted peak; plan again for this model and input",
                           stacklevel=2)
         self._marked = {}
-        if self._step is not None:
-            self._step.poll()
+        self.poll()
 
     def mark(self, out: Any, target: OffloadTarget) -> None:
-        if self._step is not None:
-            self._step.poll()
+        self.poll()
         leaves = tree_leaves(out)
         if target.output is not None:  # found by position, at any shape
             leaves = leaves[target.output:target.output + 1]

@@ -12,11 +12,12 @@ not fit wins when its copies cost less than the re-runs they spare.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
 from planner.memory.model import ChunkPlan, MemoryModel
-from planner.memory.offload import NO_OFFLOADS, HostLink, Offloads, candidates, holding, relief, schedule
+from planner.memory.offload import NO_OFFLOADS, Holding, HostLink, Offloads, candidates, holding, relief, schedule
 from planner.memory.saves import Saves
 from planner.memory.simulate import STEP_PHASE, Timeline, simulate
 
@@ -36,20 +37,48 @@ class OffloadLimits:
     """Smallest storage offloaded."""
 
 
+Peak = tuple[str, int, int]
+"""Phase, node and bytes of a peak."""
+
+
+class Ruler(Protocol):
+    """Where a plan with offloads peaks: the step's own timeline (``StepRuler``), or what holds it beside (a
+    pipeline stage's other microbatches in flight, ``planner.planning.pipelined``)."""
+
+    def peak(self, offloads: Offloads) -> Peak:
+        """The peak with ``offloads`` off the device."""
+
+    def lowers(self, s: int, phase: str, node: int) -> bool:
+        """Whether offloading storage ``s`` can lower a peak at ``node`` in ``phase``."""
+
+
+class StepRuler:
+    """The step's peak: its timeline with the offloaded storages off the device where the copies take them."""
+
+    def __init__(self, model: MemoryModel, base: Timeline, held: Holding) -> None:
+        self.model, self.base, self.held = model, base, held
+
+    def peak(self, offloads: Offloads) -> Peak:
+        return _peak(self.model, self.base, offloads)
+
+    def lowers(self, s: int, phase: str, node: int) -> bool:
+        return _counted_at(self.model, self.held, s, phase, node)
+
+
 def choose_offloads(model: MemoryModel, plan: ChunkPlan, saves: Saves, budget_bytes: int,
-                    limits: OffloadLimits) -> Offloads | None:
+                    limits: OffloadLimits, ruler: Ruler | None = None) -> Offloads | None:
     """The offloads that bring ``plan`` under ``budget_bytes`` (``NO_OFFLOADS`` when it fits already), or None
-    when no choice of them does."""
-    base = simulate(model, plan, saves)
-    if base.peak_bytes <= budget_bytes:
-        return NO_OFFLOADS
-    if base.peak_phase == STEP_PHASE or model.step_bytes > budget_bytes:
-        return None
+    when no choice of them does; the peak as ``ruler`` reads it (default the step's, ``StepRuler``)."""
     held = holding(model, plan, saves)
+    ruler = ruler or StepRuler(model, simulate(model, plan, saves), held)
+    phase, node, peak = ruler.peak(NO_OFFLOADS)
+    if peak <= budget_bytes:
+        return NO_OFFLOADS
+    if phase == STEP_PHASE or model.step_bytes > budget_bytes:
+        return None
     pool = [int(s) for s in candidates(model, plan, saves, min_bytes=limits.min_bytes, held=held)]
     chosen: list[int] = []
     current, used = NO_OFFLOADS, 0
-    phase, node, peak = base.peak_phase, base.peak_node, base.peak_bytes
     while peak > budget_bytes:
         picked, looked = None, 0
         for s in pool:  # largest first; the first that costs no more exposed copy time, else the cheapest of a few
@@ -58,12 +87,12 @@ def choose_offloads(model: MemoryModel, plan: ChunkPlan, saves: Saves, budget_by
             size = int(model.size[s])
             if limits.host_budget_bytes is not None and used + size > limits.host_budget_bytes:
                 continue
-            if not _counted_at(model, held, s, phase, node):
+            if not ruler.lowers(s, phase, node):
                 continue
             trial = schedule(model, plan, saves, [*chosen, s], limits.link, held)
             if trial is None:
                 continue
-            trial_phase, trial_node, trial_peak = _peak(model, base, trial)
+            trial_phase, trial_node, trial_peak = ruler.peak(trial)
             if trial_peak < peak or (trial_peak == peak and (trial_phase, trial_node) != (phase, node)):
                 if picked is None or trial.exposed_us < picked[1].exposed_us:
                     picked = (s, trial, trial_phase, trial_node, trial_peak)
@@ -80,14 +109,14 @@ def choose_offloads(model: MemoryModel, plan: ChunkPlan, saves: Saves, budget_by
     return current
 
 
-def _counted_at(model: MemoryModel, held, s: int, phase: str, node: int) -> bool:
+def _counted_at(model: MemoryModel, held: Holding, s: int, phase: str, node: int) -> bool:
     """Whether the timeline counts ``s`` at ``node`` in ``phase``, where offloading it could take it away."""
     if phase == "forward":
         return bool(held.last[s] < node)
     return bool(held.release[s] <= node and held.need[s] < node)
 
 
-def _peak(model: MemoryModel, base: Timeline, offloads: Offloads) -> tuple[str, int, int]:
+def _peak(model: MemoryModel, base: Timeline, offloads: Offloads) -> Peak:
     """Phase, node and bytes of the peak of ``base`` with ``offloads`` off the device."""
     fwd_away, bwd_away = relief(model, offloads)
     fwd = base.fwd_bytes - fwd_away
