@@ -5,7 +5,11 @@ have lost a rank to SIGABRT now and then ("terminate called without an active ex
 destroyed while joinable, the signature of C++ teardown at process exit), in tests that pass alone. So each rank
 dumps its Python stacks if it dies of a signal (``faulthandler``: where it was, should one die mid-run), and ends in
 ``finish_rank``: its result written, every rank past a barrier, the process group destroyed, then ``os._exit(0)``,
-skipping the exit-time teardown of gloo's and the profiler's C++ state; nothing a test checks happens after it.
+skipping the exit-time teardown of gloo's and the profiler's C++ state; nothing a test checks happens after it. A
+rank that raises ends the same way (``_guarded``: its traceback, then ``os._exit(1)``). The message was reproduced
+only in an interpreter's shutdown (a native thread that finishes while Python shuts down: a CP-SAT solve of 8
+workers left running in a daemon thread aborted 6 times of 6), which neither ending goes through; ckplan's solves
+never outlive ``planner.solve.cpsat.run``.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import statistics
 import subprocess
 import sys
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -277,8 +282,8 @@ def _free_port() -> int:
 
 
 def run_ranks(worker, out_dir: Path, *, world_size: int = 2, timeout_s: float = 150.0) -> list[dict]:
-    """Runs ``worker(rank, world_size, port, out_dir)`` on spawned ranks; each writes rank<r>.json."""
-    ctx = mp.start_processes(worker, args=(world_size, _free_port(), str(out_dir)), nprocs=world_size,
+    """Runs ``worker(rank, world_size, port, out_dir)`` on spawned ranks (``_guarded``); each writes rank<r>.json."""
+    ctx = mp.start_processes(_guarded, args=(worker, world_size, _free_port(), str(out_dir)), nprocs=world_size,
                              join=False, start_method="spawn")
     deadline = time.monotonic() + timeout_s
     while not ctx.join(timeout=5):
@@ -287,6 +292,19 @@ def run_ranks(worker, out_dir: Path, *, world_size: int = 2, timeout_s: float = 
                 process.kill()
             pytest.fail(f"the {world_size} ranks did not finish within {timeout_s:.0f} s (a hang)")
     return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(world_size)]
+
+
+def _guarded(rank: int, worker, *args) -> None:
+    """``worker(rank, *args)``; a rank that raises prints its traceback and ends with ``os._exit(1)``, not through
+    the interpreter's shutdown (torch's spawn wrapper would ``sys.exit(1)``), where gloo's threads or a native
+    thread still finishing can end the process in ``std::terminate`` and hide the error behind a SIGABRT."""
+    try:
+        worker(rank, *args)
+    except BaseException:
+        traceback.print_exc()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
 
 
 def _init(rank: int, world_size: int, port: int) -> None:

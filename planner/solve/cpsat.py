@@ -431,14 +431,16 @@ def run(solver: cp_model.CpSolver, cp: cp_model.CpModel) -> tuple[cp_model.CpSol
         finally:
             done.set()
 
-    threading.Thread(target=work, name="cp-sat", daemon=True).start()
+    thread = threading.Thread(target=work, name="cp-sat", daemon=True)
+    thread.start()
     interrupted = False
-    try:
-        done.wait()
-    except KeyboardInterrupt:
-        interrupted = True
-        solver.stop_search()
-        done.wait()
+    while not done.is_set():  # until the solve has returned, however many Ctrl-Cs come: a solve still running
+        try:                  # as the interpreter shuts down can end the process in std::terminate (SIGABRT)
+            done.wait()
+        except KeyboardInterrupt:
+            interrupted = True
+            solver.stop_search()
+    thread.join()
     if isinstance(outcome[0], BaseException):
         raise outcome[0]
     return outcome[0], interrupted
