@@ -42,6 +42,9 @@ SHAPES = {
 """Llama-3.1's shapes and the 3D layout torchtitan trains them with: ``pp`` stages, ``dp`` FSDP2 ranks, ``tp``
 tensor-parallel ranks; ``limit_s``, each stage's solve time limit, so that every stage is planned within a minute."""
 VOCAB, TOKENS = 128256, 8192
+OFFLOAD_LIMIT_S = 30.0
+"""Each stage's solve time limit with offload (the option's default): its plan at the budget, then plans for a few
+budgets above it offloaded down, each a search of several solves."""
 
 
 def stage_of(shape: dict, place: str, layers: int):
@@ -106,18 +109,20 @@ def one_shape(name: str, time_limit_s: float) -> dict:
                        "step_ms": ready.profile.step_ms, "policies": policies,
                        "nodes": len(ready.profile.nodes)})
     budget = max(s["policies"]["full"]["peak"] for s in stages)
-    planned_began = time.perf_counter()
-    for s in stages:
-        start = time.perf_counter()
-        plan = planner.plan_for(prepared[s["place"], s["layers"]], budget, pipeline_rank=s["rank"],
-                                time_limit_s=time_limit_s)
-        s["policies"]["ckplan"] = {"peak": plan.pipeline_stage.peak_bytes, "rerun_ms": plan.recompute_ms,
-                                   "segments": len(plan.segments), "status": str(plan.solver_status),
-                                   "solve_s": time.perf_counter() - start}
-    plan_s = time.perf_counter() - planned_began
+    plan_s = {}
+    for key, offload, limit in (("ckplan", False, time_limit_s), ("offload", None, OFFLOAD_LIMIT_S)):
+        planned_began = time.perf_counter()  # offload None: where it pays, the default
+        for s in stages:
+            start = time.perf_counter()
+            plan = planner.plan_for(prepared[s["place"], s["layers"]], budget, pipeline_rank=s["rank"],
+                                    time_limit_s=limit, offload=offload)
+            s["policies"][key] = {"peak": plan.pipeline_stage.peak_bytes, "rerun_ms": plan.recompute_ms,
+                                  "exposed_ms": plan.offload.exposed_ms if plan.offload else 0.0,
+                                  "host": plan.pipeline_stage.host_bytes, "segments": len(plan.segments),
+                                  "status": str(plan.solver_status), "solve_s": time.perf_counter() - start}
+        plan_s[key] = time.perf_counter() - planned_began
     return {"name": name, "budget": budget, "stages": stages, "prepare_s": prepare_s, "plan_s": plan_s,
-            "limit_s": time_limit_s,
-            "rss_gib": rss_gib(), "kinds": len(prepared)}
+            "limit_s": time_limit_s, "rss_gib": rss_gib(), "kinds": len(prepared)}
 
 
 def main() -> None:
@@ -146,12 +151,28 @@ def main() -> None:
 
 POLICIES = (("full", "uniform full AC (every decoder layer, torchtitan's `full`)"),
             ("op_sac", "uniform op-SAC (torchtitan's default `selective`)"),
-            ("ckplan", "ckplan, each stage planned for its place"))
+            ("ckplan", "ckplan, each stage planned for its place"),
+            ("offload", "ckplan with offload (the default on a GPU)"))
+
+
+def cost_ms(stage: dict, policy: str) -> float:
+    """What a policy adds to one microbatch's step on the stage: its re-runs and the copies compute does not hide."""
+    used = stage["policies"][policy]
+    return used["rerun_ms"] + used.get("exposed_ms", 0.0)
 
 
 def step_ms(stages: list[dict], policy: str, m: int) -> float:
-    """1F1B's step: ``m + p - 1`` slots of the slowest stage's microbatch (forward, backward and re-run)."""
-    return (m + len(stages) - 1) * max(s["step_ms"] + s["policies"][policy]["rerun_ms"] for s in stages)
+    """1F1B's step: ``m + p - 1`` slots of the slowest stage's microbatch (forward, backward, re-runs and exposed
+    copies)."""
+    return (m + len(stages) - 1) * max(s["step_ms"] + cost_ms(s, policy) for s in stages)
+
+
+def cell(stage: dict, policy: str) -> str:
+    used = stage["policies"][policy]
+    text = f"{gib(used['peak'])}, {used['rerun_ms']:.0f} ms"
+    if used.get("host"):
+        text += f" + {used['exposed_ms']:.0f} ms exposed copies, {gib(used['host'])} in host memory"
+    return text
 
 
 def report(results: list[dict], args: argparse.Namespace) -> str:
@@ -166,30 +187,34 @@ def report(results: list[dict], args: argparse.Namespace) -> str:
     for r in results:
         shape = SHAPES[r["name"]]
         m, stages = shape["microbatches"], r["stages"]
-        total = {key: m * sum(s["policies"][key]["rerun_ms"] for s in stages) for key, _ in POLICIES}
+        total = {key: m * sum(cost_ms(s, key) for s in stages) for key, _ in POLICIES}
         lines += [f"## {r['name'].upper()}: PP {shape['pp']} x FSDP {shape['dp']} x TP {shape['tp']}, {m} "
                   "microbatches", "",
-                  f"Planning, build to every stage's plan: {r['prepare_s'] + r['plan_s']:.1f} s at "
+                  f"Planning, build to every stage's plan: {r['prepare_s'] + r['plan_s']['ckplan']:.1f} s at "
                   f"{r['limit_s']:g} s per stage's solves ({r['kinds']} kinds "
                   f"of stage prepared in {r['prepare_s']:.1f} s, {len(stages)} stages planned in "
-                  f"{r['plan_s']:.1f} s); peak RSS {r['rss_gib']:.2f} GiB. Budget: {gib(r['budget'])} per rank.",
+                  f"{r['plan_s']['ckplan']:.1f} s; with offload, at {OFFLOAD_LIMIT_S:g} s per stage, "
+                  f"{r['plan_s']['offload']:.1f} s); peak RSS "
+                  f"{r['rss_gib']:.2f} GiB. Budget: {gib(r['budget'])} per rank.",
                   "", "| stage | layers | in flight | un-checkpointed | " + " | ".join(
                       f"{label}: peak, re-run per microbatch" for _, label in POLICIES) + " |",
                   "|---|---|---|---|" + "---|" * len(POLICIES)]
         for s in stages:
-            cells = [f"{gib(s['policies'][key]['peak'])}, {s['policies'][key]['rerun_ms']:.0f} ms"
-                     for key, _ in POLICIES]
+            cells = [cell(s, key) for key, _ in POLICIES]
             lines.append(f"| {s['rank']} ({s['place']}) | {s['layers']} | "
                          f"{min(m, shape['pp'] - s['rank'])} | {gib(s['baseline'])} | " + " | ".join(cells) + " |")
-        lines += ["", "| policy | largest stage peak | re-run per step (every stage) | vs full AC | predicted step |",
+        lines += ["", "| policy | largest stage peak | re-run (and exposed copies) per step, every stage | vs full AC "
+                  "| predicted step |",
                   "|---|---|---|---|---|"]
         for key, label in POLICIES:
             peak = max(s["policies"][key]["peak"] for s in stages)
             lines.append(f"| {label} | {gib(peak)} | {total[key] / 1000:.2f} s | "
                          f"{100 * (total[key] / total['full'] - 1):+.0f}% | {step_ms(stages, key, m) / 1000:.2f} s |")
-        solves = ", ".join(f"{s['policies']['ckplan']['segments']} segments {s['policies']['ckplan']['status']} "
-                           f"in {s['policies']['ckplan']['solve_s']:.1f} s" for s in stages)
-        lines += ["", f"ckplan's stages, first to last: {solves}.", ""]
+        for key, label in (("ckplan", "ckplan's stages"), ("offload", "With offload")):
+            solves = ", ".join(f"{s['policies'][key]['segments']} segments {s['policies'][key]['status']} "
+                               f"in {s['policies'][key]['solve_s']:.1f} s" for s in stages)
+            lines += ["", f"{label}, first to last: {solves}."]
+        lines.append("")
     return "\n".join(lines) + NOTES
 
 
@@ -205,6 +230,12 @@ NOTES = """
   last), per-stage plans save re-run time on the others, GPU time the bubble then idles, but hardly shorten the
   step; where the slowest stage has room (405B), the step shortens too.
 - Uniform op-SAC does not fit this budget on either model (its row's peak is over it).
+- With offload (the default where the host link runs beside compute: a GPU, or a GPU's spec), a stage's
+  microbatches in flight, which wait from their forward to their backward while the others run, send part of what
+  they keep to host memory: each stage then keeps more on the device and re-runs less. The host memory column is
+  what the stage's microbatches in flight hold there together (a copy each), within the rank's share of the
+  host's pinnable memory (half a DGX host's 2 TB, over its 8 GPUs). Its planning takes the option's default 30 s
+  per stage: its plan at the budget, then plans for a few budgets above it, offloaded down.
 - Everything is predicted: peaks from the meta replay of one rank's stage (FSDP units gathered through the
   microbatches, the accumulated fp32 gradients, the pipeline runtime's buffers), times from the H100 roofline.
   The memory model is measured on CPU against real gloo pipelines (`tests/test_pipeline.py`), not at this scale.

@@ -440,3 +440,36 @@ def test_a_stage_re_runs_no_more_than_the_best_placement_of_whole_blocks_that_fi
         assert plan.pipeline_stage.peak_bytes <= budget
         assert plan.recompute_ms * 1000 <= cheapest * (1 if i == 0 else 1.05) + 1, (budget, plan.recompute_ms,
                                                                                     cheapest / 1000)
+
+
+def test_offloads_chosen_for_a_stage_bring_its_peak_as_held_under_the_budget():
+    """``StageRuler`` reads a plan's stage peak as ``held_by_stage`` does, offloads included: each other microbatch
+    in flight holds what its forward kept less what it offloaded. Offloads chosen to bring a stage 10% down from
+    its plan's peak do (a fast link), and the host store holds a copy for each microbatch in flight."""
+    from dataclasses import replace
+
+    from planner import prepare
+    from planner.memory.offload import NO_OFFLOADS, HostLink, offloaded_bytes
+    from planner.planning.pipelined import StageRuler, held_by_stage, unplanned_stage_peak
+    from planner.planning.prepared import chunked
+    from planner.solve.baselines import every_block
+    from planner.solve.offload import OffloadLimits, choose_offloads
+
+    x, _ = _data()
+    pipeline = Pipeline(schedule=Schedule.ONE_F_ONE_B, stages=4, microbatches=8)
+    prepared = prepare(_gpt(), inputs=(x[:ROWS // MICROBATCHES],), pipeline=pipeline, follow_batch=False)
+    unplanned = unplanned_stage_peak(prepared, pipeline, 0)
+    wide = chunked(prepared, 4 * LAYERS)  # a cut at every block edge
+    solution = every_block(wide.memory, 0)
+    pair = (wide, solution)
+    ruler = StageRuler(prepared, pair, pipeline, 0)
+    held = held_by_stage(prepared, pair, pipeline, 0, unplanned)
+    assert ruler.peak(NO_OFFLOADS)[2] == held.peak_bytes and held.host_bytes == 0
+    budget = int(held.peak_bytes * 0.9)
+    limits = OffloadLimits(link=HostLink.from_gb_per_s(1000, 1000, overlaps=True), min_bytes=1)
+    offloads = choose_offloads(wide.memory, solution.plan, solution.saves, budget, limits, ruler)
+    assert offloads is not None and offloads.n
+    offloaded = held_by_stage(prepared, (wide, replace(solution, offloads=offloads)), pipeline, 0, unplanned)
+    assert offloaded.peak_bytes == ruler.peak(offloads)[2] <= budget
+    assert offloaded.per_microbatch_bytes == held.per_microbatch_bytes - offloaded_bytes(wide.memory, offloads)
+    assert offloaded.host_bytes == pipeline.in_flight(0) * offloaded_bytes(wide.memory, offloads)

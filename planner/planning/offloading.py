@@ -54,6 +54,10 @@ class Ladder:
     bounded: bool = True
     """Whether ``_offload_bound`` holds: the solves at each budget are the step's own (a stage's search proves
     nothing)."""
+    rungs: int = RUNGS
+    """How many budgets above are planned (``rungs_above``)."""
+    first_share: float = FIRST_SHARE
+    """Share of the time the plan at the budget itself gets."""
 
     @classmethod
     def for_step(cls, prepared: Prepared) -> Ladder:
@@ -62,12 +66,12 @@ class Ladder:
 
 
 def rungs_above(budget_bytes: int, top_bytes: int, limits: OffloadLimits, memory: MemoryModel,
-                copies: int = 1) -> list[int]:
-    """The budgets above ``budget_bytes`` worth planning and offloading down to it: ``RUNGS`` of them, closer
-    together near the budget (1/32 of the way to the un-checkpointed peak ``top_bytes``, then 1/16, ... 1), and
-    none further than offloads can take off the device (``carried_bytes``, for each of ``copies``)."""
+                copies: int = 1, count: int = RUNGS) -> list[int]:
+    """The budgets above ``budget_bytes`` worth planning and offloading down to it: ``count`` of them, closer
+    together near the budget (with 6: 1/32 of the way to the un-checkpointed peak ``top_bytes``, then 1/16, ... 1),
+    and none further than offloads can take off the device (``carried_bytes``, for each of ``copies``)."""
     reach = min(top_bytes, budget_bytes + copies * carried_bytes(limits, memory, top_bytes - budget_bytes))
-    rungs = sorted({budget_bytes + (reach - budget_bytes) // 2 ** (RUNGS - 1 - i) for i in range(RUNGS)})
+    rungs = sorted({budget_bytes + (reach - budget_bytes) // 2 ** (count - 1 - i) for i in range(count)})
     return [r for r in rungs if r > budget_bytes]
 
 
@@ -153,11 +157,11 @@ def solve_offloaded(prepared: Prepared, budget_bytes: int, limits: OffloadLimits
     failure: InfeasibleBudget | OutOfTime | None = None
     solved: dict[int, Solution] = {}  # by budget, the rungs planned
     try:
-        plain, solution = solve_at(budget_bytes, deadline.within(deadline.left_s() * FIRST_SHARE), True)
+        plain, solution = solve_at(budget_bytes, deadline.within(deadline.left_s() * ladder.first_share), True)
         best = (solution.recompute_us, plain, solution)
     except (InfeasibleBudget, OutOfTime) as exc:
         failure = exc
-    rungs = rungs_above(budget_bytes, ladder.top_bytes, limits, prepared.memory, ladder.copies)
+    rungs = rungs_above(budget_bytes, ladder.top_bytes, limits, prepared.memory, ladder.copies, ladder.rungs)
     floor = getattr(failure, "min_peak_bytes", None)
     if floor is not None and budget_bytes < floor < (rungs[0] if rungs else floor + 1):
         rungs.insert(0, floor)  # the smallest peak checkpointing reaches, offloaded down to the budget

@@ -39,6 +39,12 @@ SCAN = (0.85, 0.6, 0.35, 0.15, 0.0)
 """Where between the least step any plan reaches and the most the budget allows the step target T is tried
 first (fractions of that range, highest first); then halfway from the best to its neighbours."""
 
+STAGE_RUNGS = 3
+"""Budgets above a stage's own planned and offloaded down (``solve_offloaded``): fewer than a step's, as each is a
+search of several solves, not one."""
+STAGE_FIRST_SHARE = 0.5
+"""Share of the time the stage's plan at its own budget gets when it may offload; the rungs share the rest."""
+
 Solved = tuple[Prepared, Solution]
 
 
@@ -116,7 +122,8 @@ def stage_ladder(prepared: Prepared, pipeline: Pipeline, rank: int, baseline_byt
         return choose_offloads(on.memory, solution.plan, solution.saves, budget_bytes, share,
                                StageRuler(prepared, (on, solution), pipeline, rank))
 
-    return Ladder(top_bytes=baseline_bytes, copies=k, choose=choose, bounded=False)
+    return Ladder(top_bytes=baseline_bytes, copies=k, choose=choose, bounded=False, rungs=STAGE_RUNGS,
+                  first_share=STAGE_FIRST_SHARE)
 
 
 def _stage(prepared: Prepared, timeline: Timeline, kept: int, pipeline: Pipeline, rank: int) -> tuple[int, int, int]:
