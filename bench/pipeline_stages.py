@@ -75,7 +75,7 @@ def one_shape(name: str, time_limit_s: float) -> dict:
 
     import planner
     from planner.memory.pipeline import Pipeline, Schedule
-    from planner.planning.pipelined import held_by_stage, unplanned_stage_peak
+    from planner.planning.pipelined import held_by_stage, received_gradient, unplanned_stage_peak
     from planner.planning.prepared import chunked
     from planner.solve.baselines import every_block, op_sac
 
@@ -97,7 +97,7 @@ def one_shape(name: str, time_limit_s: float) -> dict:
     prepare_s = time.perf_counter() - began
     stages = []
     for rank, (place, count) in enumerate(zip(places, counts)):
-        ready = prepared[place, count]
+        ready = received_gradient(prepared[place, count], pipe, rank)  # as plan_for reads a stage
         baseline = unplanned_stage_peak(ready, pipe, rank)
         wide = chunked(ready, 4 * count)  # every layer edge a cut position
         policies = {}

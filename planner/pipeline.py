@@ -30,7 +30,7 @@ from planner.options import PREPARED, OptionArgs, PlanOptions, resolve
 from planner.plan import MemoryTimeline, Plan
 from planner.planning.chunkings import save_options_for, solve_budget, solve_prepared
 from planner.planning.offloading import offload_limits, offload_spec, solve_offloaded
-from planner.planning.pipelined import held_by_stage, solve_pipelined, unplanned_stage_peak
+from planner.planning.pipelined import held_by_stage, received_gradient, solve_pipelined, unplanned_stage_peak
 from planner.planning.prepared import Prepared, chunked, device_bytes, prepared_from
 from planner.planning.reserve import reserve_predicted, reserved_for, within_reserve
 from planner.planning.step import captured_and_profiled
@@ -154,6 +154,8 @@ def plan_for(prepared: Prepared, budget: int | str, *, options: PlanOptions | No
                            opts.max_chunks)
     elif opts.max_chunks != prepared.options.max_chunks:
         prepared = chunked(prepared, opts.max_chunks)
+    if opts.pipeline is not None:  # its output's gradient received dense
+        prepared = received_gradient(prepared, opts.pipeline, opts.pipeline_rank)
     stage = opts.progress or (lambda name: None)
     baseline_bytes = (prepared.baseline.peak_bytes if opts.pipeline is None  # a stage's "NN%" is of the stage's
                       else unplanned_stage_peak(prepared, opts.pipeline, opts.pipeline_rank))

@@ -84,11 +84,10 @@ class Pipeline:
         """Outputs kept past their own backward, from the rank's first backward on: torch's ``Schedule1F1B`` keeps
         the work of the last warm-up send it fires (microbatch ``w - 2`` of ``w`` warm-up forwards) in a local until
         its cool-down begins, and the work keeps that output; it outlives the output's backward when a backward
-        follows it before the cool-down (``m >= 2 w - 1``). 1 there on a stage between the first and the last
-        (measured on the third of 4 stages, 32 KiB; on a first stage the held output was not seen at its peak, with
-        2 stages or 4), else 0."""
+        follows it before the cool-down (``m >= 2 w - 1``). 1 there on every stage but the last (which sends no
+        output; measured on the first and the third of 4 stages and the first of 2, 32 KiB each), else 0."""
         warmup = self.in_flight(rank)
-        sends = 0 < rank < self.stages - 1 and self.schedule is Schedule.ONE_F_ONE_B
+        sends = rank < self.stages - 1 and self.schedule is Schedule.ONE_F_ONE_B
         return int(sends and warmup >= 2 and self.microbatches >= 2 * warmup - 1)
 
 

@@ -27,6 +27,7 @@ from planner.memory.pipeline import Pipeline, StagePeak, kept_bytes, stage_peak
 from planner.memory.simulate import Timeline, simulate
 from planner.planning.offloading import Ladder, solve_offloaded
 from planner.planning.prepared import Prepared, StageRoom, chunked, over_regions
+from planner.profiling.memtrack import storage_key
 from planner.solve.baselines import hand_placements
 from planner.solve.deadline import Deadline
 from planner.solve.offload import OffloadLimits, Peak, StepRuler, choose_offloads
@@ -55,14 +56,38 @@ def output_bytes(prepared: Prepared) -> int:
     profile = prepared.profile
     if profile.end_bytes is None or not profile.keep_output:
         return 0
-    return max(0, profile.end_bytes - profile.param_bytes - profile.grad_bytes - profile.input_bytes
+    return max(0, profile.end_bytes - profile.param_bytes - profile.grad_bytes - _held_inputs(prepared)
                - _graded_inputs(prepared))
+
+
+def _example_tensors(prepared: Prepared) -> list[torch.Tensor]:
+    return [t for t in tree_leaves((prepared.example.args, prepared.example.kwargs)) if isinstance(t, torch.Tensor)]
 
 
 def _graded_inputs(prepared: Prepared) -> int:
     """Bytes of the step's inputs that require gradients (a stage after the first: the activations it receives)."""
-    return sum(t.untyped_storage().nbytes() for t in tree_leaves((prepared.example.args, prepared.example.kwargs))
-               if isinstance(t, torch.Tensor) and t.requires_grad)
+    return sum(t.untyped_storage().nbytes() for t in _example_tensors(prepared) if t.requires_grad)
+
+
+def _held_inputs(prepared: Prepared) -> int:
+    """Bytes the profiled step's inputs held: their whole storages, each once (a microbatch sliced from a batch
+    holds the batch's), at least the inputs' own bytes."""
+    storages = {storage_key(t): t.untyped_storage().nbytes() for t in _example_tensors(prepared)}
+    return max(prepared.profile.input_bytes, sum(storages.values()))
+
+
+def received_gradient(prepared: Prepared, pipeline: Pipeline, rank: int) -> Prepared:
+    """``prepared`` as a stage before the last runs it: its output's gradient arrives dense, in a buffer the runtime
+    holds (``_runtime``), where the profiled step's stand-in loss (the sum of the outputs) sent a stride-0 broadcast
+    that the first op to read it made dense inside itself (``NodeCost.bwd_expanded_grad_bytes``, counted in its
+    ``bwd_hidden_bytes``): those bytes are taken out. The last stage's loss is the loop's own: as profiled."""
+    nodes = prepared.profile.nodes
+    if rank == pipeline.stages - 1 or not any(node.bwd_expanded_grad_bytes for node in nodes):
+        return prepared
+    nodes = tuple(replace(node, bwd_hidden_bytes=node.bwd_hidden_bytes - min(max(node.bwd_hidden_bytes, 0),
+                                                                            node.bwd_expanded_grad_bytes))
+                  for node in nodes)
+    return over_regions(replace(prepared, profile=replace(prepared.profile, nodes=nodes)), prepared.regions)
 
 
 def unplanned_stage_peak(prepared: Prepared, pipeline: Pipeline, rank: int) -> int:
@@ -153,7 +178,8 @@ def _runtime(prepared: Prepared, pipeline: Pipeline, rank: int) -> tuple[int, in
     m, output = pipeline.microbatches, output_bytes(prepared)
     last = rank == pipeline.stages - 1
     returned = (m - 1) * output if prepared.options.keep_output else 0  # the last stage's outputs, returned merged
-    buffers = (m - 1) * prepared.profile.input_bytes + (returned if last else m * output) \
+    inputs = max(0, m * prepared.profile.input_bytes - _held_inputs(prepared))  # those the step does not hold
+    buffers = inputs + (returned if last else m * output) \
         + _graded_inputs(prepared)  # the last input gradient sent back, held until its send completes
     return buffers, 0 if last else output
 

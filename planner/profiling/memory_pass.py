@@ -138,7 +138,7 @@ def assemble(recorder: MemoryRecorder, captured: Captured, model: nn.Module, inp
             fwd_start_bytes=rec["fwd_start"], fwd_peak_bytes=rec["fwd_peak"],
             bwd_start_bytes=recorder.bwd_start.get(i), bwd_peak_bytes=recorder.bwd_peak.get(i),
             fwd_hidden_bytes=hidden.forward[i], bwd_hidden_bytes=hidden.backward[i],
-            bwd_start_hidden_bytes=hidden.backward_start[i],
+            bwd_start_hidden_bytes=hidden.backward_start[i], bwd_expanded_grad_bytes=recorder.expanded.get(i, 0),
             bwd_grad_bytes=recorder.bwd_grads.get(i) if i in recorder.bwd_peak else None,
             inputs=tuple(sorted(rec["inputs"])), outputs=tuple(sorted(rec["outputs"])),
             saves=tuple(sorted(rec["saves"])), mutates=tuple(sorted(rec["mutates"])),

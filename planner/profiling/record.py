@@ -82,6 +82,12 @@ class NodeCost:
     bwd_start_hidden_bytes: int = 0
     """What the allocator held beyond the live storages when its backward started (scalars that autograd saved
     from Python numbers): where a segment re-run just before this node's backward starts from."""
+    bwd_expanded_grad_bytes: int = 0
+    """The dense size of the largest expanded gradient of the loss's its backward received (a stride-0 broadcast of
+    one value, what the sum of the outputs gives each output, passed on unchanged by the ops after it); an op such
+    as a matmul makes it dense inside itself, in ``bwd_hidden_bytes``. A pipeline stage receives its output's
+    gradient dense instead, in a buffer the runtime holds (``planner.planning.pipelined.received_gradient``). 0 where
+    none or unknown."""
     bwd_grad_bytes: int | None = None
     """Bytes of parameter gradients alive just before its backward ran (those the backward of the nodes before
     it made; part of ``bwd_start_bytes``); None when unknown or it has no backward."""

@@ -74,6 +74,9 @@ class MemoryRecorder(StepRunner):
         self.bwd_peak: dict[int, int] = {}
         self.bwd_grads: dict[int, int] = {}
         """Per node: bytes of parameter gradients alive when its backward started."""
+        self.expanded: dict[int, int] = {}
+        """Per node: the dense size of the largest expanded gradient of the loss's it received
+        (``StepRunner.on_loss_gradients``)."""
         self.bwd_windows: defaultdict[int, list[int]] = defaultdict(list)
         """Per node: the allocator's window of each window of its backward."""
         self.end_bytes: int | None = None
@@ -298,6 +301,10 @@ class MemoryRecorder(StepRunner):
         self.bwd_start.setdefault(index, live)
         self.bwd_grads.setdefault(index, self._grad_bytes())
 
+    def on_loss_gradients(self, index, grads):
+        most = max(g.numel() * g.element_size() for g in grads)
+        self.expanded[index] = max(self.expanded.get(index, 0), most)
+
     def after_backward(self) -> None:
         self._close_window()
         self._grads.stop()
@@ -312,3 +319,4 @@ class MemoryRecorder(StepRunner):
             sync(self.device)
             self.bwd_peak[self._open] = max(self.bwd_peak.get(self._open, 0), self.tracker.window_peak_bytes)
         self._open = None
+

@@ -17,7 +17,7 @@ import torch.fx as fx
 
 from planner.capture.inputs import Inputs
 from planner.capture.step import LossFn, backward, sync
-from planner.compat.torch_private import flatten_with_spec, pytree_specs, tree_leaves
+from planner.compat.torch_private import flatten_with_spec, pytree_specs, storage_id, tree_leaves
 from planner.errors import ProfileError, in_library, user_frame
 
 
@@ -84,6 +84,10 @@ class StepRunner(fx.Interpreter):
         self.loss_index = len(self.index)
         self._step = object()
         self._handles: list = []
+        self._output_fns: set[int] = set()
+        """ids of the autograd nodes of the step's outputs (the loss's backward sends them their gradients)."""
+        self._sent: set[int] = set()
+        """Storages of the expanded gradients the loss's backward sent the outputs."""
 
     def step(self, inputs: Inputs, loss_fn: LossFn) -> None:
         self._step = object()  # marks the autograd nodes this step has hooked
@@ -128,6 +132,10 @@ class StepRunner(fx.Interpreter):
         return self.run(*args)
 
     def _loss(self, output: Any, loss_fn: LossFn) -> torch.Tensor:
+        self._output_fns = {id(t.grad_fn) for t in tree_leaves(output)
+                            if isinstance(t, torch.Tensor) and t.grad_fn is not None}  # alive through the step
+        self._sent = set()
+
         def compute():
             try:
                 loss = loss_fn(output)
@@ -169,11 +177,27 @@ class StepRunner(fx.Interpreter):
 
     def _hook_backward(self, index: int, result: Any) -> None:
         for fn in _new_autograd_nodes(result, self._step):
-            self._handles.append(fn.register_prehook(lambda grads, i=index: self.on_backward(i, "pre")))
+            key = id(fn)
+            self._handles.append(fn.register_prehook(lambda grads, i=index, f=key: self._before(i, grads, f)))
             self._handles.append(fn.register_hook(lambda gi, go, i=index: self.on_backward(i, "post")))
+
+    def _before(self, index: int, grads: tuple, fn: int) -> None:
+        expanded = [g for g in grads if type(g) is torch.Tensor and g.layout is torch.strided
+                    and g.untyped_storage().nbytes() < g.numel() * g.element_size()]
+        if expanded:
+            if fn in self._output_fns:  # the loss's backward sends the step's outputs their gradients
+                self._sent.update(storage_id(g.untyped_storage()) for g in expanded)
+            received = [g for g in expanded if storage_id(g.untyped_storage()) in self._sent]
+            if received:
+                self.on_loss_gradients(index, received)
+        self.on_backward(index, "pre")
 
     def on_backward(self, index: int, phase: str) -> None:
         """Called before (``pre``) and after (``post``) each autograd node of graph node ``index``."""
+
+    def on_loss_gradients(self, index: int, grads: list[torch.Tensor]) -> None:
+        """Called before an autograd node of graph node ``index`` runs, with the expanded gradients it receives that
+        are the loss's own (a stride-0 broadcast the loss's backward sent an output, passed on unchanged)."""
 
     def before_backward(self) -> None:
         """Called once the loss is computed, just before backward."""
