@@ -50,6 +50,8 @@ _BATCH_NORMS = (torch.ops.aten.native_batch_norm.default, torch.ops.aten._native
 class MemoryRecorder(StepRunner):
     """One instrumented step: storages, saved tensors, mutations and per-node peaks."""
 
+    follows_loss = True
+
     def __init__(self, gm: fx.GraphModule, model: nn.Module, device: torch.device,
                  op_ms: Callable[[Any, tuple, Any], float] | None = None, *, keep_output: bool = True,
                  op_workspace: Callable[[Any, tuple, Any], int] | None = None) -> None:

@@ -70,6 +70,9 @@ class StepRunner(fx.Interpreter):
     """Runs graph + loss + backward, calling ``around_node`` for each node's forward
     and ``on_backward(index, phase)`` around each node's autograd nodes."""
 
+    follows_loss = False
+    """Whether ``on_loss_gradients`` is called (the memory recorder's; the timed runs leave the hooks bare)."""
+
     def __init__(self, gm: fx.GraphModule, device: torch.device, *, keep_output: bool = True) -> None:
         super().__init__(gm)
         self.extra_traceback = False  # a failing node's ProfileError names it and the user's line in one line
@@ -183,7 +186,7 @@ class StepRunner(fx.Interpreter):
 
     def _before(self, index: int, grads: tuple, fn: int) -> None:
         expanded = [g for g in grads if type(g) is torch.Tensor and g.layout is torch.strided
-                    and g.untyped_storage().nbytes() < g.numel() * g.element_size()]
+                    and g.untyped_storage().nbytes() < g.numel() * g.element_size()] if self.follows_loss else ()
         if expanded:
             if fn in self._output_fns:  # the loss's backward sends the step's outputs their gradients
                 self._sent.update(storage_id(g.untyped_storage()) for g in expanded)
