@@ -33,8 +33,8 @@ def plan_stages(stages: Sequence[nn.Module], budget: int | str, *, inputs: UserI
     """One plan per stage module, in pipeline order, each for its place in ``pipeline`` under ``budget``.
 
     Args:
-        stages: the stage modules, first to last (one per pipeline rank: ``pipeline.stages`` of them; interleaved
-            schedules are planned a rank at a time with ``optimize``).
+        stages: the stage modules, first to last (one per pipeline rank: ``pipeline.stages`` of them; a chunk of
+            an interleaved rank is planned alone with ``optimize``, ``docs/distributed.md``).
         budget: each rank's budget (``"NN%"``: of each stage's own un-checkpointed peak).
         inputs: one microbatch of the first stage's input.
         options, **overrides: ``PlanOptions`` for every stage, ``pipeline`` among them (``"1f1b:4:8"``: the
@@ -50,8 +50,9 @@ def plan_stages(stages: Sequence[nn.Module], budget: int | str, *, inputs: UserI
         raise OptionError("plan_stages plans a pipeline's stages: give pipeline= (e.g. pipeline='1f1b:4:8')")
     if len(stages) != layout.stages or layout.chunks != 1:
         raise OptionError(f"plan_stages takes one stage module per pipeline rank: {len(stages)} given for "
-                          f"{layout.stages} stages of {layout.chunks} chunk(s); plan interleaved ranks one at a time "
-                          f"with optimize(..., pipeline=, pipeline_rank=)")
+                          f"{layout.stages} stages of {layout.chunks} chunk(s); plan each chunk of an interleaved rank "
+                          f"with optimize(..., pipeline=, pipeline_rank=), its budget less what the rank's other "
+                          f"chunks hold (docs/distributed.md)")
     if "pipeline_rank" in overrides:
         raise OptionError("plan_stages sets pipeline_rank for each stage: drop it")
     given: UserInputs = inputs
