@@ -328,14 +328,14 @@ def finish_rank(out_dir: str, rank: int, result: dict) -> None:
 
 def _train(module: nn.Module, wrapped: nn.Module, x: Any, extra_resident: int = 0, *,
            loss_of: Callable[[nn.Module, Any], torch.Tensor] = lambda m, x: loss_fn(m(x)),
-           lr: float = 1e-2) -> dict:
-    """4 AdamW steps of ``loss_of(wrapped, x)``: losses, all-gathers per step, the gradient norms of step 1 and
-    the median peak of steps 2-4, when optimizer state exists (``extra_resident``: bytes alive before the step
-    that ``resident_bytes`` does not see), at the allocator. The median: on a loaded machine one step can read
-    higher, where gloo's thread completes an FSDP2 reduce-scatter late (``in_flight_bytes``)."""
+           lr: float = 1e-2, steps: int = 4) -> dict:
+    """``steps`` AdamW steps of ``loss_of(wrapped, x)``: losses, all-gathers per step, the gradient norms of step 1
+    and the median peak of the steps after the first, when optimizer state exists (``extra_resident``: bytes alive
+    before the step that ``resident_bytes`` does not see), at the allocator. The median: on a loaded machine one
+    step can read higher, where gloo's thread completes an FSDP2 reduce-scatter late (``in_flight_bytes``)."""
     opt = torch.optim.AdamW(wrapped.parameters(), lr=lr)
     losses, gathers, peaks, grads = [], [], [], []
-    for step in range(4):
+    for step in range(steps):
         out: list[torch.Tensor] = []
 
         def one_step(out: list = out) -> None:
@@ -403,6 +403,13 @@ def fsdp_worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
     finish_rank(out_dir, rank, result)
 
 
+OFFLOADING_STEPS = 6
+"""Steps of the FSDP2 run with offloads, the median peak of the last 5: its synchronous copies to the CPU's host
+store lengthen each step, and under a full suite's load two of steps 2-4 once read gloo's late reduce-scatters
+(5,644,496 B against 5,424,556 predicted, beyond one unit's slack; alone and under a 2-process CPU hog it passed
+3 times of 3)."""
+
+
 def _offloading(x: torch.Tensor) -> dict:
     """A plan with offloads to the CPU's tagged host store (``offload=`` refuses a CPU), made on rank 0 at 60% of
     the peak and offloaded below it, applied on every rank and trained under FSDP2."""
@@ -415,7 +422,7 @@ def _offloading(x: torch.Tensor) -> dict:
     plan = payload[0]
     module = plan.apply(make_model(), inputs=(x,), loss_fn=loss_fn)
     offloader = offloader_of(module)
-    trained = _train(module, fully_shard_units(module), x)
+    trained = _train(module, fully_shard_units(module), x, steps=OFFLOADING_STEPS)
     return {"budget": plan.budget_bytes, "predicted": plan.predicted_peak_bytes, "missed": offloader.missed,
             "offloaded": plan.offload.offloaded_bytes, "host_peak": offloader.host_peak_bytes,
             "same_plan": same_on_all_ranks([s.nodes for s in plan.segments]), **trained}
@@ -472,9 +479,9 @@ def test_fsdp2_planned_module_trains_like_the_unplanned_one(tmp_path):
         offloading = r["offloading"]  # copies out in forward, back in backward, per rank
         assert offloading["same_plan"] and offloading["missed"] == 0
         assert offloading["host_peak"] == offloading["offloaded"] > 0
-        assert offloading["all_gathers"] == [2 * DEPTH + 1] * 4  # offloads add no collective
+        assert offloading["all_gathers"] == [2 * DEPTH + 1] * OFFLOADING_STEPS  # offloads add no collective
         assert offloading["grads"] == r["unplanned"]["grads"]
-        torch.testing.assert_close(offloading["losses"], r["unplanned"]["losses"], rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(offloading["losses"][:4], r["unplanned"]["losses"], rtol=1e-5, atol=1e-7)
         late = SMALL + r["in_flight"]  # the host store is not the device's memory: uncounted
         assert offloading["peak"] <= offloading["budget"] + late, offloading
         assert close_to(offloading["predicted"], offloading["peak"], slack=late), offloading
