@@ -87,10 +87,8 @@ class StepRunner(fx.Interpreter):
         self.loss_index = len(self.index)
         self._step = object()
         self._handles: list = []
-        self._output_fns: set[int] = set()
-        """ids of the autograd nodes of the step's outputs (the loss's backward sends them their gradients)."""
         self._sent: set[int] = set()
-        """Storages of the expanded gradients the loss's backward sent the outputs."""
+        """Storages of the expanded gradients the loss's backward sent the step's outputs."""
 
     def step(self, inputs: Inputs, loss_fn: LossFn) -> None:
         self._step = object()  # marks the autograd nodes this step has hooked
@@ -135,8 +133,6 @@ class StepRunner(fx.Interpreter):
         return self.run(*args)
 
     def _loss(self, output: Any, loss_fn: LossFn) -> torch.Tensor:
-        self._output_fns = {id(t.grad_fn) for t in tree_leaves(output)
-                            if isinstance(t, torch.Tensor) and t.grad_fn is not None}  # alive through the step
         self._sent = set()
 
         def compute():
@@ -180,20 +176,20 @@ class StepRunner(fx.Interpreter):
 
     def _hook_backward(self, index: int, result: Any) -> None:
         for fn in _new_autograd_nodes(result, self._step):
-            key = id(fn)
-            self._handles.append(fn.register_prehook(lambda grads, i=index, f=key: self._before(i, grads, f)))
-            self._handles.append(fn.register_hook(lambda gi, go, i=index: self.on_backward(i, "post")))
+            self._handles.append(fn.register_prehook(lambda grads, i=index: self._before(i, grads)))
+            self._handles.append(fn.register_hook(lambda gi, go, i=index: self._after(i, gi)))
 
-    def _before(self, index: int, grads: tuple, fn: int) -> None:
-        expanded = [g for g in grads if type(g) is torch.Tensor and g.layout is torch.strided
-                    and g.untyped_storage().nbytes() < g.numel() * g.element_size()] if self.follows_loss else ()
-        if expanded:
-            if fn in self._output_fns:  # the loss's backward sends the step's outputs their gradients
-                self._sent.update(storage_id(g.untyped_storage()) for g in expanded)
-            received = [g for g in expanded if storage_id(g.untyped_storage()) in self._sent]
+    def _before(self, index: int, grads: tuple) -> None:
+        if self._sent:
+            received = [g for g in _expanded(grads) if storage_id(g.untyped_storage()) in self._sent]
             if received:
                 self.on_loss_gradients(index, received)
         self.on_backward(index, "pre")
+
+    def _after(self, index: int, grads: tuple) -> None:
+        if index == self.loss_index and self.follows_loss:  # what the loss's backward sends the step's outputs
+            self._sent.update(storage_id(g.untyped_storage()) for g in _expanded(grads))
+        self.on_backward(index, "post")
 
     def on_backward(self, index: int, phase: str) -> None:
         """Called before (``pre``) and after (``post``) each autograd node of graph node ``index``."""
@@ -207,3 +203,10 @@ class StepRunner(fx.Interpreter):
 
     def after_backward(self) -> None:
         """Called once backward has finished, before the step's tensors are dropped."""
+
+
+def _expanded(grads: tuple) -> list[torch.Tensor]:
+    """The gradients in ``grads`` whose storage is smaller than their elements (a broadcast: the sum's gradient is
+    one value expanded over its input)."""
+    return [g for g in grads if type(g) is torch.Tensor and g.layout is torch.strided
+            and g.untyped_storage().nbytes() < g.numel() * g.element_size()]
