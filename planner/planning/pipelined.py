@@ -21,7 +21,7 @@ from planner.compat.torch_private import tree_leaves
 from planner.distributed.memory import accumulated_grad_bytes
 from planner.errors import InfeasibleBudget, OutOfTime
 from planner.memory.model import ChunkPlan
-from planner.memory.offload import Offloads, holding, offloaded_bytes, relief
+from planner.memory.offload import Offloads, holding, offloaded_bytes
 from planner.memory.offset import not_yet_made
 from planner.memory.pipeline import Pipeline, StagePeak, kept_bytes, stage_peak
 from planner.memory.simulate import Timeline, simulate
@@ -30,7 +30,7 @@ from planner.planning.prepared import Prepared, StageRoom, chunked, over_regions
 from planner.profiling.memtrack import storage_key
 from planner.solve.baselines import hand_placements
 from planner.solve.deadline import Deadline
-from planner.solve.offload import OffloadLimits, Peak, StepRuler, choose_offloads
+from planner.solve.offload import OffloadLimits, Peak, StepRuler, choose_offloads, relieved
 from planner.solve.peaks import min_peak
 from planner.solve.result import Solution, SolverStatus
 
@@ -121,9 +121,7 @@ class StageRuler:
         self.step = StepRuler(solved.memory, self.base, holding(solved.memory, solution.plan, solution.saves))
 
     def peak(self, offloads: Offloads) -> Peak:
-        fwd_away, bwd_away = relief(self.memory, offloads)
-        fwd = self.base.fwd_bytes - fwd_away
-        bwd = np.where(self.memory.has_bwd, self.base.bwd_bytes - bwd_away, -1)
+        fwd, bwd = relieved(self.memory, self.base, offloads)
         forward = int(fwd.max(initial=0)) >= int(bwd.max(initial=0))
         timeline = replace(self.base, fwd_bytes=fwd, bwd_bytes=bwd, peak_bytes=max(
             int(fwd.max(initial=0)), int(bwd.max(initial=0)), self.memory.step_bytes))
@@ -225,7 +223,7 @@ def solve_pipelined(prepared: Prepared, budget_bytes: int, pipeline: Pipeline, r
     Raises:
         InfeasibleBudget / OutOfTime: as ``solve_stage``, when no plan fits even with offloads."""
     def at(budget: int, within: Deadline, selective: bool = True) -> Solved:
-        return solve_stage(prepared, budget, pipeline, rank, baseline_bytes, solved, within)[0]
+        return solve_stage(prepared, budget, pipeline, rank, baseline_bytes, solved, within)
 
     if limits is None:
         return at(budget_bytes, deadline)
@@ -234,8 +232,8 @@ def solve_pipelined(prepared: Prepared, budget_bytes: int, pipeline: Pipeline, r
 
 
 def solve_stage(prepared: Prepared, budget_bytes: int, pipeline: Pipeline, rank: int, baseline_bytes: int,
-                solved: Callable[[Prepared, int, Deadline], Solved], deadline: Deadline) -> tuple[Solved, StagePeak]:
-    """The least re-run solution whose stage peak fits ``budget_bytes``, and that peak; ``solved(room, target,
+                solved: Callable[[Prepared, int, Deadline], Solved], deadline: Deadline) -> Solved:
+    """The least re-run solution whose stage peak fits ``budget_bytes``; ``solved(room, target,
     deadline)`` solves one microbatch's step on the cost model ``room`` at ``target``.
 
     The step, with the microbatches' gradients accumulating, is solved at a target T; what its forward keeps is
@@ -255,7 +253,7 @@ def solve_stage(prepared: Prepared, budget_bytes: int, pipeline: Pipeline, rank:
     else:
         search.scanned()
     if search.fitting:
-        return min(search.fitting, key=lambda found: found[0][1].recompute_us)
+        return min(search.fitting, key=lambda found: found[1].recompute_us)
     if deadline.passed and search.smallest is None:
         raise OutOfTime("no plan for the stage was found before the time limit; raise time_limit_s")
     raise InfeasibleBudget(budget_bytes, search.smallest, reason=f"counted as pipeline stage {rank} of "
@@ -278,7 +276,7 @@ class _StageSearch:
         self.top = budget_bytes - self.buffers - (self.in_flight - 1) * self.output  # the step's most
         fwd = self.room.baseline.fwd_bytes
         self.forward_end = int(fwd[-1]) - kept_bytes(self.room.memory, ()) if len(fwd) else 0  # less what it keeps
-        self.fitting: list[tuple[Solved, StagePeak]] = []
+        self.fitting: list[Solved] = []
         self.plain: dict[int, Prepared] = {}  # id of a chunking's regions -> its cost model without the room
         self.smallest: int | None = None
         self.tried: dict[int, int | None] = {}  # target -> re-run time of its fitting plan (None: none fits)
@@ -352,5 +350,5 @@ class _StageSearch:
         peak = held_by_stage(self.prepared, pair, self.pipeline, self.rank, self.baseline_bytes)
         self.smallest = peak.peak_bytes if self.smallest is None else min(self.smallest, peak.peak_bytes)
         if peak.peak_bytes <= self.budget_bytes:
-            self.fitting.append((pair, peak))
+            self.fitting.append(pair)
         return peak

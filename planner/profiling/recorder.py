@@ -321,4 +321,3 @@ class MemoryRecorder(StepRunner):
             sync(self.device)
             self.bwd_peak[self._open] = max(self.bwd_peak.get(self._open, 0), self.tracker.window_peak_bytes)
         self._open = None
-

@@ -116,11 +116,15 @@ def _counted_at(model: MemoryModel, held: Holding, s: int, phase: str, node: int
     return bool(held.release[s] <= node and held.need[s] < node)
 
 
+def relieved(model: MemoryModel, base: Timeline, offloads: Offloads) -> tuple[np.ndarray, np.ndarray]:
+    """``base``'s forward and backward bytes per node with ``offloads`` off the device (-1: no backward)."""
+    fwd_away, bwd_away = relief(model, offloads)
+    return base.fwd_bytes - fwd_away, np.where(model.has_bwd, base.bwd_bytes - bwd_away, -1)
+
+
 def _peak(model: MemoryModel, base: Timeline, offloads: Offloads) -> Peak:
     """Phase, node and bytes of the peak of ``base`` with ``offloads`` off the device."""
-    fwd_away, bwd_away = relief(model, offloads)
-    fwd = base.fwd_bytes - fwd_away
-    bwd = np.where(model.has_bwd, base.bwd_bytes - bwd_away, -1)
+    fwd, bwd = relieved(model, base, offloads)
     f, b = int(fwd.max(initial=0)), int(bwd.max(initial=0))
     if max(f, b) < model.step_bytes:
         return STEP_PHASE, model.n_nodes - 1, model.step_bytes
